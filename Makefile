@@ -1,0 +1,43 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh machine: each creates
+# the virtualenv in .venv/ and installs everything in one resolver pass first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= test,plot
+# Extra pip requirements installed in the same resolver pass, e.g. the CUDA build on GPU nodes:
+#   make demo TF_PACKAGE='tensorflow[and-cuda]==2.21.*'
+TF_PACKAGE ?=
+PYTEST_WORKERS ?= 2
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+export TF_ENABLE_ONEDNN_OPTS ?= 0
+
+.PHONY: install demo test lint typecheck unit bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" $(TF_PACKAGE)
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=40
+
+lint: install
+	$(PY) -m ruff check hybrid launch tests benchmarks
+
+typecheck: install
+	$(PY) -m mypy hybrid launch
+
+unit: install
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider tests
+
+test: lint typecheck unit
+
+bench: install
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/pipeline_speedup.py
+
+clean:
+	rm -rf $(VENV) benchmarks/results .mypy_cache .ruff_cache

@@ -1,0 +1,95 @@
+"""Shared pieces of the benchmarks: environment header, side-by-side timing, result files.
+
+Every benchmark is a named experiment: synthetic data, warm-up excluded, candidates timed
+in alternation within one process (the machine is shared and noisy, so only ratios measured
+side by side mean anything), results written as JSON and PNG under ``benchmarks/results/``,
+and one parseable summary line at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def environment() -> dict[str, Any]:
+    import tensorflow as tf
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "tensorflow": tf.__version__,
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+        "devices": [d.name for d in tf.config.list_logical_devices()],
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+    }
+
+
+def print_header(name: str, env: Mapping[str, Any]) -> None:
+    print(f"== {name} ==")
+    for key, value in env.items():
+        print(f"  {key}: {value}")
+
+
+def time_alternating(
+    candidates: Mapping[str, Callable[[], Any]], rounds: int, steps_per_round: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each candidate, measured round-robin so noise hits all alike.
+
+    Each candidate runs ``warmup`` untimed steps first; then, ``rounds`` times, each runs
+    ``steps_per_round`` steps in turn and the mean time per step of that round is recorded.
+    Each callable must block until its step is done.
+    """
+    for step in candidates.values():
+        for _ in range(warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, step in candidates.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            samples[name].append((time.perf_counter() - start) / steps_per_round)
+    return samples
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def write_json(name: str, payload: Mapping[str, Any]) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+    return path
+
+
+def bar_chart(name: str, values: Mapping[str, float], ylabel: str, title: str) -> str:
+    """A PNG bar chart of ``values`` in ``benchmarks/results/<name>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.png")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(list(values), list(values.values()), color="#4c72b0")
+    for i, v in enumerate(values.values()):
+        ax.text(i, v, f"{v:.3g}", ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,29 @@
+"""hybrid: pipeline × data-parallel training of Keras models on a 2-D device mesh.
+
+import hybrid
+hybrid.simulate_cpu_devices(4)                       # before TensorFlow starts
+mesh = hybrid.DeviceMesh.create(stages=2, replicas=2)
+pipe = hybrid.Pipeline(layers, mesh=mesh, loss=..., optimizer=..., micro_batches=4)
+pipe.train_step(x, y)
+"""
+
+from hybrid import partition, schedule
+from hybrid.devices import local_devices, simulate_cpu_devices
+from hybrid.mesh import DeviceMesh
+from hybrid.pipeline import REMAT_MODES, Pipeline
+from hybrid.schedule import Action, Schedule, ScheduleError
+
+__all__ = [
+    "REMAT_MODES",
+    "Action",
+    "DeviceMesh",
+    "Pipeline",
+    "Schedule",
+    "ScheduleError",
+    "local_devices",
+    "partition",
+    "schedule",
+    "simulate_cpu_devices",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,392 @@
+"""Pipeline: trains a Keras layer stack on an S × R mesh, one exact step at a time.
+
+Conceptually one training step computes, for a global batch (x, y) of B examples::
+
+    for r in range(R):                              # data-parallel replicas
+        for m in range(M):                          # micro-batches of B / (R·M) examples
+            a = x[r][m]
+            for s in range(S):  a = stage[s](a)     # F actions, one device per stage
+            loss[r][m] = loss_fn(y[r][m], a)
+            backprop loss[r][m] / M through the stages, accumulating dW[s][r]   # B actions
+    for s in range(S):  dW[s][:] = mean over r of dW[s][r]   # all-reduce in replica group s
+    every device (s, r) applies dW[s][r] to its copy of stage s with its own optimizer
+
+which is the gradient of the mean loss over the whole batch: the step one device would take.
+It differs from that sequential loop only in *when* things run: the schedule (``schedule.py``)
+orders each device's F/B actions, the step issues every action on its device with a control
+dependency on the device's previous action, so each device runs one action at a time in
+schedule order while different devices overlap. The whole step is one ``tf.function`` (one
+trace per input signature); stage programs are XLA-compiled on their devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hybrid import partition, profile
+from hybrid import schedule as schedule_lib
+from hybrid.collectives import ReplicaGroup
+from hybrid.mesh import DeviceMesh
+from hybrid.stage import LossFn, Saved, StageReplica, TensorSpec
+
+__all__ = ["REMAT_MODES", "Pipeline"]
+
+REMAT_MODES = ("never", "except_last", "always")
+_BALANCE_MODES = ("params", "time")
+
+OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer or a zero-argument factory
+
+
+def _optimizer_factory(optimizer: OptimizerLike) -> Callable[[], keras.optimizers.Optimizer]:
+    """A factory making fresh optimizers equal to ``optimizer`` (one per device)."""
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        cls, config = optimizer.__class__, optimizer.get_config()
+        return lambda: cls.from_config(config)
+    if callable(optimizer):
+        return optimizer
+    raise TypeError(
+        f"optimizer must be a keras.optimizers.Optimizer or a zero-argument factory, got "
+        f"{type(optimizer).__name__}"
+    )
+
+
+def _layers_of(model: keras.Model | Sequence[keras.layers.Layer]) -> list[keras.layers.Layer]:
+    if isinstance(model, keras.Sequential):
+        layers = list(model.layers)
+    elif isinstance(model, Sequence) and not isinstance(model, str):
+        layers = list(model)
+    else:
+        raise TypeError(
+            f"model must be a keras.Sequential or a list of Keras layers, got "
+            f"{type(model).__name__}; cut functional models into a list of layers first"
+        )
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"model layer {i} is {type(layer).__name__}, not a Keras layer")
+    if not layers:
+        raise ValueError("the model has no layers")
+    return layers
+
+
+class Pipeline:
+    """A Keras layer stack cut into ``mesh.num_stages`` stages and replicated on the mesh.
+
+    Args:
+      model: a ``keras.Sequential`` or a list of Keras layers, applied in order.
+      mesh: the S × R device mesh.
+      loss: ``keras.losses.Loss`` or ``callable(y_true, y_pred)``; per-example values are
+        averaged, so the loss of a batch is the mean over its examples.
+      optimizer: a Keras optimizer (its configuration is cloned onto every device) or a
+        zero-argument factory returning a new one.
+      micro_batches: M, the micro-batches each replica's shard of the batch is split into.
+      balance: layers per stage: None or "params" (balance parameter counts), "time"
+        (balance profiled forward+backward time per layer), or explicit counts.
+      schedule: name of a schedule in ``hybrid.schedule.names()``.
+      remat: "never" keeps activations, "always" keeps each stage input and recomputes its
+        forward in the backward, "except_last" recomputes all but the last micro-batch.
+      jit_compile: compile stage programs with XLA.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model | Sequence[keras.layers.Layer],
+        mesh: DeviceMesh,
+        loss: LossFn,
+        optimizer: OptimizerLike,
+        micro_batches: int = 1,
+        balance: str | Sequence[int] | None = None,
+        schedule: str = "gpipe",
+        remat: str = "except_last",
+        jit_compile: bool = True,
+    ) -> None:
+        self._layers = _layers_of(model)
+        self.mesh = mesh
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        if remat not in REMAT_MODES:
+            raise ValueError(f"unknown remat mode {remat!r}; choose one of {list(REMAT_MODES)}")
+        if not callable(loss):
+            raise TypeError(f"loss must be callable(y_true, y_pred), got {type(loss).__name__}")
+        self.micro_batches = micro_batches
+        self.remat = remat
+        self.jit_compile = jit_compile
+        self.schedule = schedule_lib.validate(
+            schedule_lib.get(schedule, mesh.num_stages, micro_batches)
+        )
+        self._order = schedule_lib.execution_order(self.schedule)
+        self._forward_order = schedule_lib.execution_order(
+            schedule_lib.forward_only(mesh.num_stages, micro_batches)
+        )
+        self._loss = loss
+        self._optimizer_factory = _optimizer_factory(optimizer)
+        num_layers, num_stages = len(self._layers), mesh.num_stages
+        if num_stages > num_layers:
+            raise ValueError(
+                f"the mesh has {num_stages} stages but the model has only {num_layers} layers; "
+                f"use at most {num_layers} stages"
+            )
+        if balance is None or isinstance(balance, str):
+            mode = balance or "params"
+            if mode not in _BALANCE_MODES:
+                raise ValueError(
+                    f"unknown balance {balance!r}; use None, one of {list(_BALANCE_MODES)}, "
+                    "or a list of layer counts per stage"
+                )
+            self._balance_mode: str | None = mode
+            self._balance: tuple[int, ...] | None = None
+        else:
+            self._balance_mode = None
+            self._balance = partition.check_balance(balance, num_layers, num_stages)
+        self._stages: list[list[StageReplica]] = []
+        self._groups: list[ReplicaGroup] = []
+        self._input_spec: TensorSpec | None = None
+        self._train = tf.function(self._train_step, autograph=False)
+        self._grads = tf.function(self._gradient_step, autograph=False)
+        self._eval = tf.function(self._eval_step, autograph=False)
+        self._predict = tf.function(self._predict_step, autograph=False)
+
+    # -- building --------------------------------------------------------------------------
+
+    @property
+    def built(self) -> bool:
+        return bool(self._stages)
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        """Layers per stage (known once built, or when given explicitly)."""
+        if self._balance is None:
+            raise RuntimeError("the balance is chosen when the pipeline is built; call build()")
+        return self._balance
+
+    @property
+    def stages(self) -> list[list[StageReplica]]:
+        """``stages[s][r]``: the copy of stage s on replica r's device."""
+        return self._stages
+
+    def build(self, input_shape: Sequence[int | None], dtype: str = "float32") -> None:
+        """Builds the layers, chooses the balance and places a stage copy on every device.
+
+        Args:
+          input_shape: the model's input shape including the batch dimension (which may be
+            None), as in ``keras.Model.build``.
+          dtype: the input dtype (e.g. "int32" for token ids).
+        """
+        if self.built:
+            return
+        spec = TensorSpec(tuple(input_shape[1:]), tf.as_dtype(dtype).name)
+        first = self.mesh.device(0, 0)
+        boundaries = [spec]
+        samples = []
+        with tf.device(first):  # the template layers, from which every copy is made
+            y = tf.convert_to_tensor(spec.zeros())
+            for layer in self._layers:
+                samples.append(y)
+                y = layer(y)
+                boundaries.append(TensorSpec(tuple(y.shape[1:]), y.dtype.name))
+        if self._balance is None:
+            if self._balance_mode == "time":
+                costs = profile.time_costs(
+                    self._layers, samples, first, jit_compile=self.jit_compile
+                )
+            else:
+                costs = profile.parameter_costs(self._layers)
+            self._balance = partition.balance_by_cost(costs, self.mesh.num_stages)
+        starts = np.cumsum((0,) + self._balance)
+        for s in range(self.mesh.num_stages):
+            layers = self._layers[starts[s] : starts[s + 1]]
+            last = s == self.mesh.num_stages - 1
+            self._stages.append(
+                [
+                    StageReplica(
+                        s,
+                        layers,
+                        self.mesh.device(s, r),
+                        boundaries[starts[s]],
+                        self._optimizer_factory,
+                        self._loss if last else None,
+                        self.jit_compile,
+                    )
+                    for r in range(self.mesh.num_replicas)
+                ]
+            )
+            self._groups.append(ReplicaGroup(self.mesh.replica_group(s)))
+        self._input_spec = spec
+
+    def _prepare(self, x: Any, y: Any = None) -> tuple[tf.Tensor, tf.Tensor | None]:
+        x = tf.convert_to_tensor(x)
+        if not self.built:
+            self.build((None,) + tuple(x.shape[1:]), x.dtype.name)
+        batch = int(x.shape[0])
+        parts = self.mesh.num_replicas * self.micro_batches
+        if batch % parts:
+            raise ValueError(
+                f"global batch {batch} is not divisible by replicas ({self.mesh.num_replicas}) × "
+                f"micro_batches ({self.micro_batches}) = {parts}; use a batch that is a multiple "
+                f"of {parts}"
+            )
+        if y is not None:
+            y = tf.convert_to_tensor(y)
+            if int(y.shape[0]) != batch:
+                raise ValueError(f"x has {batch} examples but y has {int(y.shape[0])}")
+        return x, y
+
+    # -- public steps ----------------------------------------------------------------------
+
+    def train_step(self, x: Any, y: Any) -> dict[str, float]:
+        """One training step on the global batch (x, y); returns its mean loss."""
+        x, y = self._prepare(x, y)
+        return {"loss": float(self._train(x, y))}
+
+    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
+        """The all-reduced gradients of the mean loss on (x, y), without updating anything.
+
+        In the order of ``keras.Sequential(layers).trainable_variables``; runs the same
+        schedule, remat and all-reduce as :meth:`train_step` (replica 0's copy is returned).
+        """
+        x, y = self._prepare(x, y)
+        _, grads = self._grads(x, y)
+        return [g.numpy() for g in grads]
+
+    def evaluate(self, x: Any, y: Any) -> dict[str, float]:
+        """The mean loss on (x, y) in inference mode; no variable changes."""
+        x, y = self._prepare(x, y)
+        return {"loss": float(self._eval(x, y))}
+
+    def predict(self, x: Any) -> np.ndarray:
+        """The model's outputs for the batch x, in example order."""
+        x, _ = self._prepare(x)
+        return self._predict(x).numpy()
+
+    def get_weights(self) -> list[np.ndarray]:
+        """All weights, in the order of ``keras.Sequential(layers).get_weights()``."""
+        self._require_built()
+        return [w for row in self._stages for w in row[0].get_weights()]
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        """Sets all weights (order as in :meth:`get_weights`) on every replica."""
+        self._require_built()
+        expected = sum(row[0].num_weights() for row in self._stages)
+        if len(weights) != expected:
+            raise ValueError(f"expected {expected} weight arrays, got {len(weights)}")
+        start = 0
+        for row in self._stages:
+            count = row[0].num_weights()
+            for copy in row:
+                copy.set_weights(weights[start : start + count])
+            start += count
+
+    def replica_weights(self, replica: int) -> list[np.ndarray]:
+        """The weights held by one replica's devices (all replicas should be identical)."""
+        self._require_built()
+        return [w for row in self._stages for w in row[replica].get_weights()]
+
+    def _require_built(self) -> None:
+        if not self.built:
+            raise RuntimeError("the pipeline is not built yet; call build() or train_step()")
+
+    # -- the step functions ----------------------------------------------------------------
+
+    def _split(self, t: tf.Tensor) -> list[list[tf.Tensor]]:
+        """``parts[r][m]``: micro-batch m of replica r's contiguous shard."""
+        R, M = self.mesh.num_replicas, self.micro_batches
+        pieces = tf.split(t, R * M)
+        return [pieces[r * M : (r + 1) * M] for r in range(R)]
+
+    def _remat(self, microbatch: int) -> bool:
+        if self.remat == "always":
+            return True
+        if self.remat == "except_last":
+            return microbatch != self.micro_batches - 1
+        return False
+
+    def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        loss, mean = self._pipelined_gradients(x, y)
+        for s, row in enumerate(self._stages):
+            for r, stage in enumerate(row):
+                with tf.device(stage.device):
+                    stage.apply_gradients(mean[s][r])
+        return loss
+
+    def _gradient_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        loss, mean = self._pipelined_gradients(x, y)
+        return loss, [g for row in mean for g in row[0]]
+
+    def _pipelined_gradients(
+        self, x: tf.Tensor, y: tf.Tensor
+    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]]]:
+        """Runs the schedule on every replica and all-reduces each stage's gradients.
+
+        Returns:
+          The mean loss of the batch and ``mean[s][r]``: stage s's averaged gradients on
+          replica r's device.
+        """
+        S, R, M = self.mesh.num_stages, self.mesh.num_replicas, self.micro_batches
+        xs, ys = self._split(x), self._split(y)
+        grads: list[list[list[tf.Tensor]]] = [[[] for _ in range(R)] for _ in range(S)]
+        last_ops: list[list[list[tf.Tensor]]] = [[[] for _ in range(R)] for _ in range(S)]
+        losses = []
+        loss_scale = tf.constant(1.0 / M)
+        for r in range(R):
+            saved: dict[tuple[int, int], Saved] = {}
+            upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage s
+            for action in self._order:
+                s, m = action.stage, action.microbatch
+                stage = self._stages[s][r]
+                with tf.device(stage.device), tf.control_dependencies(last_ops[s][r]):
+                    if action.op is schedule_lib.Op.F:
+                        inputs = xs[r][m] if s == 0 else saved[(s - 1, m)].output
+                        labels = ys[r][m] if stage.is_last else None
+                        record = stage.forward(inputs, labels, self._remat(m))
+                        saved[(s, m)] = record
+                        if stage.is_last:
+                            losses.append(record.output)
+                        last_ops[s][r] = [record.output]
+                    else:
+                        dy = loss_scale if stage.is_last else upstream.pop((s, m))
+                        dx, dw = stage.backward(saved.pop((s, m)), dy, need_dx=s > 0)
+                        acc = grads[s][r]
+                        grads[s][r] = (
+                            dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
+                        )
+                        if dx is not None:
+                            upstream[(s - 1, m)] = dx
+                        last_ops[s][r] = ([dx] if dx is not None else []) + grads[s][r]
+        mean = []
+        for s in range(S):
+            with tf.control_dependencies([t for r in range(R) for t in last_ops[s][r]]):
+                mean.append(self._groups[s].all_reduce_mean(grads[s]))
+        return tf.add_n(losses) / (R * M), mean
+
+    def _forward_pass(
+        self, xs: list[list[tf.Tensor]], ys: list[list[tf.Tensor]] | None
+    ) -> list[list[tf.Tensor]]:
+        """Runs the forward-only schedule; returns outs[r][m] of the last stage."""
+        S, R = self.mesh.num_stages, self.mesh.num_replicas
+        outs: list[list[tf.Tensor]] = []
+        for r in range(R):
+            acts: dict[tuple[int, int], tf.Tensor] = {}
+            last: list[list[tf.Tensor]] = [[] for _ in range(S)]
+            for action in self._forward_order:
+                s, m = action.stage, action.microbatch
+                stage = self._stages[s][r]
+                with tf.device(stage.device), tf.control_dependencies(last[s]):
+                    inputs = xs[r][m] if s == 0 else acts.pop((s - 1, m))
+                    labels = ys[r][m] if (ys is not None and stage.is_last) else None
+                    acts[(s, m)] = stage.infer(inputs, labels)
+                    last[s] = [acts[(s, m)]]
+            outs.append([acts[(S - 1, m)] for m in range(self.micro_batches)])
+        return outs
+
+    def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        losses = self._forward_pass(self._split(x), self._split(y))
+        flat = [loss for row in losses for loss in row]
+        return tf.add_n(flat) / len(flat)
+
+    def _predict_step(self, x: tf.Tensor) -> tf.Tensor:
+        outs = self._forward_pass(self._split(x), None)
+        return tf.concat([o for row in outs for o in row], axis=0)

@@ -1,0 +1,23 @@
+"""Every test process simulates 8 CPU devices, enough for the largest mesh tested (4×2, 2×4).
+
+TensorFlow fixes its logical devices once per process, so this runs before any test module
+touches TensorFlow.
+"""
+
+import os
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# The grid compiles the same small stage programs many times (per device, per mesh); XLA's
+# persistent cache lets later compiles of an identical program load the executable instead.
+os.environ.setdefault(
+    "TF_XLA_FLAGS",
+    "--tf_xla_persistent_cache_directory="
+    + os.path.join(tempfile.gettempdir(), f"hybrid-xla-cache-{os.getuid()}"),
+)
+
+import hybrid  # noqa: E402
+
+NUM_DEVICES = 8
+hybrid.simulate_cpu_devices(NUM_DEVICES)

@@ -1,0 +1,86 @@
+"""The single-device reference every pipelined run is compared with.
+
+A plain ``keras.Sequential`` of the same layers with the same initial weights, trained on the
+whole batch with a ``tf.GradientTape`` step on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+IN_FEATURES = 8
+CLASSES = 10
+
+
+def mlp_layers(seed: int = 0, width: int = 16) -> list[keras.layers.Layer]:
+    """Dense/activation layers with LayerNorm and no residuals (the test model)."""
+    keras.utils.set_random_seed(seed)
+    return [
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(width),
+        keras.layers.Activation("tanh"),
+        keras.layers.Dense(width, activation="gelu"),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(width),
+        keras.layers.Dense(CLASSES),
+    ]
+
+
+def batch(size: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(size, IN_FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(size,)).astype("int32")
+    return x, y
+
+
+def loss_fn() -> keras.losses.Loss:
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(learning_rate=1e-3),
+}
+
+
+class Reference:
+    """``model`` on the default device, trained one whole batch per step."""
+
+    def __init__(self, layers: list[keras.layers.Layer], optimizer: keras.optimizers.Optimizer):
+        with tf.device("/device:CPU:0"):
+            self.model = keras.Sequential([keras.Input((IN_FEATURES,))] + layers)
+            self.optimizer = optimizer
+            self.optimizer.build(self.model.trainable_variables)
+        self.loss = loss_fn()
+        self._step = tf.function(self._train_step)
+
+    def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        with tf.device("/device:CPU:0"):
+            with tf.GradientTape() as tape:
+                loss = self.loss(y, self.model(x, training=True))
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.optimizer.apply(grads, self.model.trainable_variables)
+        return loss, grads
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+        loss, _ = self._step(x, y)
+        return float(loss)
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+        """Gradients of the mean loss on (x, y) at the current weights (no update)."""
+        with tf.GradientTape() as tape:
+            loss = self.loss(y, self.model(x, training=True))
+        return [g.numpy() for g in tape.gradient(loss, self.model.trainable_variables)]
+
+
+def assert_weights_close(
+    actual: list[np.ndarray], expected: list[np.ndarray], rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"weight {i}")

@@ -1,0 +1,177 @@
+"""The Pipeline API beyond training equivalence: inference, weights, balance, bad input."""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import hybrid
+
+import reference as ref
+
+
+def make(stages=2, replicas=1, micro_batches=2, layers=None, **kwargs):
+    return hybrid.Pipeline(
+        layers if layers is not None else ref.mlp_layers(),
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        loss=ref.loss_fn(),
+        optimizer=kwargs.pop("optimizer", keras.optimizers.Adam(1e-3)),
+        micro_batches=micro_batches,
+        **kwargs,
+    )
+
+
+def test_predict_and_evaluate_match_keras():
+    model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + ref.mlp_layers())
+    pipe = make(stages=4, replicas=2, micro_batches=2)
+    pipe.build((None, ref.IN_FEATURES))
+    pipe.set_weights(model.get_weights())
+    x, y = ref.batch(32)
+    np.testing.assert_allclose(pipe.predict(x), model(x).numpy(), rtol=1e-5, atol=1e-6)
+    want = float(ref.loss_fn()(y, model(x)))
+    np.testing.assert_allclose(pipe.evaluate(x, y)["loss"], want, rtol=1e-5)
+    assert pipe.predict(x).shape == (32, ref.CLASSES)
+
+
+def test_get_weights_order_matches_sequential():
+    layers = ref.mlp_layers()
+    model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + layers)
+    pipe = make(stages=3, layers=layers)
+    pipe.build((None, ref.IN_FEATURES))
+    got, want = pipe.get_weights(), model.get_weights()
+    assert [w.shape for w in got] == [w.shape for w in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)  # copies start from the model's own weights
+
+
+def test_set_weights_reaches_every_replica():
+    pipe = make(stages=2, replicas=2)
+    pipe.build((None, ref.IN_FEATURES))
+    new = [np.full_like(w, i) for i, w in enumerate(pipe.get_weights())]
+    pipe.set_weights(new)
+    for r in range(2):
+        for a, b in zip(pipe.replica_weights(r), new, strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=f"expected {len(new)} weight arrays, got 1"):
+        pipe.set_weights(new[:1])
+
+
+def test_first_call_builds_and_trains():
+    pipe = make(stages=2, replicas=2, micro_batches=2)
+    x, y = ref.batch(16)
+    first = pipe.train_step(x, y)["loss"]
+    for _ in range(20):
+        last = pipe.train_step(x, y)["loss"]
+    assert pipe.built and last < first
+
+
+def test_balance_params_and_explicit():
+    pipe = make(stages=2)
+    pipe.build((None, ref.IN_FEATURES))
+    assert pipe.balance == (5, 3)  # the parameter-count optimum for mlp_layers()
+    explicit = make(stages=2, balance=[2, 6])
+    assert explicit.balance == (2, 6)
+    explicit.build((None, ref.IN_FEATURES))
+    assert [len(s[0].layers) for s in explicit.stages] == [2, 6]
+
+
+def test_balance_time_profiles_layers():
+    pipe = make(stages=2, balance="time")
+    pipe.build((None, ref.IN_FEATURES))
+    assert sum(pipe.balance) == 8 and len(pipe.balance) == 2
+
+
+def test_optimizer_factory_and_plain_callable_loss():
+    pipe = hybrid.Pipeline(
+        ref.mlp_layers(),
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=lambda y_true, y_pred: keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=True
+        ),
+        optimizer=lambda: keras.optimizers.SGD(0.1),
+        micro_batches=2,
+    )
+    x, y = ref.batch(8)
+    model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + ref.mlp_layers())
+    pipe.build((None, ref.IN_FEATURES))
+    pipe.set_weights(model.get_weights())
+    np.testing.assert_allclose(
+        pipe.train_step(x, y)["loss"], float(ref.loss_fn()(y, model(x))), rtol=1e-5
+    )
+    assert pipe.stages[0][0].optimizer is not pipe.stages[1][0].optimizer
+
+
+def test_unbuilt_access():
+    pipe = make()
+    with pytest.raises(RuntimeError, match="call build"):
+        pipe.get_weights()
+    with pytest.raises(RuntimeError, match="call build"):
+        _ = pipe.balance
+
+
+# -- bad input: clear errors with the values and the remedy ------------------------------
+
+
+def test_batch_not_divisible():
+    pipe = make(stages=2, replicas=2, micro_batches=4)
+    x, y = ref.batch(30)
+    with pytest.raises(
+        ValueError,
+        match=r"global batch 30 is not divisible by replicas \(2\) × "
+        r"micro_batches \(4\) = 8; use a batch that is a multiple of 8",
+    ):
+        pipe.train_step(x, y)
+
+
+def test_labels_batch_mismatch():
+    pipe = make()
+    x, y = ref.batch(8)
+    with pytest.raises(ValueError, match="x has 8 examples but y has 4"):
+        pipe.train_step(x, y[:4])
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(ValueError, match="the mesh has 4 stages but the model has only 3 layers"):
+        make(stages=4, layers=ref.mlp_layers()[:3])
+
+
+@pytest.mark.parametrize(
+    "balance,match",
+    [
+        ([3, 3], "sums to 6 but the model has 8 layers"),
+        ([8], "has 1 entries but the mesh has 2 stages"),
+        ("flops", "unknown balance 'flops'"),
+    ],
+)
+def test_bad_balance(balance, match):
+    with pytest.raises(ValueError, match=match):
+        make(stages=2, balance=balance)
+
+
+def test_unknown_schedule_and_remat():
+    with pytest.raises(ValueError, match=r"unknown schedule 'gpip'; choose one of \['gpipe'"):
+        make(schedule="gpip")
+    with pytest.raises(
+        ValueError, match=r"unknown remat mode 'sometimes'; choose one of \['never'"
+    ):
+        make(remat="sometimes")
+
+
+@pytest.mark.parametrize("micro_batches", [0, -1, 2.5])
+def test_bad_micro_batches(micro_batches):
+    with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
+        make(micro_batches=micro_batches)
+
+
+def test_bad_model_and_optimizer():
+    with pytest.raises(TypeError, match="keras.Sequential or a list of Keras layers"):
+        make(layers=object())
+    with pytest.raises(TypeError, match="layer 1 is int"):
+        make(layers=[keras.layers.Dense(2), 3])
+    with pytest.raises(TypeError, match="zero-argument factory"):
+        make(optimizer="adam")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
