@@ -119,6 +119,11 @@ class Pipeline:
             schedule_lib.get(schedule, mesh.num_stages, micro_batches)
         )
         self._order = schedule_lib.execution_order(self.schedule)
+        self._fused_forwards = schedule_lib.adjacent_last_stage_pairs(self.schedule)
+        self._fused_backwards = {
+            schedule_lib.Action(a.stage, schedule_lib.Op.B, a.microbatch)
+            for a in self._fused_forwards
+        }
         self._forward_order = schedule_lib.execution_order(
             schedule_lib.forward_only(mesh.num_stages, micro_batches)
         )
@@ -327,40 +332,72 @@ class Pipeline:
         """
         S, R, M = self.mesh.num_stages, self.mesh.num_replicas, self.micro_batches
         xs, ys = self._split(x), self._split(y)
-        grads: list[list[list[tf.Tensor]]] = [[[] for _ in range(R)] for _ in range(S)]
-        last_ops: list[list[list[tf.Tensor]]] = [[[] for _ in range(R)] for _ in range(S)]
-        losses = []
-        loss_scale = tf.constant(1.0 / M)
+        losses: list[tf.Tensor] = []
+        grads: list[list[list[tf.Tensor]]] = [[] for _ in range(S)]  # grads[s][r]
+        tails: list[list[tf.Tensor]] = [[] for _ in range(S)]  # last outputs per stage
         for r in range(R):
-            saved: dict[tuple[int, int], Saved] = {}
-            upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage s
-            for action in self._order:
-                s, m = action.stage, action.microbatch
-                stage = self._stages[s][r]
-                with tf.device(stage.device), tf.control_dependencies(last_ops[s][r]):
-                    if action.op is schedule_lib.Op.F:
-                        inputs = xs[r][m] if s == 0 else saved[(s - 1, m)].output
-                        labels = ys[r][m] if stage.is_last else None
-                        record = stage.forward(inputs, labels, self._remat(m))
-                        saved[(s, m)] = record
-                        if stage.is_last:
-                            losses.append(record.output)
-                        last_ops[s][r] = [record.output]
-                    else:
-                        dy = loss_scale if stage.is_last else upstream.pop((s, m))
-                        dx, dw = stage.backward(saved.pop((s, m)), dy, need_dx=s > 0)
-                        acc = grads[s][r]
-                        grads[s][r] = (
-                            dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
-                        )
-                        if dx is not None:
-                            upstream[(s - 1, m)] = dx
-                        last_ops[s][r] = ([dx] if dx is not None else []) + grads[s][r]
+            replica_losses, replica_grads, replica_tails = self._lower_replica(r, xs[r], ys[r])
+            losses += replica_losses
+            for s in range(S):
+                grads[s].append(replica_grads[s])
+                tails[s] += replica_tails[s]
         mean = []
         for s in range(S):
-            with tf.control_dependencies([t for r in range(R) for t in last_ops[s][r]]):
+            with tf.control_dependencies(tails[s]):
                 mean.append(self._groups[s].all_reduce_mean(grads[s]))
         return tf.add_n(losses) / (R * M), mean
+
+    def _lower_replica(
+        self, r: int, xs: list[tf.Tensor], ys: list[tf.Tensor]
+    ) -> tuple[list[tf.Tensor], list[list[tf.Tensor]], list[list[tf.Tensor]]]:
+        """Issues replica r's actions in schedule order, chained per device.
+
+        Returns:
+          The micro-batch losses, the accumulated gradients of each stage, and each
+          stage's last outputs (what its all-reduce must wait for).
+        """
+        S, M = self.mesh.num_stages, self.micro_batches
+        loss_scale = tf.constant(1.0 / M)  # d(mean over micro-batches)/d(loss_m)
+        losses: list[tf.Tensor] = []
+        grads: list[list[tf.Tensor]] = [[] for _ in range(S)]
+        tails: list[list[tf.Tensor]] = [[] for _ in range(S)]
+        outputs: dict[tuple[int, int], tf.Tensor] = {}  # F results consumed by stage s+1
+        saved: dict[tuple[int, int], Saved] = {}
+        upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage s
+
+        def accumulate(s: int, dx: tf.Tensor | None, dw: list[tf.Tensor]) -> None:
+            acc = grads[s]
+            grads[s] = dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
+            if dx is not None:
+                upstream[(s - 1, action.microbatch)] = dx
+            tails[s] = ([dx] if dx is not None else []) + grads[s]
+
+        for action in self._order:
+            s, m = action.stage, action.microbatch
+            stage = self._stages[s][r]
+            if action in self._fused_backwards:
+                continue  # already run together with its forward
+            with tf.device(stage.device), tf.control_dependencies(tails[s]):
+                if action.op is schedule_lib.Op.F:
+                    inputs = xs[m] if s == 0 else outputs.pop((s - 1, m))
+                    labels = ys[m] if stage.is_last else None
+                    if action in self._fused_forwards:
+                        loss, dx, dw = stage.forward_backward(inputs, labels, loss_scale, s > 0)
+                        losses.append(loss)
+                        accumulate(s, dx, dw)
+                        continue
+                    record = stage.forward(inputs, labels, self._remat(m))
+                    saved[(s, m)] = record
+                    if stage.is_last:
+                        losses.append(record.output)
+                    else:
+                        outputs[(s, m)] = record.output
+                    tails[s] = [record.output]
+                else:
+                    dy = loss_scale if stage.is_last else upstream.pop((s, m))
+                    dx, dw = stage.backward(saved.pop((s, m)), dy, need_dx=s > 0)
+                    accumulate(s, dx, dw)
+        return losses, grads, tails
 
     def _forward_pass(
         self, xs: list[list[tf.Tensor]], ys: list[list[tf.Tensor]] | None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -384,6 +385,19 @@ def _peak_in_flight(row: Sequence[Action]) -> int:
         live += 1 if a.op is Op.F else -1
         peak = max(peak, live)
     return peak
+
+
+def adjacent_last_stage_pairs(schedule: Schedule) -> frozenset[Action]:
+    """The last stage's F actions whose own B comes right after them on the device.
+
+    Such a pair needs no stored activations: the engine runs it as one forward+backward
+    program (the loss gradient is known), e.g. GPipe's last micro-batch, or every
+    micro-batch of the last stage in 1F1B.
+    """
+    last = schedule.num_stages - 1
+    row = schedule.actions[last]
+    pairs = itertools.pairwise(row)
+    return frozenset(a for a, b in pairs if a.op is Op.F and b == Action(last, Op.B, a.microbatch))
 
 
 def bubble_formula(num_stages: int, num_microbatches: int) -> float:

@@ -104,8 +104,8 @@ class StageReplica:
             if self.optimizer is not None:
                 self.optimizer.build(self.trainable_variables)
         self._forward = tf.function(self._run, jit_compile=jit_compile, autograph=False)
-        self._recompute_backward = tf.function(
-            self._backward_by_recompute, jit_compile=jit_compile, autograph=False
+        self._forward_backward = tf.function(
+            self._forward_and_backward, jit_compile=jit_compile, autograph=False
         )
         self._apply = tf.function(self._apply_gradients, jit_compile=jit_compile, autograph=False)
 
@@ -143,13 +143,15 @@ class StageReplica:
         assert self.loss_fn is not None
         return tf.reduce_mean(self.loss_fn(labels, x))
 
-    def _backward_by_recompute(
+    def _forward_and_backward(
         self, x: tf.Tensor, dy: tf.Tensor, labels: tf.Tensor | None, need_dx: bool
-    ) -> tuple[tf.Tensor | None, list[tf.Tensor]]:
+    ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
+        """One program: the forward, then its gradients against ``dy``; nothing kept between."""
         with tf.GradientTape() as tape:
             _watch(tape, x)
             y = self._run(x, labels)
-        return self._gradients(tape, x, y, dy, need_dx)
+        dx, dw = self._gradients(tape, x, y, dy, need_dx)
+        return y, dx, dw
 
     def _gradients(
         self, tape: tf.GradientTape, x: tf.Tensor, y: tf.Tensor, dy: tf.Tensor, need_dx: bool
@@ -186,8 +188,20 @@ class StageReplica:
     ) -> tuple[tf.Tensor | None, list[tf.Tensor]]:
         """Input gradient (when ``need_dx``) and weight gradients of ``dy · ∂output``."""
         if saved.tape is None:
-            return self._recompute_backward(saved.inputs, dy, saved.labels, need_dx)
+            _, dx, dw = self._forward_backward(saved.inputs, dy, saved.labels, need_dx)
+            return dx, dw
         return self._gradients(saved.tape, saved.inputs, saved.output, dy, need_dx)
+
+    def forward_backward(
+        self, x: tf.Tensor, labels: tf.Tensor | None, dy: tf.Tensor, need_dx: bool
+    ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
+        """F immediately followed by its B, as one program: output, input and weight grads.
+
+        Used when the schedule runs a micro-batch's backward right after its forward on the
+        same device (the last stage, whose output gradient is known): no activation is
+        stored and nothing is recomputed.
+        """
+        return self._forward_backward(x, dy, labels, need_dx)
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""
