@@ -96,7 +96,9 @@ def main(argv: list[str]) -> None:
         print(f"  {name:24s} {value:8.2f} ms/step (median of {FLAGS.rounds} rounds)")
     print(f"  ratio pipeline / hand-written XLA step:   {ratio_xla:.3f}  (target <= 1.05)")
     print(f"  ratio pipeline / hand-written plain step: {ratio_plain:.3f}")
-    config = {k: getattr(FLAGS, k) for k in ("rounds", "steps_per_round", "width", "depth", "batch")}
+    config = {
+        k: getattr(FLAGS, k) for k in ("rounds", "steps_per_round", "width", "depth", "batch")
+    }
     path = common.write_json(
         "overhead",
         {

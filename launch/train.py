@@ -56,6 +56,31 @@ def define_flags() -> None:
         ["mesh", "micro_batches", "global_batch_size"], _check_batch
     )
 
+    def _check_mesh_fits(values: dict) -> bool:
+        from hybrid.mesh import parse_spec
+
+        try:
+            stages, replicas = parse_spec(values["mesh"])
+        except ValueError:
+            return True  # reported by the batch validator
+        layers = 3 * values["depth"] + 1
+        if stages > layers:
+            raise flags.ValidationError(
+                f"--mesh has {stages} stages but --depth={values['depth']} gives the model only "
+                f"{layers} layers; use at most {layers} stages or a larger --depth"
+            )
+        devices = values["simulated_devices"]
+        if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
+            raise flags.ValidationError(
+                f"--mesh={values['mesh']} needs {stages * replicas} devices but "
+                f"--simulated_devices={devices}; raise --simulated_devices or shrink --mesh"
+            )
+        return True
+
+    flags.register_multi_flags_validator(
+        ["mesh", "depth", "simulated_devices", "platform"], _check_mesh_fits
+    )
+
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
