@@ -22,24 +22,34 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid import partition, profile
+from hybrid import lowering, partition, profile
 from hybrid import schedule as schedule_lib
 from hybrid.collectives import ReplicaGroup
 from hybrid.mesh import DeviceMesh
-from hybrid.stage import LossFn, Saved, StageReplica, TensorSpec
+from hybrid.schedule import Action
+from hybrid.stage import LossFn, StageReplica, TensorSpec
 
-__all__ = ["REMAT_MODES", "Pipeline"]
+__all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
 
 REMAT_MODES = ("never", "except_last", "always")
 _BALANCE_MODES = ("params", "time")
 
 OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer or a zero-argument factory
+
+
+class TimedAction(NamedTuple):
+    """When one action ran on its pipeline device, in seconds from the step's start."""
+
+    device: int
+    action: Action
+    start: float
+    end: float
 
 
 def _optimizer_factory(optimizer: OptimizerLike) -> Callable[[], keras.optimizers.Optimizer]:
@@ -103,6 +113,7 @@ class Pipeline:
         schedule: str = "gpipe",
         remat: str = "except_last",
         jit_compile: bool = True,
+        virtual_stages: int = 1,
     ) -> None:
         self._layers = _layers_of(model)
         self.mesh = mesh
@@ -115,25 +126,23 @@ class Pipeline:
         self.micro_batches = micro_batches
         self.remat = remat
         self.jit_compile = jit_compile
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
         self.schedule = schedule_lib.validate(
-            schedule_lib.get(schedule, mesh.num_stages, micro_batches)
+            schedule_lib.get(schedule, mesh.num_stages, micro_batches, virtual_stages)
         )
         self._order = schedule_lib.execution_order(self.schedule)
-        self._fused_forwards = schedule_lib.adjacent_last_stage_pairs(self.schedule)
-        self._fused_backwards = {
-            schedule_lib.Action(a.stage, schedule_lib.Op.B, a.microbatch)
-            for a in self._fused_forwards
-        }
-        self._forward_order = schedule_lib.execution_order(
-            schedule_lib.forward_only(mesh.num_stages, micro_batches)
-        )
+        self._fused = schedule_lib.pairs_to_fuse(self.schedule)
+        self._inference = schedule_lib.forward_only(mesh.num_stages, micro_batches, virtual_stages)
+        self._inference_order = schedule_lib.execution_order(self._inference)
         self._loss = loss
         self._optimizer_factory = _optimizer_factory(optimizer)
-        num_layers, num_stages = len(self._layers), mesh.num_stages
+        num_layers, num_stages = len(self._layers), self.schedule.num_model_stages
         if num_stages > num_layers:
+            per = f" ({mesh.num_stages} devices × {virtual_stages} virtual stages)"
             raise ValueError(
-                f"the mesh has {num_stages} stages but the model has only {num_layers} layers; "
-                f"use at most {num_layers} stages"
+                f"the mesh has {num_stages} stages{per if virtual_stages > 1 else ''} but the "
+                f"model has only {num_layers} layers; use at most {num_layers} stages"
             )
         if balance is None or isinstance(balance, str):
             mode = balance or "params"
@@ -150,7 +159,12 @@ class Pipeline:
         self._stages: list[list[StageReplica]] = []
         self._groups: list[ReplicaGroup] = []
         self._input_spec: TensorSpec | None = None
+        with tf.device("/device:CPU:0"):
+            # Counts optimizer steps; with the micro-batch it seeds random layers, so a
+            # recomputed forward draws what the original forward drew.
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._train = tf.function(self._train_step, autograph=False)
+        self._timed = tf.function(self._timed_step, autograph=False)
         self._grads = tf.function(self._gradient_step, autograph=False)
         self._eval = tf.function(self._eval_step, autograph=False)
         self._predict = tf.function(self._predict_step, autograph=False)
@@ -170,7 +184,7 @@ class Pipeline:
 
     @property
     def stages(self) -> list[list[StageReplica]]:
-        """``stages[s][r]``: the copy of stage s on replica r's device."""
+        """``stages[k][r]``: the copy of model stage k on replica r's device."""
         return self._stages
 
     def build(self, input_shape: Sequence[int | None], dtype: str = "float32") -> None:
@@ -200,26 +214,26 @@ class Pipeline:
                 )
             else:
                 costs = profile.parameter_costs(self._layers)
-            self._balance = partition.balance_by_cost(costs, self.mesh.num_stages)
+            self._balance = partition.balance_by_cost(costs, self.schedule.num_model_stages)
         starts = np.cumsum((0,) + self._balance)
-        for s in range(self.mesh.num_stages):
-            layers = self._layers[starts[s] : starts[s + 1]]
-            last = s == self.mesh.num_stages - 1
+        K = self.schedule.num_model_stages
+        for k in range(K):
+            device_row = self.schedule.device_of(k)
             self._stages.append(
                 [
                     StageReplica(
-                        s,
-                        layers,
-                        self.mesh.device(s, r),
-                        boundaries[starts[s]],
+                        k,
+                        self._layers[starts[k] : starts[k + 1]],
+                        self.mesh.device(device_row, r),
+                        boundaries[starts[k]],
                         self._optimizer_factory,
-                        self._loss if last else None,
+                        self._loss if k == K - 1 else None,
                         self.jit_compile,
                     )
                     for r in range(self.mesh.num_replicas)
                 ]
             )
-            self._groups.append(ReplicaGroup(self.mesh.replica_group(s)))
+            self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
         self._input_spec = spec
 
     def _prepare(self, x: Any, y: Any = None) -> tuple[tf.Tensor, tf.Tensor | None]:
@@ -246,6 +260,23 @@ class Pipeline:
         """One training step on the global batch (x, y); returns its mean loss."""
         x, y = self._prepare(x, y)
         return {"loss": float(self._train(x, y))}
+
+    def timed_train_step(self, x: Any, y: Any) -> tuple[dict[str, float], list[TimedAction]]:
+        """A training step that also records when each of replica 0's actions ran.
+
+        Every action is bracketed by timestamps taken on its device: the start once the
+        device's previous action and the action's inputs are ready, the end once its outputs
+        are. Times are seconds from the step's first start. The step itself is a real one
+        (weights update), traced separately from :meth:`train_step`.
+        """
+        x, y = self._prepare(x, y)
+        loss, stamps = self._timed(x, y)
+        origin = min(float(start) for start, _ in stamps)
+        timeline = [
+            TimedAction(device, action, float(start) - origin, float(end) - origin)
+            for (device, action), (start, end) in zip(self._event_keys, stamps, strict=True)
+        ]
+        return {"loss": float(loss)}, sorted(timeline, key=lambda e: e.start)
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         """The all-reduced gradients of the mean loss on (x, y), without updating anything.
@@ -309,121 +340,96 @@ class Pipeline:
             return microbatch != self.micro_batches - 1
         return False
 
+    def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
+        step = self._step.read_value()
+        units = {}
+
+        def seed(microbatch: int) -> tf.Tensor:
+            if microbatch not in units:
+                unit = tf.constant(replica * self.micro_batches + microbatch, tf.int64)
+                units[microbatch] = tf.stack([step, unit])
+            return units[microbatch]
+
+        return seed
+
     def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        loss, mean = self._pipelined_gradients(x, y)
-        for s, row in enumerate(self._stages):
-            for r, stage in enumerate(row):
-                with tf.device(stage.device):
-                    stage.apply_gradients(mean[s][r])
+        loss, mean, _ = self._pipelined_gradients(x, y, record=False)
+        self._apply(mean)
         return loss
 
+    def _timed_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
+        loss, mean, events = self._pipelined_gradients(x, y, record=True)
+        self._apply(mean)
+        # Which (device, action) each timestamp pair belongs to: the same in every trace,
+        # since it follows only from the schedule.
+        self._event_keys = [(device, action) for device, action, _, _ in events]
+        return loss, [[start, end] for _, _, start, end in events]
+
+    def _apply(self, mean: list[list[list[tf.Tensor]]]) -> None:
+        for k, row in enumerate(self._stages):
+            for r, stage in enumerate(row):
+                with tf.device(stage.device):
+                    stage.apply_gradients(mean[k][r])
+        with tf.control_dependencies([g for row in mean for grads in row for g in grads]):
+            self._step.assign_add(1)
+
     def _gradient_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        loss, mean = self._pipelined_gradients(x, y)
+        loss, mean, _ = self._pipelined_gradients(x, y, record=False)
         return loss, [g for row in mean for g in row[0]]
 
     def _pipelined_gradients(
-        self, x: tf.Tensor, y: tf.Tensor
-    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]]]:
+        self, x: tf.Tensor, y: tf.Tensor, record: bool
+    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any]]:
         """Runs the schedule on every replica and all-reduces each stage's gradients.
 
         Returns:
-          The mean loss of the batch and ``mean[s][r]``: stage s's averaged gradients on
-          replica r's device.
+          The mean loss of the batch, ``mean[k][r]``: model stage k's averaged gradients on
+          replica r's device, and replica 0's timing events when ``record``.
         """
-        S, R, M = self.mesh.num_stages, self.mesh.num_replicas, self.micro_batches
+        K, R, M = self.schedule.num_model_stages, self.mesh.num_replicas, self.micro_batches
         xs, ys = self._split(x), self._split(y)
-        losses: list[tf.Tensor] = []
-        grads: list[list[list[tf.Tensor]]] = [[] for _ in range(S)]  # grads[s][r]
-        tails: list[list[tf.Tensor]] = [[] for _ in range(S)]  # last outputs per stage
-        for r in range(R):
-            replica_losses, replica_grads, replica_tails = self._lower_replica(r, xs[r], ys[r])
-            losses += replica_losses
-            for s in range(S):
-                grads[s].append(replica_grads[s])
-                tails[s] += replica_tails[s]
+        steps = [
+            lowering.lower_training(
+                self.schedule,
+                self._order,
+                self._fused,
+                [row[r] for row in self._stages],
+                xs[r],
+                ys[r],
+                self._seeds(r),
+                self._remat,
+                record=record and r == 0,
+            )
+            for r in range(R)
+        ]
         mean = []
-        for s in range(S):
-            with tf.control_dependencies(tails[s]):
-                mean.append(self._groups[s].all_reduce_mean(grads[s]))
-        return tf.add_n(losses) / (R * M), mean
+        for k in range(K):
+            device_row = self.schedule.device_of(k)
+            with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
+                mean.append(self._groups[k].all_reduce_mean([step.grads[k] for step in steps]))
+        loss = tf.add_n([loss for step in steps for loss in step.losses]) / (R * M)
+        return loss, mean, steps[0].events
 
-    def _lower_replica(
-        self, r: int, xs: list[tf.Tensor], ys: list[tf.Tensor]
-    ) -> tuple[list[tf.Tensor], list[list[tf.Tensor]], list[list[tf.Tensor]]]:
-        """Issues replica r's actions in schedule order, chained per device.
-
-        Returns:
-          The micro-batch losses, the accumulated gradients of each stage, and each
-          stage's last outputs (what its all-reduce must wait for).
-        """
-        S, M = self.mesh.num_stages, self.micro_batches
-        loss_scale = tf.constant(1.0 / M)  # d(mean over micro-batches)/d(loss_m)
-        losses: list[tf.Tensor] = []
-        grads: list[list[tf.Tensor]] = [[] for _ in range(S)]
-        tails: list[list[tf.Tensor]] = [[] for _ in range(S)]
-        outputs: dict[tuple[int, int], tf.Tensor] = {}  # F results consumed by stage s+1
-        saved: dict[tuple[int, int], Saved] = {}
-        upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage s
-
-        def accumulate(s: int, dx: tf.Tensor | None, dw: list[tf.Tensor]) -> None:
-            acc = grads[s]
-            grads[s] = dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
-            if dx is not None:
-                upstream[(s - 1, action.microbatch)] = dx
-            tails[s] = ([dx] if dx is not None else []) + grads[s]
-
-        for action in self._order:
-            s, m = action.stage, action.microbatch
-            stage = self._stages[s][r]
-            if action in self._fused_backwards:
-                continue  # already run together with its forward
-            with tf.device(stage.device), tf.control_dependencies(tails[s]):
-                if action.op is schedule_lib.Op.F:
-                    inputs = xs[m] if s == 0 else outputs.pop((s - 1, m))
-                    labels = ys[m] if stage.is_last else None
-                    if action in self._fused_forwards:
-                        loss, dx, dw = stage.forward_backward(inputs, labels, loss_scale, s > 0)
-                        losses.append(loss)
-                        accumulate(s, dx, dw)
-                        continue
-                    record = stage.forward(inputs, labels, self._remat(m))
-                    saved[(s, m)] = record
-                    if stage.is_last:
-                        losses.append(record.output)
-                    else:
-                        outputs[(s, m)] = record.output
-                    tails[s] = [record.output]
-                else:
-                    dy = loss_scale if stage.is_last else upstream.pop((s, m))
-                    dx, dw = stage.backward(saved.pop((s, m)), dy, need_dx=s > 0)
-                    accumulate(s, dx, dw)
-        return losses, grads, tails
-
-    def _forward_pass(
-        self, xs: list[list[tf.Tensor]], ys: list[list[tf.Tensor]] | None
-    ) -> list[list[tf.Tensor]]:
-        """Runs the forward-only schedule; returns outs[r][m] of the last stage."""
-        S, R = self.mesh.num_stages, self.mesh.num_replicas
-        outs: list[list[tf.Tensor]] = []
-        for r in range(R):
-            acts: dict[tuple[int, int], tf.Tensor] = {}
-            last: list[list[tf.Tensor]] = [[] for _ in range(S)]
-            for action in self._forward_order:
-                s, m = action.stage, action.microbatch
-                stage = self._stages[s][r]
-                with tf.device(stage.device), tf.control_dependencies(last[s]):
-                    inputs = xs[r][m] if s == 0 else acts.pop((s - 1, m))
-                    labels = ys[r][m] if (ys is not None and stage.is_last) else None
-                    acts[(s, m)] = stage.infer(inputs, labels)
-                    last[s] = [acts[(s, m)]]
-            outs.append([acts[(S - 1, m)] for m in range(self.micro_batches)])
+    def _forward_pass(self, x: tf.Tensor, y: tf.Tensor | None) -> list[tf.Tensor]:
+        """Runs the forward-only schedule on every replica; the last stage's outputs
+        (losses when ``y`` is given), replica-major."""
+        xs = self._split(x)
+        ys = self._split(y) if y is not None else None
+        outs = []
+        for r in range(self.mesh.num_replicas):
+            outs += lowering.lower_inference(
+                self._inference,
+                self._inference_order,
+                [row[r] for row in self._stages],
+                xs[r],
+                ys[r] if ys is not None else None,
+                self._seeds(r),
+            )
         return outs
 
     def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        losses = self._forward_pass(self._split(x), self._split(y))
-        flat = [loss for row in losses for loss in row]
-        return tf.add_n(flat) / len(flat)
+        losses = self._forward_pass(x, y)
+        return tf.add_n(losses) / len(losses)
 
     def _predict_step(self, x: tf.Tensor) -> tf.Tensor:
-        outs = self._forward_pass(self._split(x), None)
-        return tf.concat([o for row in outs for o in row], axis=0)
+        return tf.concat(self._forward_pass(x, None), axis=0)

@@ -1,18 +1,22 @@
 """One pipeline stage on one device: its own copy of the layers, its programs, its optimizer.
 
-A :class:`StageReplica` owns a copy of stage ``s``'s layers, created on its device, and the
-XLA programs that run them there:
+A :class:`StageReplica` owns a copy of model stage ``k``'s layers, created on its device,
+and the XLA programs that run them there:
 
-    forward(x)                 -> y                 (stage 0..S-2)
-    forward(x, labels)         -> loss              (last stage: the mean loss of the micro-batch)
-    backward(saved, dy)        -> dx, [dW]          (dx omitted on stage 0)
-    apply_gradients([dW])      -> updates its variables with its own optimizer
+    forward(x, seed)                -> y            (the last stage: the micro-batch's mean loss)
+    backward(saved, dy, dx?, dW?)   -> dx, [dW]     (B, W, or both: the schedule decides)
+    forward_backward(x, dy, seed)   -> y, dx, [dW]  (one program, nothing stored in between)
+    apply_gradients([dW])           -> updates the copy with its own optimizer
 
-``forward`` returns a :class:`Saved` record with what ``backward`` needs. Without remat it
+``forward`` returns a :class:`Saved` record with what the backward needs. Without remat it
 holds the forward's activations (a gradient tape around the XLA forward program, whose
 intermediate outputs TensorFlow keeps for the XLA backward program). With remat it holds only
-the stage input, and ``backward`` runs one XLA program that recomputes the forward and
+the stage input, and the backward runs one XLA program that recomputes the forward and
 differentiates it.
+
+Random layers (Dropout) draw the same numbers in a recomputation as in the forward: every
+program first sets each of the stage's seed generators from ``seed``, a (step, micro-batch)
+pair the engine passes in.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import tensorflow as tf
 __all__ = ["Saved", "StageReplica", "TensorSpec"]
 
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+Grads = tuple[tf.Tensor | None, list[tf.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +54,14 @@ class Saved:
       inputs: the stage input (kept in every remat mode).
       output: the stage output, or the micro-batch loss on the last stage.
       labels: the micro-batch labels (last stage only).
+      seed: the random seed the forward used, for an exact recomputation.
       tape: the tape that recorded the forward (None when the backward recomputes).
     """
 
     inputs: tf.Tensor
     output: tf.Tensor
-    labels: tf.Tensor | None = None
+    labels: tf.Tensor | None
+    seed: tf.Tensor
     tape: tf.GradientTape | None = None
 
 
@@ -68,11 +75,19 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     return layer.__class__.from_config(layer.get_config())
 
 
+def _seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
+    found: list[Any] = []
+    for layer in layers:
+        for sub in [layer, *layer._flatten_layers(include_self=False)]:
+            found += [g for g in getattr(sub, "_seed_generators", []) if g not in found]
+    return found
+
+
 class StageReplica:
-    """Stage ``index``'s layers copied onto ``device``, with their programs and optimizer.
+    """Model stage ``index``'s layers copied onto ``device``, with programs and optimizer.
 
     Args:
-      index: the stage number s.
+      index: the model stage number k.
       layers: the template layers of this stage, built; their weights are copied.
       device: the device that owns the copy, its optimizer state and its programs.
       input_spec: the stage input's shape and dtype (without batch).
@@ -103,11 +118,15 @@ class StageReplica:
             self.optimizer = optimizer_factory() if optimizer_factory else None
             if self.optimizer is not None:
                 self.optimizer.build(self.trainable_variables)
-        self._forward = tf.function(self._run, jit_compile=jit_compile, autograph=False)
-        self._forward_backward = tf.function(
-            self._forward_and_backward, jit_compile=jit_compile, autograph=False
-        )
-        self._apply = tf.function(self._apply_gradients, jit_compile=jit_compile, autograph=False)
+        self._generators = _seed_generators(self.layers)
+        self._base_seeds = [int(g.state.numpy()[0]) for g in self._generators]
+
+        def program(fn: Callable[..., Any]) -> Any:
+            return tf.function(fn, jit_compile=jit_compile, autograph=False)
+
+        self._forward = program(self._run)
+        self._forward_backward = program(self._forward_and_backward)
+        self._apply = program(self._apply_gradients)
 
     @property
     def is_last(self) -> bool:
@@ -133,9 +152,13 @@ class StageReplica:
     # -- the programs --------------------------------------------------------------------
 
     def _run(
-        self, x: tf.Tensor, labels: tf.Tensor | None = None, training: bool = True
+        self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, training: bool = True
     ) -> tf.Tensor:
         """The stage's layers on ``x``; on the last stage, the mean loss against ``labels``."""
+        for generator, base in zip(self._generators, self._base_seeds, strict=True):
+            # Each draw in this program now depends only on (generator, step, micro-batch).
+            state = tf.stack([base + seed[0], seed[1]])
+            generator.state.assign(tf.cast(state, generator.state.dtype))
         for layer in self.layers:
             x = layer(x, training=training)
         if labels is None:
@@ -144,20 +167,34 @@ class StageReplica:
         return tf.reduce_mean(self.loss_fn(labels, x))
 
     def _forward_and_backward(
-        self, x: tf.Tensor, dy: tf.Tensor, labels: tf.Tensor | None, need_dx: bool
+        self,
+        x: tf.Tensor,
+        dy: tf.Tensor,
+        labels: tf.Tensor | None,
+        seed: tf.Tensor,
+        need_dx: bool,
+        need_dw: bool,
     ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
         """One program: the forward, then its gradients against ``dy``; nothing kept between."""
         with tf.GradientTape() as tape:
             _watch(tape, x)
-            y = self._run(x, labels)
-        dx, dw = self._gradients(tape, x, y, dy, need_dx)
+            y = self._run(x, labels, seed)
+        dx, dw = self._gradients(tape, x, y, dy, need_dx, need_dw)
         return y, dx, dw
 
     def _gradients(
-        self, tape: tf.GradientTape, x: tf.Tensor, y: tf.Tensor, dy: tf.Tensor, need_dx: bool
-    ) -> tuple[tf.Tensor | None, list[tf.Tensor]]:
-        variables = self.trainable_variables
+        self,
+        tape: tf.GradientTape,
+        x: tf.Tensor,
+        y: tf.Tensor,
+        dy: tf.Tensor,
+        need_dx: bool,
+        need_dw: bool,
+    ) -> Grads:
+        variables = self.trainable_variables if need_dw else []
         sources = ([x] if need_dx else []) + variables
+        if not sources:
+            return None, []
         grads = tape.gradient(y, sources, output_gradients=dy)
         grads = [tf.zeros_like(s) if g is None else g for g, s in zip(grads, sources, strict=True)]
         if need_dx:
@@ -170,38 +207,47 @@ class StageReplica:
 
     # -- what the engine calls, inside its step function, under tf.device(self.device) --
 
-    def forward(self, x: tf.Tensor, labels: tf.Tensor | None, remat: bool) -> Saved:
-        """Runs the forward program; keeps activations for the backward unless ``remat``."""
+    def forward(
+        self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, remat: bool, split: bool
+    ) -> Saved:
+        """Runs the forward program; keeps activations for the backward unless ``remat``.
+
+        Args:
+          split: the backward will come as two calls (B then W), so the tape must persist.
+        """
         if remat:
-            return Saved(x, self._forward(x, labels), labels)
-        with tf.GradientTape() as tape:
+            return Saved(x, self._forward(x, labels, seed), labels, seed)
+        with tf.GradientTape(persistent=split) as tape:
             _watch(tape, x)
-            y = self._forward(x, labels)
-        return Saved(x, y, labels, tape)
+            y = self._forward(x, labels, seed)
+        return Saved(x, y, labels, seed, tape)
 
-    def infer(self, x: tf.Tensor, labels: tf.Tensor | None = None) -> tf.Tensor:
+    def infer(self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor) -> tf.Tensor:
         """Forward in inference mode (``training=False``), nothing kept for a backward."""
-        return self._forward(x, labels, training=False)
+        return self._forward(x, labels, seed, training=False)
 
-    def backward(
-        self, saved: Saved, dy: tf.Tensor, need_dx: bool
-    ) -> tuple[tf.Tensor | None, list[tf.Tensor]]:
-        """Input gradient (when ``need_dx``) and weight gradients of ``dy · ∂output``."""
+    def backward(self, saved: Saved, dy: tf.Tensor, need_dx: bool, need_dw: bool) -> Grads:
+        """Input gradient (when ``need_dx``) and weight gradients (when ``need_dw``) of
+        ``dy · ∂output``; recomputes the forward first if the forward kept no tape."""
+        if not (need_dx or need_dw):
+            return None, []
         if saved.tape is None:
-            _, dx, dw = self._forward_backward(saved.inputs, dy, saved.labels, need_dx)
+            _, dx, dw = self._forward_backward(
+                saved.inputs, dy, saved.labels, saved.seed, need_dx, need_dw
+            )
             return dx, dw
-        return self._gradients(saved.tape, saved.inputs, saved.output, dy, need_dx)
+        return self._gradients(saved.tape, saved.inputs, saved.output, dy, need_dx, need_dw)
 
     def forward_backward(
-        self, x: tf.Tensor, labels: tf.Tensor | None, dy: tf.Tensor, need_dx: bool
+        self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, dy: tf.Tensor, need_dx: bool
     ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
-        """F immediately followed by its B, as one program: output, input and weight grads.
+        """F immediately followed by its whole backward, as one program.
 
         Used when the schedule runs a micro-batch's backward right after its forward on the
         same device (the last stage, whose output gradient is known): no activation is
         stored and nothing is recomputed.
         """
-        return self._forward_backward(x, dy, labels, need_dx)
+        return self._forward_backward(x, dy, labels, seed, need_dx, True)
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""

@@ -25,6 +25,7 @@ BATCH = 64  # divisible by every replicas × micro_batches in the grid
 
 
 def _run(stages, replicas, micro_batches, remat, optimizer, schedule="gpipe"):
+    virtual = 2 if schedule == "interleaved" else 1
     mesh = hybrid.DeviceMesh.create(stages=stages, replicas=replicas)
     reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS[optimizer]())
     pipe = hybrid.Pipeline(
@@ -35,6 +36,7 @@ def _run(stages, replicas, micro_batches, remat, optimizer, schedule="gpipe"):
         micro_batches=micro_batches,
         schedule=schedule,
         remat=remat,
+        virtual_stages=virtual,
     )
     pipe.build((None, ref.IN_FEATURES))
     pipe.set_weights(reference.model.get_weights())
