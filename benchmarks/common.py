@@ -83,10 +83,11 @@ def bar_chart(name: str, values: Mapping[str, float], ylabel: str, title: str) -
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.png")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(values)), 4))
     ax.bar(list(values), list(values.values()), color="#4c72b0")
     for i, v in enumerate(values.values()):
         ax.text(i, v, f"{v:.3g}", ha="center", va="bottom")
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()

@@ -23,6 +23,7 @@ class TrainConfig:
       mesh: mesh spec, e.g. "stage:2;replica:2".
       micro_batches: micro-batches per replica per step.
       schedule: pipeline schedule name.
+      virtual_stages: model stages per device (interleaved schedule).
       remat: "never", "except_last" or "always".
       global_batch_size: examples per step over all replicas.
       train_steps: optimizer steps to run.
@@ -36,6 +37,7 @@ class TrainConfig:
     mesh: str = "stage:2;replica:2"
     micro_batches: int = 4
     schedule: str = "gpipe"
+    virtual_stages: int = 1
     remat: str = "except_last"
     global_batch_size: int = 256
     train_steps: int = 40
@@ -69,6 +71,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
         optimizer=keras.optimizers.Adam(config.learning_rate),
         micro_batches=config.micro_batches,
         schedule=config.schedule,
+        virtual_stages=config.virtual_stages,
         remat=config.remat,
         jit_compile=config.jit_compile,
     )

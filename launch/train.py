@@ -22,6 +22,9 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", "stage:2;replica:2", "Mesh spec 'stage:S;replica:R'.")
     flags.DEFINE_integer("micro_batches", 4, "Micro-batches per replica per step.", lower_bound=1)
     flags.DEFINE_enum("schedule", "gpipe", schedule.names(), "Pipeline schedule.")
+    flags.DEFINE_integer(
+        "virtual_stages", 1, "Model stages per device (--schedule=interleaved).", lower_bound=1
+    )
     flags.DEFINE_enum("remat", "except_last", ["never", "except_last", "always"], "Recompute mode.")
     flags.DEFINE_integer(
         "global_batch_size", 256, "Examples per step, all replicas.", lower_bound=1
@@ -44,6 +47,17 @@ def define_flags() -> None:
             _, replicas = parse_spec(values["mesh"])
         except ValueError as err:
             raise flags.ValidationError(f"--mesh: {err}") from err
+        stages = parse_spec(values["mesh"])[0]
+        if values["schedule"] == "interleaved" and values["micro_batches"] % stages:
+            raise flags.ValidationError(
+                f"--schedule=interleaved needs --micro_batches ({values['micro_batches']}) to be a "
+                f"multiple of the pipeline stages ({stages}, from --mesh)"
+            )
+        if values["virtual_stages"] > 1 and values["schedule"] != "interleaved":
+            raise flags.ValidationError(
+                f"--virtual_stages={values['virtual_stages']} needs --schedule=interleaved "
+                f"(got --schedule={values['schedule']})"
+            )
         parts = replicas * values["micro_batches"]
         if values["global_batch_size"] % parts:
             raise flags.ValidationError(
@@ -53,7 +67,7 @@ def define_flags() -> None:
         return True
 
     flags.register_multi_flags_validator(
-        ["mesh", "micro_batches", "global_batch_size"], _check_batch
+        ["mesh", "micro_batches", "global_batch_size", "schedule", "virtual_stages"], _check_batch
     )
 
     def _check_mesh_fits(values: dict) -> bool:
@@ -64,10 +78,12 @@ def define_flags() -> None:
         except ValueError:
             return True  # reported by the batch validator
         layers = 3 * values["depth"] + 1
-        if stages > layers:
+        model_stages = stages * values["virtual_stages"]
+        if model_stages > layers:
             raise flags.ValidationError(
-                f"--mesh has {stages} stages but --depth={values['depth']} gives the model only "
-                f"{layers} layers; use at most {layers} stages or a larger --depth"
+                f"--mesh and --virtual_stages make {model_stages} stages but --depth="
+                f"{values['depth']} gives the model only {layers} layers; use fewer stages or a "
+                "larger --depth"
             )
         devices = values["simulated_devices"]
         if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
@@ -78,7 +94,7 @@ def define_flags() -> None:
         return True
 
     flags.register_multi_flags_validator(
-        ["mesh", "depth", "simulated_devices", "platform"], _check_mesh_fits
+        ["mesh", "depth", "simulated_devices", "platform", "virtual_stages"], _check_mesh_fits
     )
 
 
@@ -96,6 +112,7 @@ def main(argv: list[str]) -> None:
         mesh=FLAGS.mesh,
         micro_batches=FLAGS.micro_batches,
         schedule=FLAGS.schedule,
+        virtual_stages=FLAGS.virtual_stages,
         remat=FLAGS.remat,
         global_batch_size=FLAGS.global_batch_size,
         train_steps=FLAGS.train_steps,

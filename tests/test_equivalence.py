@@ -24,7 +24,9 @@ STEPS = 3
 BATCH = 64  # divisible by every replicas × micro_batches in the grid
 
 
-def _run(stages, replicas, micro_batches, remat, optimizer, schedule="gpipe"):
+def _run(
+    stages, replicas, micro_batches, remat, optimizer, schedule="gpipe", check_grads=True, jit=True
+):
     virtual = 2 if schedule == "interleaved" else 1
     mesh = hybrid.DeviceMesh.create(stages=stages, replicas=replicas)
     reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS[optimizer]())
@@ -37,11 +39,13 @@ def _run(stages, replicas, micro_batches, remat, optimizer, schedule="gpipe"):
         schedule=schedule,
         remat=remat,
         virtual_stages=virtual,
+        jit_compile=jit,
     )
     pipe.build((None, ref.IN_FEATURES))
     pipe.set_weights(reference.model.get_weights())
-    x0, y0 = ref.batch(BATCH, seed=0)
-    ref.assert_weights_close(pipe.gradients(x0, y0), reference.gradients(x0, y0))
+    if check_grads:
+        x0, y0 = ref.batch(BATCH, seed=0)
+        ref.assert_weights_close(pipe.gradients(x0, y0), reference.gradients(x0, y0))
     for step in range(STEPS):
         x, y = ref.batch(BATCH, seed=step + 1)
         got = pipe.train_step(x, y)["loss"]

@@ -150,7 +150,9 @@ def test_bad_balance(balance, match):
 
 
 def test_unknown_schedule_and_remat():
-    with pytest.raises(ValueError, match=r"unknown schedule 'gpip'; choose one of \['gpipe'"):
+    with pytest.raises(
+        ValueError, match=r"unknown schedule 'gpip'; choose one of \['1f1b', 'gpipe'"
+    ):
         make(schedule="gpip")
     with pytest.raises(
         ValueError, match=r"unknown remat mode 'sometimes'; choose one of \['never'"

@@ -1,0 +1,143 @@
+"""Peak activation memory: GPipe vs 1F1B vs interleaved vs ZB-H1, under each remat mode.
+
+A model whose activations dominate (8 × Dense(1024) + head, batch 4096, M = 16 micro-batches
+of 256) on a 2-stage × 1-replica mesh. For each configuration: one warm-up step (traces and
+compiles), then the allocator's statistics are reset and one more step runs; the figure is
+the step's peak allocated bytes minus what was allocated before it (weights, optimizer
+state). The logical CPU devices share one allocator, so the figure covers both devices; the
+simulated peak in-flight micro-batches per device are printed beside it.
+
+Targets: 1F1B holds ≤ 0.6 × GPipe's peak activation memory (remat "never"); remat "always"
+holds less than "never".
+
+    python benchmarks/memory.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+import common  # noqa: E402
+
+flags.DEFINE_integer("width", 1024, "Dense width.")
+flags.DEFINE_integer("depth", 8, "Dense(width) layers.")
+flags.DEFINE_integer("batch", 4096, "Global batch.")
+flags.DEFINE_integer("micro_batches", 16, "Micro-batches M.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb-h1"], "Schedules.")
+flags.DEFINE_list("remats", ["never", "except_last", "always"], "Remat modes.")
+flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
+FLAGS = flags.FLAGS
+
+MB = 1024 * 1024
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import hybrid
+
+    hybrid.simulate_cpu_devices(2)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    env = common.environment()
+    common.print_header("memory", env)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32"))
+    activation_mb = FLAGS.batch // FLAGS.micro_batches * FLAGS.width * 4 / MB
+    print(f"  one layer's output for one micro-batch: {activation_mb:.2f} MiB")
+
+    rows = []
+    for schedule in FLAGS.schedules:
+        for remat in FLAGS.remats:
+            keras.utils.set_random_seed(0)
+            layers = [
+                keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)
+            ]
+            pipe = hybrid.Pipeline(
+                layers + [keras.layers.Dense(10)],
+                mesh=hybrid.DeviceMesh.create(2, 1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                optimizer=keras.optimizers.SGD(1e-4),
+                micro_batches=FLAGS.micro_batches,
+                schedule=schedule,
+                remat=remat,
+                virtual_stages=2 if schedule == "interleaved" else 1,
+                jit_compile=FLAGS.jit_compile,
+            )
+            pipe.train_step(x, y)  # trace, compile, build optimizer state
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            pipe.train_step(x, y)
+            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            simulated = hybrid.schedule.simulate(pipe.schedule)
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "remat": remat,
+                    "peak_activation_mib": (peak - before) / MB,
+                    "resident_mib": before / MB,
+                    "simulated_peak_in_flight": list(simulated.peak_in_flight),
+                }
+            )
+            print(
+                f"  {schedule:12s} {remat:12s} peak activations {(peak - before) / MB:8.1f} MiB"
+                f"   (in flight per device {list(simulated.peak_in_flight)})"
+            )
+            del pipe
+
+    def peak(schedule: str, remat: str) -> float:
+        for row in rows:
+            if row["schedule"] == schedule and row["remat"] == remat:
+                return row["peak_activation_mib"]
+        return float("nan")
+
+    ratio = peak("1f1b", "never") / peak("gpipe", "never")
+    always_vs_never = {s: peak(s, "always") / peak(s, "never") for s in FLAGS.schedules}
+    print(f"  1F1B / GPipe peak activations (remat never): {ratio:.3f} (target <= 0.6)")
+    for s, r in always_vs_never.items():
+        print(f"  {s:12s} always / never: {r:.3f} (target < 1)")
+    config = {
+        k: getattr(FLAGS, k)
+        for k in ("width", "depth", "batch", "micro_batches", "schedules", "remats", "jit_compile")
+    }
+    path = common.write_json(
+        "memory",
+        {
+            "environment": env,
+            "config": config,
+            "rows": rows,
+            "ratio_1f1b_vs_gpipe": ratio,
+            "always_vs_never": always_vs_never,
+        },
+    )
+    import csv
+
+    csv_path = os.path.join(common.RESULTS, "memory.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    common.bar_chart(
+        "memory",
+        {f"{r['schedule']}\n{r['remat']}": r["peak_activation_mib"] for r in rows},
+        "peak activation MiB",
+        f"2 stages, M={FLAGS.micro_batches}, batch {FLAGS.batch}",
+    )
+    print(f"  wrote {path} and {csv_path}")
+    print(
+        f"SUMMARY memory ratio_1f1b_vs_gpipe={ratio:.3f} "
+        + " ".join(f"always_vs_never_{s}={r:.3f}" for s, r in always_vs_never.items())
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
