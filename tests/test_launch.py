@@ -57,8 +57,14 @@ def test_trains_and_loss_falls():
         ),
         (
             ["--mesh=stage:20", "--depth=2"],
-            "--mesh has 20 stages but --depth=2 gives the model only 7",
+            "make 20 stages but --depth=2 gives the model only 7",
         ),
+        (
+            ["--mesh=stage:4", "--schedule=interleaved", "--virtual_stages=2", "--micro_batches=6"],
+            "--schedule=interleaved needs --micro_batches (6) to be a multiple of the pipeline "
+            "stages (4, from --mesh)",
+        ),
+        (["--virtual_stages=2"], "--virtual_stages=2 needs --schedule=interleaved"),
         (["stray"], "unexpected arguments: ['stray']"),
     ],
 )
