@@ -1,11 +1,11 @@
 """Peak activation memory: GPipe vs 1F1B vs interleaved vs ZB-H1, under each remat mode.
 
 A model whose activations dominate (8 × Dense(1024) + head, batch 4096, M = 16 micro-batches
-of 256) on a 2-stage × 1-replica mesh. For each configuration: one warm-up step (traces and
-compiles), then the allocator's statistics are reset and one more step runs; the figure is
-the step's peak allocated bytes minus what was allocated before it (weights, optimizer
-state). The logical CPU devices share one allocator, so the figure covers both devices; the
-simulated peak in-flight micro-batches per device are printed beside it.
+of 256) on a 2-stage × 1-replica mesh. Each configuration runs in its own process: build,
+note the bytes TensorFlow's allocator holds (weights, optimizer state), run two steps, and
+report the allocator's peak minus that resident figure. The logical CPU devices share one
+allocator, so the figure covers both devices; the simulated peak in-flight micro-batches per
+device are printed beside it. (XLA's compiler memory is not tensor memory and is not counted.)
 
 Targets: 1F1B holds ≤ 0.6 × GPipe's peak activation memory (remat "never"); remat "always"
 holds less than "never".
@@ -15,7 +15,9 @@ holds less than "never".
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -33,13 +35,14 @@ flags.DEFINE_integer("micro_batches", 16, "Micro-batches M.")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb-h1"], "Schedules.")
 flags.DEFINE_list("remats", ["never", "except_last", "always"], "Remat modes.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
+flags.DEFINE_string("child", None, "Internal: measure 'schedule,remat' in this process.")
 FLAGS = flags.FLAGS
 
 MB = 1024 * 1024
 
 
-def main(argv: list[str]) -> None:
-    del argv
+def measure(schedule: str, remat: str) -> dict:
+    """In this process: the peak bytes one training step allocates beyond the resident ones."""
     import hybrid
 
     hybrid.simulate_cpu_devices(2)
@@ -47,52 +50,76 @@ def main(argv: list[str]) -> None:
     import numpy as np
     import tensorflow as tf
 
-    env = common.environment()
-    common.print_header("memory", env)
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
     y = tf.constant(rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32"))
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+    pipe = hybrid.Pipeline(
+        layers + [keras.layers.Dense(10)],
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.SGD(1e-4),
+        micro_batches=FLAGS.micro_batches,
+        schedule=schedule,
+        remat=remat,
+        virtual_stages=2 if schedule == "interleaved" else 1,
+        jit_compile=FLAGS.jit_compile,
+    )
+    pipe.build((None, FLAGS.width))
+    inputs = x.numpy().nbytes + y.numpy().nbytes  # the batch itself is not the step's memory
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"] - inputs
+    for _ in range(2):
+        pipe.train_step(x, y)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - inputs
+    return {
+        "schedule": schedule,
+        "remat": remat,
+        "peak_activation_mib": (peak - resident) / MB,
+        "resident_mib": resident / MB,
+        "simulated_peak_in_flight": list(hybrid.schedule.simulate(pipe.schedule).peak_in_flight),
+    }
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.child:
+        schedule, remat = FLAGS.child.split(",")
+        print("RESULT " + json.dumps(measure(schedule, remat)))
+        return
+    import hybrid
+
+    hybrid.simulate_cpu_devices(2)  # as in every child, for the environment header
+    env = common.environment()
+    common.print_header("memory", env)
     activation_mb = FLAGS.batch // FLAGS.micro_batches * FLAGS.width * 4 / MB
     print(f"  one layer's output for one micro-batch: {activation_mb:.2f} MiB")
 
     rows = []
     for schedule in FLAGS.schedules:
         for remat in FLAGS.remats:
-            keras.utils.set_random_seed(0)
-            layers = [
-                keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)
-            ]
-            pipe = hybrid.Pipeline(
-                layers + [keras.layers.Dense(10)],
-                mesh=hybrid.DeviceMesh.create(2, 1),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                optimizer=keras.optimizers.SGD(1e-4),
-                micro_batches=FLAGS.micro_batches,
-                schedule=schedule,
-                remat=remat,
-                virtual_stages=2 if schedule == "interleaved" else 1,
-                jit_compile=FLAGS.jit_compile,
+            child = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), f"--child={schedule},{remat}"]
+                + [
+                    f"--{k}={getattr(FLAGS, k)}"
+                    for k in ("width", "depth", "batch", "micro_batches", "jit_compile")
+                ],
+                capture_output=True,
+                # TensorFlow's default CPU allocator keeps no statistics; its BFC allocator does.
+                env={**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true"},
+                text=True,
+                timeout=600,
             )
-            pipe.train_step(x, y)  # trace, compile, build optimizer state
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            pipe.train_step(x, y)
-            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-            simulated = hybrid.schedule.simulate(pipe.schedule)
-            rows.append(
-                {
-                    "schedule": schedule,
-                    "remat": remat,
-                    "peak_activation_mib": (peak - before) / MB,
-                    "resident_mib": before / MB,
-                    "simulated_peak_in_flight": list(simulated.peak_in_flight),
-                }
-            )
+            lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+            if child.returncode or not lines:
+                raise RuntimeError(f"{schedule}/{remat} failed:\n{child.stderr[-3000:]}")
+            row = json.loads(lines[-1][len("RESULT ") :])
+            rows.append(row)
             print(
-                f"  {schedule:12s} {remat:12s} peak activations {(peak - before) / MB:8.1f} MiB"
-                f"   (in flight per device {list(simulated.peak_in_flight)})"
+                f"  {schedule:12s} {remat:12s} peak activations "
+                f"{row['peak_activation_mib']:8.1f} MiB   (resident {row['resident_mib']:.1f} MiB,"
+                f" in flight per device {row['simulated_peak_in_flight']})"
             )
-            del pipe
 
     def peak(schedule: str, remat: str) -> float:
         for row in rows:
