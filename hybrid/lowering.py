@@ -25,7 +25,7 @@ import tensorflow as tf
 from hybrid.schedule import Action, Op, Schedule
 from hybrid.stage import Saved, StageReplica
 
-__all__ = ["ReplicaStep", "lower_inference", "lower_training"]
+__all__ = ["DeviceClock", "ReplicaStep", "lower_inference", "lower_training"]
 
 
 @dataclasses.dataclass
@@ -45,25 +45,45 @@ class ReplicaStep:
     events: list[tuple[int, Action, tf.Tensor, tf.Tensor]]
 
 
-class _Recorder:
-    """Wraps each action in device-local timestamps when ``enabled``."""
+class DeviceClock:
+    """Reads the wall clock on one device without ordering it against other devices.
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    A bare ``tf.timestamp()`` is a stateful op with no resource, and a ``tf.function``'s
+    automatic control dependencies chain all such ops in program order: timestamps on
+    different devices would serialize the whole step. Reading a per-device token variable
+    inside a small function ties each clock read to that device's resource instead.
+    """
+
+    def __init__(self, device: str) -> None:
+        with tf.device(device):
+            self._token = tf.Variable(0, dtype=tf.int32, trainable=False, name="clock_token")
+
+        def now() -> tf.Tensor:
+            with tf.control_dependencies([self._token.read_value()]):
+                return tf.timestamp()
+
+        self.now = tf.function(now, autograph=False)
+
+
+class _Recorder:
+    """Brackets each action with timestamps from its device's clock (when clocks are given)."""
+
+    def __init__(self, clocks: Sequence[DeviceClock] | None) -> None:
+        self.clocks = clocks
         self.events: list[tuple[int, Action, tf.Tensor, tf.Tensor]] = []
 
-    def start(self, waits: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        if not self.enabled:
+    def start(self, device: int, waits: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        if self.clocks is None:
             return []
         with tf.control_dependencies(list(waits)):
-            return [tf.timestamp()]
+            return [self.clocks[device].now()]
 
     def end(
         self, device: int, action: Action, start: list[tf.Tensor], outputs: list[tf.Tensor]
     ) -> None:
-        if self.enabled:
+        if self.clocks is not None:
             with tf.control_dependencies(outputs):
-                self.events.append((device, action, start[0], tf.timestamp()))
+                self.events.append((device, action, start[0], self.clocks[device].now()))
 
 
 def lower_training(
@@ -75,7 +95,7 @@ def lower_training(
     ys: Sequence[tf.Tensor],
     seed: Callable[[int], tf.Tensor],
     remat: Callable[[int], bool],
-    record: bool = False,
+    clocks: Sequence[DeviceClock] | None = None,
 ) -> ReplicaStep:
     """Issues one replica's training actions in ``order``.
 
@@ -86,7 +106,7 @@ def lower_training(
       xs, ys: this replica's micro-batches of inputs and labels.
       seed: micro-batch -> the (step, unit) seed its random layers use.
       remat: micro-batch -> whether its forward keeps no activations.
-      record: add start/end timestamps around every action.
+      clocks: one per pipeline device: record start and end of every action.
     """
     K, M = schedule.num_model_stages, schedule.num_microbatches
     split = schedule.splits_backward
@@ -97,7 +117,7 @@ def lower_training(
     outputs: dict[tuple[int, int], tf.Tensor] = {}  # F results consumed by stage k+1
     saved: dict[tuple[int, int], Saved] = {}
     upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage k
-    recorder = _Recorder(record)
+    recorder = _Recorder(clocks)
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
 
     def accumulate(k: int, dw: list[tf.Tensor]) -> None:
@@ -120,7 +140,7 @@ def lower_training(
                 waits = tails[d] + [dy]
             else:
                 waits = tails[d]
-            start = recorder.start(waits)
+            start = recorder.start(d, waits)
             with tf.control_dependencies(tails[d] + start):
                 if action in fused:
                     loss, dx, dw = stage.forward_backward(
@@ -130,6 +150,7 @@ def lower_training(
                     accumulate(k, dw)
                     if dx is not None:
                         upstream[(k - 1, m)] = dx
+                    direct = [loss] + ([dx] if dx is not None else []) + dw
                     done = [loss] + ([dx] if dx is not None else []) + grads[k]
                 elif action.op is Op.F:
                     record_ = stage.forward(inputs, labels, seed(m), remat(m), split)
@@ -138,7 +159,7 @@ def lower_training(
                         losses.append(record_.output)
                     else:
                         outputs[(k, m)] = record_.output
-                    done = [record_.output]
+                    direct = done = [record_.output]
                 elif action.op is Op.B:
                     keep = saved[(k, m)] if split else saved.pop((k, m))
                     dx, dw = stage.backward(keep, dy, need_dx=k > 0, need_dw=not split)
@@ -147,15 +168,16 @@ def lower_training(
                         upstream[(k - 1, m)] = dx
                     if not split:
                         upstream.pop((k, m), None)
+                    direct = ([dx] if dx is not None else []) + dw
                     done = ([dx] if dx is not None else []) + grads[k]
                     if not done:  # stage 0's B in a split schedule computes nothing
-                        done = tails[d]
+                        direct = done = tails[d]
                 else:
                     dy = loss_scale if stage.is_last else upstream.pop((k, m))
                     _, dw = stage.backward(saved.pop((k, m)), dy, need_dx=False, need_dw=True)
                     accumulate(k, dw)
-                    done = grads[k]
-            recorder.end(d, action, start, done)
+                    direct, done = dw, grads[k]
+            recorder.end(d, action, start, direct)
             tails[d] = list(done)
     return ReplicaStep(losses, grads, tails, recorder.events)
 

@@ -234,6 +234,7 @@ class Pipeline:
                 ]
             )
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
+        self._clocks = [lowering.DeviceClock(d) for d in self.mesh.pipeline(0)]
         self._input_spec = spec
 
     def _prepare(self, x: Any, y: Any = None) -> tuple[tf.Tensor, tf.Tensor | None]:
@@ -265,17 +266,23 @@ class Pipeline:
         """A training step that also records when each of replica 0's actions ran.
 
         Every action is bracketed by timestamps taken on its device: the start once the
-        device's previous action and the action's inputs are ready, the end once its outputs
-        are. Times are seconds from the step's first start. The step itself is a real one
-        (weights update), traced separately from :meth:`train_step`.
+        device's previous action has ended and the action's inputs are ready, the end once
+        its outputs are. Times are seconds from the step's first start; on a host whose
+        threads are all busy a timestamp can run late by the length of a queued kernel. The
+        step itself is a real one (weights update), traced separately from
+        :meth:`train_step`.
         """
         x, y = self._prepare(x, y)
         loss, stamps = self._timed(x, y)
         origin = min(float(start) for start, _ in stamps)
-        timeline = [
-            TimedAction(device, action, float(start) - origin, float(end) - origin)
-            for (device, action), (start, end) in zip(self._event_keys, stamps, strict=True)
-        ]
+        timeline, device_free = [], [0.0] * self.mesh.num_stages
+        for (device, action), (start, end) in zip(self._event_keys, stamps, strict=True):
+            # A device runs one action at a time: an action whose inputs were ready early
+            # still began only when the device's previous action had ended.
+            begin = max(float(start) - origin, device_free[device])
+            finish = max(float(end) - origin, begin)
+            device_free[device] = finish
+            timeline.append(TimedAction(device, action, begin, finish))
         return {"loss": float(loss)}, sorted(timeline, key=lambda e: e.start)
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
@@ -398,7 +405,7 @@ class Pipeline:
                 ys[r],
                 self._seeds(r),
                 self._remat,
-                record=record and r == 0,
+                clocks=self._clocks if record and r == 0 else None,
             )
             for r in range(R)
         ]
