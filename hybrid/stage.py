@@ -14,14 +14,16 @@ intermediate outputs TensorFlow keeps for the XLA backward program). With remat 
 the stage input, and the backward runs one XLA program that recomputes the forward and
 differentiates it.
 
-Random layers (Dropout) draw the same numbers in a recomputation as in the forward: every
-program first sets each of the stage's seed generators from ``seed``, a (step, micro-batch)
-pair the engine passes in.
+Layers run with Keras ``stateless_call``: weight values and non-trainable state come in as
+tensors. Random layers (Dropout) get their seed-generator state from ``seed``, a (step,
+micro-batch) pair the engine passes in, so a recomputation draws the same numbers as the
+forward it repeats.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +58,7 @@ class Saved:
       labels: the micro-batch labels (last stage only).
       seed: the random seed the forward used, for an exact recomputation.
       tape: the tape that recorded the forward (None when the backward recomputes).
+      weights: the weight values the taped forward read (its gradient sources).
     """
 
     inputs: tf.Tensor
@@ -63,11 +66,16 @@ class Saved:
     labels: tf.Tensor | None
     seed: tf.Tensor
     tape: tf.GradientTape | None = None
+    weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 def _watch(tape: tf.GradientTape, x: tf.Tensor) -> None:
     if x.dtype.is_floating:  # integer inputs (token ids) have no gradient
         tape.watch(x)
+
+
+def _takes_training(layer: keras.layers.Layer) -> bool:
+    return "training" in inspect.signature(layer.call).parameters
 
 
 def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
@@ -118,8 +126,11 @@ class StageReplica:
             self.optimizer = optimizer_factory() if optimizer_factory else None
             if self.optimizer is not None:
                 self.optimizer.build(self.trainable_variables)
-        self._generators = _seed_generators(self.layers)
-        self._base_seeds = [int(g.state.numpy()[0]) for g in self._generators]
+        # Seed-generator state variable -> its initial seed: each program sets the state
+        # from (this base, step, micro-batch), so a recomputation draws the same numbers.
+        self._seed_bases = {
+            id(g.state): int(g.state.numpy()[0]) for g in _seed_generators(self.layers)
+        }
 
         def program(fn: Callable[..., Any]) -> Any:
             return tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -151,20 +162,41 @@ class StageReplica:
 
     # -- the programs --------------------------------------------------------------------
 
+    def _read_weights(self) -> list[tf.Tensor]:
+        return [tf.convert_to_tensor(v) for v in self.trainable_variables]
+
     def _run(
-        self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, training: bool = True
+        self,
+        x: tf.Tensor,
+        labels: tf.Tensor | None,
+        seed: tf.Tensor,
+        weights: list[tf.Tensor],
+        training: bool = True,
     ) -> tf.Tensor:
-        """The stage's layers on ``x``; on the last stage, the mean loss against ``labels``."""
-        for generator, base in zip(self._generators, self._base_seeds, strict=True):
-            # Each draw in this program now depends only on (generator, step, micro-batch).
-            state = tf.stack([base + seed[0], seed[1]])
-            generator.state.assign(tf.cast(state, generator.state.dtype))
+        """The stage's layers on ``x`` with the given weight values; on the last stage, the
+        mean loss against ``labels``.
+
+        The weights come in as tensors (Keras ``stateless_call``) rather than being read
+        inside: a taped forward program then hands only activations to its backward
+        program, not a copy of every weight it read.
+        """
+        start = 0
         for layer in self.layers:
-            x = layer(x, training=training)
+            count = len(layer.trainable_variables)
+            state = [self._state_value(v, seed) for v in layer.non_trainable_variables]
+            kwargs = {"training": training} if _takes_training(layer) else {}
+            x, _ = layer.stateless_call(weights[start : start + count], state, x, **kwargs)
+            start += count
         if labels is None:
             return x
         assert self.loss_fn is not None
         return tf.reduce_mean(self.loss_fn(labels, x))
+
+    def _state_value(self, variable: Any, seed: tf.Tensor) -> tf.Tensor:
+        base = self._seed_bases.get(id(variable))
+        if base is None:
+            return tf.convert_to_tensor(variable)
+        return tf.cast(tf.stack([base + seed[0], seed[1]]), variable.dtype)
 
     def _forward_and_backward(
         self,
@@ -176,23 +208,25 @@ class StageReplica:
         need_dw: bool,
     ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
         """One program: the forward, then its gradients against ``dy``; nothing kept between."""
+        weights = self._read_weights()
         with tf.GradientTape() as tape:
             _watch(tape, x)
-            y = self._run(x, labels, seed)
-        dx, dw = self._gradients(tape, x, y, dy, need_dx, need_dw)
+            tape.watch(weights)
+            y = self._run(x, labels, seed, weights)
+        dx, dw = self._gradients(tape, x, y, dy, weights, need_dx, need_dw)
         return y, dx, dw
 
+    @staticmethod
     def _gradients(
-        self,
         tape: tf.GradientTape,
         x: tf.Tensor,
         y: tf.Tensor,
         dy: tf.Tensor,
+        weights: list[tf.Tensor],
         need_dx: bool,
         need_dw: bool,
     ) -> Grads:
-        variables = self.trainable_variables if need_dw else []
-        sources = ([x] if need_dx else []) + variables
+        sources = ([x] if need_dx else []) + (list(weights) if need_dw else [])
         if not sources:
             return None, []
         grads = tape.gradient(y, sources, output_gradients=dy)
@@ -215,16 +249,18 @@ class StageReplica:
         Args:
           split: the backward will come as two calls (B then W), so the tape must persist.
         """
+        weights = self._read_weights()
         if remat:
-            return Saved(x, self._forward(x, labels, seed), labels, seed)
+            return Saved(x, self._forward(x, labels, seed, weights), labels, seed)
         with tf.GradientTape(persistent=split) as tape:
             _watch(tape, x)
-            y = self._forward(x, labels, seed)
-        return Saved(x, y, labels, seed, tape)
+            tape.watch(weights)
+            y = self._forward(x, labels, seed, weights)
+        return Saved(x, y, labels, seed, tape, weights)
 
     def infer(self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor) -> tf.Tensor:
         """Forward in inference mode (``training=False``), nothing kept for a backward."""
-        return self._forward(x, labels, seed, training=False)
+        return self._forward(x, labels, seed, self._read_weights(), training=False)
 
     def backward(self, saved: Saved, dy: tf.Tensor, need_dx: bool, need_dw: bool) -> Grads:
         """Input gradient (when ``need_dx``) and weight gradients (when ``need_dw``) of
@@ -236,7 +272,9 @@ class StageReplica:
                 saved.inputs, dy, saved.labels, saved.seed, need_dx, need_dw
             )
             return dx, dw
-        return self._gradients(saved.tape, saved.inputs, saved.output, dy, need_dx, need_dw)
+        return self._gradients(
+            saved.tape, saved.inputs, saved.output, dy, saved.weights, need_dx, need_dw
+        )
 
     def forward_backward(
         self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, dy: tf.Tensor, need_dx: bool
