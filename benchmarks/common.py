@@ -17,7 +17,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# `bazel run` executes from the runfiles tree and names the source tree in this variable.
+RESULTS = os.path.join(
+    os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "benchmarks",
+    "results",
+)
 
 
 def environment() -> dict[str, Any]:

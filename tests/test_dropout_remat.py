@@ -14,6 +14,7 @@ import hybrid
 from hybrid import schedule as sched
 
 import reference as ref
+import runner
 
 BATCH = 32
 
@@ -79,4 +80,4 @@ def test_dropout_is_really_active():
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

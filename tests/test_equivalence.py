@@ -16,6 +16,7 @@ import pytest
 import hybrid
 
 import reference as ref
+import runner
 
 MESHES = [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (2, 4)]
 MICRO_BATCHES = [1, 2, 4, 8]
@@ -94,4 +95,4 @@ def test_reference_comparison_can_fail():
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import runner
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,4 +78,4 @@ def test_bad_flags_fail_before_training(flags, message):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

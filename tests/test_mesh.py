@@ -7,6 +7,7 @@ import pytest
 import hybrid
 from hybrid.mesh import parse_spec
 
+import runner
 from conftest import NUM_DEVICES
 
 
@@ -98,4 +99,4 @@ def test_simulate_cpu_devices_rejects_zero():
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

@@ -8,6 +8,8 @@ import pytest
 
 from hybrid import partition
 
+import runner
+
 
 def brute_force(costs, stages):
     """The minimal max-stage cost over every contiguous partition."""
@@ -66,4 +68,4 @@ def test_check_balance(balance, match):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

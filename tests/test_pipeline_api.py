@@ -9,6 +9,7 @@ import pytest
 import hybrid
 
 import reference as ref
+import runner
 
 
 def make(stages=2, replicas=1, micro_batches=2, layers=None, **kwargs):
@@ -176,4 +177,4 @@ def test_bad_model_and_optimizer():
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

@@ -8,6 +8,8 @@ import pytest
 from hybrid import schedule as sched
 from hybrid.schedule import Action, Costs, Op, Schedule, ScheduleError
 
+import runner
+
 UNIT = Costs(forward=Fraction(1), backward=Fraction(1), weight=Fraction(1))  # full B = 2
 SIZES = [(1, 1), (2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (8, 16), (3, 2)]
 
@@ -211,4 +213,4 @@ def test_render_png(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

@@ -17,9 +17,11 @@ import os
 import sys
 
 import pytest
-from test_equivalence import REMATS, _run
 
 from hybrid import schedule as sched
+
+import runner
+from test_equivalence import REMATS, _run
 
 MESHES = [(2, 1), (4, 1), (2, 2), (4, 2)]
 MICRO_BATCHES = [4, 8]
@@ -66,4 +68,4 @@ def test_schedule_gradients_match(schedule):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))

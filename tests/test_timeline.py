@@ -12,6 +12,7 @@ from hybrid import schedule as sched
 from hybrid import timeline
 
 import reference as ref
+import runner
 
 
 def make(schedule):
@@ -74,4 +75,4 @@ def test_plot_measured_beside_simulated(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(runner.main(__file__))
