@@ -7,10 +7,10 @@ pipe = hybrid.Pipeline(layers, mesh=mesh, loss=..., optimizer=..., micro_batches
 pipe.train_step(x, y)
 """
 
-from hybrid import partition, schedule
+from hybrid import partition, schedule, timeline
 from hybrid.devices import local_devices, simulate_cpu_devices
 from hybrid.mesh import DeviceMesh
-from hybrid.pipeline import REMAT_MODES, Pipeline
+from hybrid.pipeline import REMAT_MODES, Pipeline, TimedAction
 from hybrid.schedule import Action, Schedule, ScheduleError
 
 __all__ = [
@@ -20,10 +20,12 @@ __all__ = [
     "Pipeline",
     "Schedule",
     "ScheduleError",
+    "TimedAction",
     "local_devices",
     "partition",
     "schedule",
     "simulate_cpu_devices",
+    "timeline",
 ]
 
 __version__ = "0.1.0"
