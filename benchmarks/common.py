@@ -68,6 +68,26 @@ def time_alternating(
     return samples
 
 
+def dense_stack(width: int, depth: int, classes: int = 10, seed: int = 0) -> list[Any]:
+    """The benchmark model: ``depth`` × Dense(width, relu), then Dense(classes); fixed seed."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    hidden = [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    return hidden + [keras.layers.Dense(classes)]
+
+
+def synthetic_batch(batch: int, width: int, classes: int = 10, seed: int = 0) -> tuple[Any, Any]:
+    """A fixed random batch (x: float32 [batch, width], y: int32 labels) as tensors."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
+    y = tf.constant(rng.integers(0, classes, size=(batch,)).astype("int32"))
+    return x, y
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -47,16 +47,12 @@ def measure(schedule: str, remat: str) -> dict:
 
     hybrid.simulate_cpu_devices(2)
     import keras
-    import numpy as np
     import tensorflow as tf
 
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32"))
-    keras.utils.set_random_seed(0)
-    layers = [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    layers = common.dense_stack(FLAGS.width, FLAGS.depth)
     pipe = hybrid.Pipeline(
-        layers + [keras.layers.Dense(10)],
+        layers,
         mesh=hybrid.DeviceMesh.create(2, 1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.SGD(1e-4),

@@ -29,33 +29,21 @@ flags.DEFINE_integer("batch", 256, "Global batch.")
 FLAGS = flags.FLAGS
 
 
-def layers(width: int, depth: int):
-    import keras
-
-    keras.utils.set_random_seed(0)
-    return [keras.layers.Dense(width, activation="relu") for _ in range(depth)] + [
-        keras.layers.Dense(10)
-    ]
-
-
 def main(argv: list[str]) -> None:
     del argv
     import hybrid
 
     hybrid.simulate_cpu_devices(1)
     import keras
-    import numpy as np
     import tensorflow as tf
 
     env = common.environment()
     common.print_header("overhead", env)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32"))
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     pipe = hybrid.Pipeline(
-        layers(FLAGS.width, FLAGS.depth),
+        common.dense_stack(FLAGS.width, FLAGS.depth),
         mesh=hybrid.DeviceMesh.create(1, 1),
         loss=loss,
         optimizer=keras.optimizers.Adam(1e-4),
@@ -65,7 +53,9 @@ def main(argv: list[str]) -> None:
     pipe.build((None, FLAGS.width))
 
     def handwritten(jit: bool):
-        model = keras.Sequential([keras.Input((FLAGS.width,))] + layers(FLAGS.width, FLAGS.depth))
+        model = keras.Sequential(
+            [keras.Input((FLAGS.width,))] + common.dense_stack(FLAGS.width, FLAGS.depth)
+        )
         optimizer = keras.optimizers.Adam(1e-4)
         optimizer.build(model.trainable_variables)
 

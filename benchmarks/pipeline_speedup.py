@@ -38,20 +38,15 @@ def main(argv: list[str]) -> None:
 
     hybrid.simulate_cpu_devices(2)
     import keras
-    import numpy as np
-    import tensorflow as tf
 
     env = common.environment()
     common.print_header("pipeline_speedup", env)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32"))
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
 
     def make(stages: int, remat: str) -> hybrid.Pipeline:
-        keras.utils.set_random_seed(0)
-        layers = [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+        layers = common.dense_stack(FLAGS.width, FLAGS.depth)
         pipe = hybrid.Pipeline(
-            layers + [keras.layers.Dense(10)],
+            layers,
             mesh=hybrid.DeviceMesh.create(stages, 1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             optimizer=keras.optimizers.SGD(1e-3),

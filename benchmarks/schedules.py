@@ -63,24 +63,19 @@ def main(argv: list[str]) -> None:
 
     hybrid.simulate_cpu_devices(2)
     import keras
-    import numpy as np
-    import tensorflow as tf
 
     from hybrid import schedule as sched
     from hybrid import timeline
 
     env = common.environment()
     common.print_header("schedules", env)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(FLAGS.batch, FLAGS.width)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32"))
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
 
     pipes = {}
     for name in sched.names():
-        keras.utils.set_random_seed(0)
-        layers = [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+        layers = common.dense_stack(FLAGS.width, FLAGS.depth)
         pipes[name] = hybrid.Pipeline(
-            layers + [keras.layers.Dense(10)],
+            layers,
             mesh=hybrid.DeviceMesh.create(2, 1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             optimizer=keras.optimizers.SGD(1e-3),
