@@ -158,7 +158,6 @@ class Pipeline:
             self._balance = partition.check_balance(balance, num_layers, num_stages)
         self._stages: list[list[StageReplica]] = []
         self._groups: list[ReplicaGroup] = []
-        self._input_spec: TensorSpec | None = None
         with tf.device("/device:CPU:0"):
             # Counts optimizer steps; with the micro-batch it seeds random layers, so a
             # recomputed forward draws what the original forward drew.
@@ -235,7 +234,6 @@ class Pipeline:
             )
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
         self._clocks = [lowering.DeviceClock(d) for d in self.mesh.pipeline(0)]
-        self._input_spec = spec
 
     def _prepare(self, x: Any, y: Any = None) -> tuple[tf.Tensor, tf.Tensor | None]:
         x = tf.convert_to_tensor(x)

@@ -44,10 +44,9 @@ def define_flags() -> None:
         from hybrid.mesh import parse_spec
 
         try:
-            _, replicas = parse_spec(values["mesh"])
+            stages, replicas = parse_spec(values["mesh"])
         except ValueError as err:
             raise flags.ValidationError(f"--mesh: {err}") from err
-        stages = parse_spec(values["mesh"])[0]
         if values["schedule"] == "interleaved" and values["micro_batches"] % stages:
             raise flags.ValidationError(
                 f"--schedule=interleaved needs --micro_batches ({values['micro_batches']}) to be a "
