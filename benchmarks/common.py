@@ -68,6 +68,23 @@ def time_alternating(
     return samples
 
 
+def define_model_flags(depth: int = 4, batch: int = 256, width: int = 1024) -> None:
+    """The absl flags every benchmark shares: the model (--width, --depth) and --batch."""
+    from absl import flags
+
+    flags.DEFINE_integer("width", width, "Dense width.")
+    flags.DEFINE_integer("depth", depth, "Dense(width) layers.")
+    flags.DEFINE_integer("batch", batch, "Global batch.")
+
+
+def define_timing_flags(rounds: int, steps_per_round: int) -> None:
+    """The absl flags of benchmarks timed with :func:`time_alternating`."""
+    from absl import flags
+
+    flags.DEFINE_integer("rounds", rounds, "Timed rounds per candidate.")
+    flags.DEFINE_integer("steps_per_round", steps_per_round, "Steps per round.")
+
+
 def dense_stack(width: int, depth: int, classes: int = 10, seed: int = 0) -> list[Any]:
     """The benchmark model: ``depth`` × Dense(width, relu), then Dense(classes); fixed seed."""
     import keras

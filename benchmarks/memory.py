@@ -28,9 +28,7 @@ from absl import app, flags  # noqa: E402
 
 import common  # noqa: E402
 
-flags.DEFINE_integer("width", 1024, "Dense width.")
-flags.DEFINE_integer("depth", 8, "Dense(width) layers.")
-flags.DEFINE_integer("batch", 4096, "Global batch.")
+common.define_model_flags(depth=8, batch=4096)
 flags.DEFINE_integer("micro_batches", 16, "Micro-batches M.")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb-h1"], "Schedules.")
 flags.DEFINE_list("remats", ["never", "except_last", "always"], "Remat modes.")

@@ -21,11 +21,8 @@ from absl import app, flags  # noqa: E402
 
 import common  # noqa: E402
 
-flags.DEFINE_integer("rounds", 10, "Timed rounds per candidate.")
-flags.DEFINE_integer("steps_per_round", 3, "Steps per round.")
-flags.DEFINE_integer("width", 1024, "Dense width.")
-flags.DEFINE_integer("depth", 4, "Dense(width) layers.")
-flags.DEFINE_integer("batch", 256, "Global batch.")
+common.define_timing_flags(rounds=10, steps_per_round=3)
+common.define_model_flags(depth=4, batch=256)
 flags.DEFINE_integer("micro_batches", 8, "Micro-batches M.")
 flags.DEFINE_string("schedule", "gpipe", "Schedule for both candidates.")
 flags.DEFINE_list("remats", ["except_last", "never", "always"], "Remat modes to measure.")

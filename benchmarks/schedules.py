@@ -24,11 +24,8 @@ from absl import app, flags  # noqa: E402
 
 import common  # noqa: E402
 
-flags.DEFINE_integer("rounds", 8, "Timed rounds per candidate.")
-flags.DEFINE_integer("steps_per_round", 3, "Steps per round.")
-flags.DEFINE_integer("width", 1024, "Dense width.")
-flags.DEFINE_integer("depth", 4, "Dense(width) layers.")
-flags.DEFINE_integer("batch", 256, "Global batch.")
+common.define_timing_flags(rounds=8, steps_per_round=3)
+common.define_model_flags(depth=4, batch=256)
 flags.DEFINE_integer("micro_batches", 8, "Micro-batches M.")
 flags.DEFINE_string("remat", "never", "Remat mode for every schedule.")
 FLAGS = flags.FLAGS
