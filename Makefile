@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,plot
+EXTRAS ?= test,plot,tpu
 # Extra pip requirements installed in the same resolver pass, e.g. the CUDA build on GPU nodes:
 #   make demo TF_PACKAGE='tensorflow[and-cuda]==2.21.*'
 TF_PACKAGE ?=

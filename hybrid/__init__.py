@@ -7,7 +7,8 @@ pipe = hybrid.Pipeline(layers, mesh=mesh, loss=..., optimizer=..., micro_batches
 pipe.train_step(x, y)
 """
 
-from hybrid import partition, schedule, timeline
+from hybrid import models, partition, schedule, timeline
+from hybrid.checkpoint import Checkpointer, CheckpointError
 from hybrid.devices import local_devices, simulate_cpu_devices
 from hybrid.mesh import DeviceMesh
 from hybrid.pipeline import REMAT_MODES, Pipeline, TimedAction
@@ -16,12 +17,15 @@ from hybrid.schedule import Action, Schedule, ScheduleError
 __all__ = [
     "REMAT_MODES",
     "Action",
+    "CheckpointError",
+    "Checkpointer",
     "DeviceMesh",
     "Pipeline",
     "Schedule",
     "ScheduleError",
     "TimedAction",
     "local_devices",
+    "models",
     "partition",
     "schedule",
     "simulate_cpu_devices",

@@ -83,6 +83,12 @@ def _layers_of(model: keras.Model | Sequence[keras.layers.Layer]) -> list[keras.
     return layers
 
 
+def _host_cpu(device: str) -> str:
+    """The CPU of the host (task) that holds ``device``: the step counter lives there, so on
+    a cluster it sits with the mesh, not with the client."""
+    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
+
+
 class Pipeline:
     """A Keras layer stack cut into ``mesh.num_stages`` stages and replicated on the mesh.
 
@@ -158,7 +164,7 @@ class Pipeline:
             self._balance = partition.check_balance(balance, num_layers, num_stages)
         self._stages: list[list[StageReplica]] = []
         self._groups: list[ReplicaGroup] = []
-        with tf.device("/device:CPU:0"):
+        with tf.device(_host_cpu(mesh.device(0, 0))):
             # Counts optimizer steps; with the micro-batch it seeds random layers, so a
             # recomputed forward draws what the original forward drew.
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -180,6 +186,15 @@ class Pipeline:
         if self._balance is None:
             raise RuntimeError("the balance is chosen when the pipeline is built; call build()")
         return self._balance
+
+    @property
+    def step_counter(self) -> tf.Variable:
+        """Optimizer steps taken; with the micro-batch it seeds the random layers.
+
+        A restored checkpoint sets it, so a resumed run draws the numbers the original
+        would have drawn.
+        """
+        return self._step
 
     @property
     def stages(self) -> list[list[StageReplica]]:

@@ -230,7 +230,11 @@ class StageReplica:
         if not sources:
             return None, []
         grads = tape.gradient(y, sources, output_gradients=dy)
-        grads = [tf.zeros_like(s) if g is None else g for g, s in zip(grads, sources, strict=True)]
+        # Embedding lookups give IndexedSlices; accumulation and the all-reduce want dense.
+        grads = [
+            tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
+            for g, s in zip(grads, sources, strict=True)
+        ]
         if need_dx:
             return grads[0], grads[1:]
         return None, grads

@@ -1,18 +1,38 @@
-"""A flag-free training loop: a frozen config in, a trained pipeline and its history out."""
+"""A flag-free training loop: a frozen config in, a trained pipeline and its history out.
+
+Conceptually::
+
+    pipe = Pipeline(model(config), mesh(config), ...)
+    start = restore the newest checkpoint in model_dir (its step), else 0
+    for step in start + 1 … train_steps:              # batch(step) depends only on (seed, step)
+        loss = pipe.train_step(*batch(step))
+        stop with NonFiniteLossError if loss is NaN/Inf (the last good checkpoint stays)
+        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every
+    checkpoint at the end
+
+so a run killed at any point and started again with the same config finishes with exactly
+the weights of an uninterrupted run, and a checkpoint restores onto any mesh.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import keras
+import tensorflow as tf
 
 from hybrid import data, models
+from hybrid.checkpoint import Checkpointer
 from hybrid.mesh import DeviceMesh, parse_spec
 from hybrid.pipeline import Pipeline
 
-__all__ = ["TrainConfig", "TrainResult", "train"]
+__all__ = ["NonFiniteLossError", "TrainConfig", "TrainResult", "build_model", "train"]
+
+_IMAGE_SHAPE = (16, 16, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,83 +40,261 @@ class TrainConfig:
     """Everything one training run needs.
 
     Attributes:
+      model: "transformer", "resnet" or "mlp" (``hybrid.models``).
+      data: "synthetic", "text:PATH" or "text:python-docs" (``hybrid.data``).
       mesh: mesh spec, e.g. "stage:2;replica:2".
+      platform: "cpu", "gpu" or "tpu": the device type the mesh is made of.
       micro_batches: micro-batches per replica per step.
       schedule: pipeline schedule name.
       virtual_stages: model stages per device (interleaved schedule).
       remat: "never", "except_last" or "always".
+      balance: layers per stage ("params", "time", or counts such as (3, 2)).
       global_batch_size: examples per step over all replicas.
-      train_steps: optimizer steps to run.
+      train_steps: the step to train up to (a resumed run continues to it).
       learning_rate: Adam learning rate.
-      seed: initial weights and data.
-      width, depth, features, num_classes: the MLP and its synthetic task.
+      seed: initial weights, data order and random layers.
+      width, depth: model width (d_model, channels, units) and depth (blocks).
+      seq_len, num_heads, dropout: the Transformer's context, heads and dropout rate.
       jit_compile: XLA-compile the stage programs.
-      log_every: report every this many steps.
+      log_every: log and write TensorBoard scalars every this many steps.
+      model_dir: checkpoints and TensorBoard events; None keeps nothing.
+      checkpoint_every: save every this many steps (0: only at the end).
+      keep_checkpoints: how many recent checkpoints to keep.
+      profile_steps: (first, last) steps to capture in a TF profiler trace, or None.
     """
 
+    model: str = "transformer"
+    data: str = "text:" + data.BUILTIN_TEXT
     mesh: str = "stage:2;replica:2"
+    platform: str = "cpu"
     micro_batches: int = 4
     schedule: str = "gpipe"
     virtual_stages: int = 1
     remat: str = "except_last"
-    global_batch_size: int = 256
-    train_steps: int = 40
+    balance: str | tuple[int, ...] | None = None
+    global_batch_size: int = 32
+    train_steps: int = 60
     learning_rate: float = 3e-3
     seed: int = 0
-    width: int = 256
-    depth: int = 4
-    features: int = 64
-    num_classes: int = 10
+    width: int = 64
+    depth: int = 2
+    seq_len: int = 64
+    num_heads: int = 4
+    dropout: float = 0.0
     jit_compile: bool = True
-    log_every: int = 5
+    log_every: int = 10
+    model_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    profile_steps: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
-    """The losses per step and the throughput after the first (compiling) step."""
+    """The losses of the steps this call ran, where it started, and the trained pipeline.
+
+    Attributes:
+      losses: loss of each step run by this call (steps ``start_step + 1`` …).
+      start_step: the step restored from a checkpoint (0 for a fresh run).
+      examples_per_second: throughput after the first (compiling) step of this call.
+      pipeline: the trained pipeline.
+      checkpoint: the last checkpoint written, if any.
+    """
 
     losses: tuple[float, ...]
+    start_step: int
     examples_per_second: float
     pipeline: Pipeline
+    checkpoint: str | None
 
 
-def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
-    """Trains the MLP on the synthetic teacher task on ``config.mesh``."""
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or Inf; the message names the step and the last good checkpoint."""
+
+
+StepCallback = Callable[[int, float], None]
+
+
+def build_model(config: TrainConfig) -> tuple[list[keras.layers.Layer], tuple[int, ...], str]:
+    """The reference model's layers, its input shape (without batch) and input dtype."""
+    if config.model == "transformer":
+        layers = models.transformer(
+            vocab_size=data.VOCAB_SIZE,
+            seq_len=config.seq_len,
+            d_model=config.width,
+            num_heads=config.num_heads,
+            num_blocks=config.depth,
+            dropout=config.dropout,
+            seed=config.seed,
+        )
+        return layers, (config.seq_len,), "int32"
+    if config.model == "resnet":
+        return (
+            models.resnet(10, config.width, config.depth, seed=config.seed),
+            _IMAGE_SHAPE,
+            ("float32"),
+        )
+    if config.model == "mlp":
+        return models.mlp(10, config.width, config.depth, seed=config.seed), (64,), "float32"
+    raise ValueError(f"unknown model {config.model!r}; choose one of {list(models.MODEL_NAMES)}")
+
+
+def _mesh(config: TrainConfig, devices: Sequence[str] | None) -> DeviceMesh:
     stages, replicas = parse_spec(config.mesh)
-    mesh = DeviceMesh.create(stages, replicas)
+    if devices is not None:
+        return DeviceMesh.from_devices(devices, stages, replicas)
+    return DeviceMesh.create(stages, replicas, config.platform.upper())
+
+
+def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, tuple[int, ...]]:
+    layers, input_shape, dtype = build_model(config)
     pipe = Pipeline(
-        models.mlp(config.num_classes, config.width, config.depth, seed=config.seed),
+        layers,
         mesh=mesh,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=keras.optimizers.Adam(config.learning_rate),
         micro_batches=config.micro_batches,
+        balance=config.balance,
         schedule=config.schedule,
         virtual_stages=config.virtual_stages,
         remat=config.remat,
         jit_compile=config.jit_compile,
     )
-    batches = data.teacher_batches(
-        config.global_batch_size, config.features, config.num_classes, config.seed
+    pipe.build((None, *input_shape), dtype)
+    return pipe, input_shape
+
+
+class _Progress:
+    """Step times after the first (compiling) step of this call, for rates and the ETA."""
+
+    def __init__(self, batch: int, remaining: int) -> None:
+        self.batch, self.remaining = batch, remaining
+        self.timed, self.seconds, self.last = 0, 0.0, 0.0
+
+    def add(self, seconds: float, first: bool) -> None:
+        self.remaining -= 1
+        self.last = seconds
+        if not first:
+            self.timed += 1
+            self.seconds += seconds
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.batch * self.timed / self.seconds if self.timed else 0.0
+
+    @property
+    def eta(self) -> str:
+        per_step = self.seconds / self.timed if self.timed else self.last
+        seconds = int(round(per_step * self.remaining))
+        return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def train(
+    config: TrainConfig,
+    log: Callable[[str], None] = print,
+    step_callback: StepCallback | None = None,
+    devices: Sequence[str] | None = None,
+) -> TrainResult:
+    """Trains ``config.model`` on ``config.data`` on ``config.mesh``; resumes from model_dir.
+
+    Args:
+      config: the run.
+      log: receives the progress lines.
+      step_callback: called as ``step_callback(step, loss)`` after every step; whatever it
+        raises ends the run (the supervisor and the tests inject failures through it).
+      devices: the devices to lay the mesh on (default: the local ``config.platform`` ones).
+
+    Raises:
+      NonFiniteLossError: the loss became NaN or Inf.
+    """
+    mesh = _mesh(config, devices)
+    pipe, input_shape = _pipeline(config, mesh)
+    saver = (
+        Checkpointer(pipe, config.model_dir, config.keep_checkpoints, config.seed)
+        if config.model_dir
+        else None
     )
+    restored = saver.restore_latest(log) if saver else None
+    start = restored.step if restored else 0
+    log(
+        f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
+        f"balance {pipe.balance} schedule {config.schedule} remat {config.remat}"
+    )
+    if restored:
+        log(f"restored {restored.path}: resuming at step {start + 1}")
+    batches = iter(
+        data.dataset(
+            config.data,
+            config.model,
+            config.global_batch_size,
+            config.seed,
+            start_step=restored.data_position if restored else 0,
+            seq_len=config.seq_len,
+            input_shape=input_shape,
+        )
+    )
+    writer = (
+        tf.summary.create_file_writer(os.path.join(config.model_dir, "train"))
+        if (config.model_dir)
+        else None
+    )
+    progress = _Progress(config.global_batch_size, config.train_steps - start)
     losses: list[float] = []
-    timed_start, timed_steps = 0.0, 0
-    for step in range(1, config.train_steps + 1):
+    last_checkpoint = restored.path if restored else None
+    for step in range(start + 1, config.train_steps + 1):
+        _profile(config, step, "start")
         x, y = next(batches)
-        start = time.perf_counter()
+        began = time.perf_counter()
         loss = pipe.train_step(x, y)["loss"]
-        elapsed = time.perf_counter() - start
-        losses.append(loss)
-        if step > 1:  # the first step traces and compiles
-            timed_start += elapsed
-            timed_steps += 1
-        if step == 1:
-            devices = [d for row in mesh.devices for d in row]
-            log(f"mesh {mesh.spec} devices {devices} balance {pipe.balance}")
-        if step % config.log_every == 0 or step == config.train_steps:
-            rate = config.global_batch_size * timed_steps / timed_start if timed_steps else 0.0
-            log(
-                f"step {step:5d}  loss {loss:.4f}  examples/s {rate:9.1f}  "
-                f"step_time {elapsed * 1e3:7.1f} ms"
+        progress.add(time.perf_counter() - began, first=step == start + 1)
+        _profile(config, step, "stop")
+        if not math.isfinite(loss):
+            kept = (
+                f"the last good checkpoint is {last_checkpoint}"
+                if last_checkpoint
+                else ("no checkpoint was written")
             )
-    rate = config.global_batch_size * timed_steps / timed_start if timed_steps else 0.0
-    return TrainResult(tuple(losses), rate, pipe)
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {step}; stopping without saving ({kept}). Lower "
+                f"--learning_rate (now {config.learning_rate}) or check the data"
+            )
+        losses.append(loss)
+        if step_callback is not None:
+            step_callback(step, loss)
+        if step % config.log_every == 0 or step == config.train_steps:
+            log(
+                f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
+                f"examples/s {progress.examples_per_second:9.1f}  "
+                f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
+            )
+            if writer is not None:
+                _scalars(writer, step, loss, config.learning_rate, progress)
+        if saver and (
+            (config.checkpoint_every and step % config.checkpoint_every == 0)
+            or step == config.train_steps
+        ):
+            last_checkpoint = saver.save(step)
+    if writer is not None:
+        writer.flush()
+    return TrainResult(tuple(losses), start, progress.examples_per_second, pipe, last_checkpoint)
+
+
+def _scalars(
+    writer: tf.summary.SummaryWriter, step: int, loss: float, rate: float, progress: _Progress
+) -> None:
+    with writer.as_default(step=step):
+        tf.summary.scalar("loss", loss)
+        tf.summary.scalar("learning_rate", rate)
+        tf.summary.scalar("examples_per_second", progress.examples_per_second)
+        tf.summary.scalar("step_time_ms", progress.last * 1e3)
+
+
+def _profile(config: TrainConfig, step: int, when: str) -> None:
+    """Starts the TF profiler before the first profiled step, stops it after the last."""
+    if config.profile_steps is None or not config.model_dir:
+        return
+    first, last = config.profile_steps
+    if when == "start" and step == first:
+        tf.profiler.experimental.start(os.path.join(config.model_dir, "profile"))
+    elif when == "stop" and step == last:
+        tf.profiler.experimental.stop()

@@ -1,24 +1,41 @@
-"""Trains a model with hybrid on a device mesh.
+"""Trains a reference model with hybrid on a device mesh.
 
-python -m launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=40
+    python -m launch.train                                   # Transformer on text, 2×2 CPU mesh
+    python -m launch.train --mesh="stage:4;replica:2" --schedule=1f1b --micro_batches=8 \\
+        --model_dir=/tmp/run --checkpoint_every=50           # killed? the same command resumes
+    python -m launch.train --platform=gpu --mesh="stage:2;replica:4" ...
+    python -m launch.train --platform=tpu --tpu=my-node --tpu_zone=us-central2-b \\
+        --gcp_project=my-project --model_dir=gs://bucket/run ...
+
+Every flag combination is checked before any work; ``main`` freezes the flags into a
+``TrainConfig`` and calls the flag-free ``hybrid.trainer.train``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
+from typing import Any  # noqa: E402
+
 from absl import app, flags  # noqa: E402
+
+from launch import cloud_tpu  # noqa: E402
 
 FLAGS = flags.FLAGS
 
+_SCHEDULES_NEEDING_M_GE_S = ("1f1b", "zb-h1")
+
 
 def define_flags() -> None:
+    """Defines the launcher's flags and their cross-flag validators."""
     from hybrid import schedule  # no TensorFlow: safe before the device count is set
+    from hybrid.models import catalog
 
-    flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"], "Device type of the mesh.")
+    flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu", "tpu"], "Device type of the mesh.")
     flags.DEFINE_string("mesh", "stage:2;replica:2", "Mesh spec 'stage:S;replica:R'.")
     flags.DEFINE_integer("micro_batches", 4, "Micro-batches per replica per step.", lower_bound=1)
     flags.DEFINE_enum("schedule", "gpipe", schedule.names(), "Pipeline schedule.")
@@ -26,74 +43,244 @@ def define_flags() -> None:
         "virtual_stages", 1, "Model stages per device (--schedule=interleaved).", lower_bound=1
     )
     flags.DEFINE_enum("remat", "except_last", ["never", "except_last", "always"], "Recompute mode.")
-    flags.DEFINE_integer(
-        "global_batch_size", 256, "Examples per step, all replicas.", lower_bound=1
+    flags.DEFINE_string(
+        "balance", "params", "Layers per stage: 'params', 'time' (profiled) or counts '3,2'."
     )
-    flags.DEFINE_integer("train_steps", 40, "Training steps.", lower_bound=1)
+    flags.DEFINE_enum("model", "transformer", list(catalog.MODEL_NAMES), "Reference model.")
+    flags.DEFINE_string(
+        "data",
+        "text:python-docs",
+        "'synthetic', 'text:PATH' (byte-level LM on a text file) or 'text:python-docs' (the "
+        "Python manual shipped with CPython).",
+    )
+    flags.DEFINE_integer("width", 64, "d_model / channels / units of the model.", lower_bound=1)
+    flags.DEFINE_integer("depth", 2, "Blocks of the model.", lower_bound=1)
+    flags.DEFINE_integer("seq_len", 64, "Transformer context length (tokens).", lower_bound=2)
+    flags.DEFINE_integer("num_heads", 4, "Transformer attention heads.", lower_bound=1)
+    flags.DEFINE_float(
+        "dropout", 0.0, "Transformer dropout rate.", lower_bound=0.0, upper_bound=0.9
+    )
+    flags.DEFINE_integer("global_batch_size", 32, "Examples per step, all replicas.", lower_bound=1)
+    flags.DEFINE_integer("train_steps", 60, "Train up to this step.", lower_bound=1)
     flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.", lower_bound=0.0)
-    flags.DEFINE_integer("seed", 0, "Seed for weights and data.")
-    flags.DEFINE_integer("width", 256, "MLP width.", lower_bound=1)
-    flags.DEFINE_integer("depth", 4, "MLP blocks (3 layers each, plus a head).", lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "Seed for weights, data order and random layers.")
     flags.DEFINE_bool("jit_compile", True, "XLA-compile the stage programs.")
-    flags.DEFINE_integer("log_every", 5, "Log every N steps.", lower_bound=1)
+    flags.DEFINE_integer("log_every", 10, "Log and write summaries every N steps.", lower_bound=1)
+    flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard events (resumes from it).")
+    flags.DEFINE_integer(
+        "checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0
+    )
+    flags.DEFINE_integer("keep_checkpoints", 3, "Recent checkpoints kept.", lower_bound=1)
+    flags.DEFINE_string(
+        "profile_steps", None, "'FIRST,LAST': capture a TF profiler trace into --model_dir."
+    )
     flags.DEFINE_integer(
         "simulated_devices", None, "CPU only: logical devices to simulate (default: mesh size)."
     )
-
-    def _check_batch(values: dict) -> bool:
-        from hybrid.mesh import parse_spec
-
-        try:
-            stages, replicas = parse_spec(values["mesh"])
-        except ValueError as err:
-            raise flags.ValidationError(f"--mesh: {err}") from err
-        if values["schedule"] == "interleaved" and values["micro_batches"] % stages:
-            raise flags.ValidationError(
-                f"--schedule=interleaved needs --micro_batches ({values['micro_batches']}) to be a "
-                f"multiple of the pipeline stages ({stages}, from --mesh)"
-            )
-        if values["virtual_stages"] > 1 and values["schedule"] != "interleaved":
-            raise flags.ValidationError(
-                f"--virtual_stages={values['virtual_stages']} needs --schedule=interleaved "
-                f"(got --schedule={values['schedule']})"
-            )
-        parts = replicas * values["micro_batches"]
-        if values["global_batch_size"] % parts:
-            raise flags.ValidationError(
-                f"--global_batch_size={values['global_batch_size']} is not divisible by replicas "
-                f"({replicas}, from --mesh) × --micro_batches ({values['micro_batches']}) = {parts}"
-            )
-        return True
+    flags.DEFINE_string("tpu", None, "--platform=tpu: Cloud TPU node name (or grpc:// address).")
+    flags.DEFINE_string("tpu_zone", None, "--platform=tpu: the node's zone.")
+    flags.DEFINE_string("gcp_project", None, "--platform=tpu: the node's GCP project.")
+    cloud_tpu.define_flags()
 
     flags.register_multi_flags_validator(
         ["mesh", "micro_batches", "global_batch_size", "schedule", "virtual_stages"], _check_batch
     )
-
-    def _check_mesh_fits(values: dict) -> bool:
-        from hybrid.mesh import parse_spec
-
-        try:
-            stages, replicas = parse_spec(values["mesh"])
-        except ValueError:
-            return True  # reported by the batch validator
-        layers = 3 * values["depth"] + 1
-        model_stages = stages * values["virtual_stages"]
-        if model_stages > layers:
-            raise flags.ValidationError(
-                f"--mesh and --virtual_stages make {model_stages} stages but --depth="
-                f"{values['depth']} gives the model only {layers} layers; use fewer stages or a "
-                "larger --depth"
-            )
-        devices = values["simulated_devices"]
-        if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
-            raise flags.ValidationError(
-                f"--mesh={values['mesh']} needs {stages * replicas} devices but "
-                f"--simulated_devices={devices}; raise --simulated_devices or shrink --mesh"
-            )
-        return True
-
     flags.register_multi_flags_validator(
-        ["mesh", "depth", "simulated_devices", "platform", "virtual_stages"], _check_mesh_fits
+        ["mesh", "model", "depth", "simulated_devices", "platform", "virtual_stages", "balance"],
+        _check_mesh_fits,
+    )
+    flags.register_multi_flags_validator(
+        ["model", "data", "width", "num_heads"], _check_model_and_data
+    )
+    flags.register_multi_flags_validator(
+        ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
+    )
+    flags.register_multi_flags_validator(
+        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices"], _check_platform
+    )
+
+
+def _mesh_of(values: dict[str, Any]) -> tuple[int, int]:
+    from hybrid.mesh import parse_spec
+
+    try:
+        return parse_spec(values["mesh"])
+    except ValueError as err:
+        raise flags.ValidationError(f"--mesh: {err}") from err
+
+
+def _check_batch(values: dict[str, Any]) -> bool:
+    stages, replicas = _mesh_of(values)
+    schedule, micro = values["schedule"], values["micro_batches"]
+    if schedule == "interleaved" and micro % stages:
+        raise flags.ValidationError(
+            f"--schedule=interleaved needs --micro_batches ({micro}) to be a multiple of the "
+            f"pipeline stages ({stages}, from --mesh)"
+        )
+    if schedule in _SCHEDULES_NEEDING_M_GE_S and micro < stages:
+        raise flags.ValidationError(
+            f"--schedule={schedule} needs --micro_batches ({micro}) >= pipeline stages ({stages}, "
+            f"from --mesh) to fill its warm-up; raise --micro_batches or use --schedule=gpipe"
+        )
+    if values["virtual_stages"] > 1 and schedule != "interleaved":
+        raise flags.ValidationError(
+            f"--virtual_stages={values['virtual_stages']} needs --schedule=interleaved "
+            f"(got --schedule={schedule})"
+        )
+    parts = replicas * micro
+    if values["global_batch_size"] % parts:
+        raise flags.ValidationError(
+            f"--global_batch_size={values['global_batch_size']} is not divisible by replicas "
+            f"({replicas}, from --mesh) × --micro_batches ({micro}) = {parts}; use a multiple "
+            f"of {parts}"
+        )
+    return True
+
+
+def parse_balance(text: str) -> str | tuple[int, ...]:
+    """``"params"``/``"time"`` or ``"3,2"`` -> the Pipeline's ``balance`` argument."""
+    if text in ("params", "time"):
+        return text
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise flags.ValidationError(
+            f"--balance={text} must be 'params', 'time' or layer counts per stage like '3,2'"
+        ) from None
+    return counts
+
+
+def _check_mesh_fits(values: dict[str, Any]) -> bool:
+    from hybrid.models import catalog
+
+    stages, replicas = _mesh_of(values)
+    layers = catalog.num_layers(values["model"], values["depth"])
+    model_stages = stages * values["virtual_stages"]
+    if model_stages > layers:
+        raise flags.ValidationError(
+            f"--mesh and --virtual_stages make {model_stages} stages but --model="
+            f"{values['model']} with --depth={values['depth']} has only {layers} layers; use "
+            "fewer stages or a larger --depth"
+        )
+    balance = parse_balance(values["balance"])
+    if isinstance(balance, tuple) and (len(balance) != model_stages or sum(balance) != layers):
+        raise flags.ValidationError(
+            f"--balance={values['balance']} must give {model_stages} stages (from --mesh and "
+            f"--virtual_stages) layer counts summing to {layers} (the layers of --model="
+            f"{values['model']} --depth={values['depth']})"
+        )
+    devices = values["simulated_devices"]
+    if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
+        raise flags.ValidationError(
+            f"--mesh={values['mesh']} needs {stages * replicas} devices but "
+            f"--simulated_devices={devices}; raise --simulated_devices or shrink --mesh"
+        )
+    return True
+
+
+def _check_model_and_data(values: dict[str, Any]) -> bool:
+    spec, model = values["data"], values["model"]
+    kind = spec.partition(":")[0]
+    if spec != "synthetic" and (kind != "text" or not spec.partition(":")[2]):
+        raise flags.ValidationError(
+            f"--data={spec}: use 'synthetic', 'text:PATH' or 'text:python-docs'"
+        )
+    if kind == "text":
+        path = spec.partition(":")[2]
+        if path != "python-docs" and not os.path.isfile(path):
+            raise flags.ValidationError(f"--data={spec}: no such file {path!r}")
+        if model != "transformer":
+            raise flags.ValidationError(
+                f"--data={spec} is a language-modelling corpus but --model={model} classifies; "
+                "use --model=transformer or --data=synthetic"
+            )
+    if model == "transformer" and values["width"] % values["num_heads"]:
+        raise flags.ValidationError(
+            f"--width={values['width']} must be divisible by --num_heads={values['num_heads']}"
+        )
+    return True
+
+
+def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        first, last = (int(v) for v in text.split(","))
+    except ValueError:
+        raise flags.ValidationError(
+            f"--profile_steps={text} must be 'FIRST,LAST', e.g. '10,12'"
+        ) from None
+    return first, last
+
+
+def _check_run(values: dict[str, Any]) -> bool:
+    if values["checkpoint_every"] and not values["model_dir"]:
+        raise flags.ValidationError(
+            f"--checkpoint_every={values['checkpoint_every']} needs --model_dir to write to"
+        )
+    steps = parse_profile_steps(values["profile_steps"])
+    if steps is not None:
+        first, last = steps
+        if not 1 <= first <= last <= values["train_steps"]:
+            raise flags.ValidationError(
+                f"--profile_steps={values['profile_steps']} must satisfy 1 <= FIRST <= LAST <= "
+                f"--train_steps ({values['train_steps']})"
+            )
+        if not values["model_dir"]:
+            raise flags.ValidationError("--profile_steps needs --model_dir to write the trace to")
+    return True
+
+
+def _check_platform(values: dict[str, Any]) -> bool:
+    platform = values["platform"]
+    missing = [f"--{n}" for n in ("tpu", "tpu_zone", "gcp_project") if not values[n]]
+    if platform == "tpu" and missing:
+        raise flags.ValidationError(
+            f"--platform=tpu needs {', '.join(missing)}: the Cloud TPU node's name, zone and "
+            "project (the supervisor asks the Cloud TPU API about that node)"
+        )
+    if platform != "tpu":
+        given = [f"--{n}" for n in ("tpu", "tpu_zone", "gcp_project") if values[n]]
+        if given:
+            raise flags.ValidationError(
+                f"{', '.join(given)} only apply with --platform=tpu (got --platform={platform})"
+            )
+    if platform != "cpu" and values["simulated_devices"] is not None:
+        raise flags.ValidationError(
+            f"--simulated_devices only applies with --platform=cpu (got --platform={platform})"
+        )
+    return True
+
+
+def config_from_flags() -> Any:
+    """The frozen TrainConfig the flags describe."""
+    from hybrid.trainer import TrainConfig
+
+    return TrainConfig(
+        model=FLAGS.model,
+        data=FLAGS.data,
+        mesh=FLAGS.mesh,
+        platform=FLAGS.platform,
+        micro_batches=FLAGS.micro_batches,
+        schedule=FLAGS.schedule,
+        virtual_stages=FLAGS.virtual_stages,
+        remat=FLAGS.remat,
+        balance=parse_balance(FLAGS.balance),
+        global_batch_size=FLAGS.global_batch_size,
+        train_steps=FLAGS.train_steps,
+        learning_rate=FLAGS.learning_rate,
+        seed=FLAGS.seed,
+        width=FLAGS.width,
+        depth=FLAGS.depth,
+        seq_len=FLAGS.seq_len,
+        num_heads=FLAGS.num_heads,
+        dropout=FLAGS.dropout,
+        jit_compile=FLAGS.jit_compile,
+        log_every=FLAGS.log_every,
+        model_dir=FLAGS.model_dir,
+        checkpoint_every=FLAGS.checkpoint_every,
+        keep_checkpoints=FLAGS.keep_checkpoints,
+        profile_steps=parse_profile_steps(FLAGS.profile_steps),
     )
 
 
@@ -101,32 +288,48 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import hybrid
+    from hybrid.checkpoint import CheckpointError
     from hybrid.mesh import parse_spec
-    from hybrid.trainer import TrainConfig, train
+    from hybrid.trainer import NonFiniteLossError, train
 
-    stages, replicas = parse_spec(FLAGS.mesh)
-    if FLAGS.platform == "cpu":
-        hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-    config = TrainConfig(
-        mesh=FLAGS.mesh,
-        micro_batches=FLAGS.micro_batches,
-        schedule=FLAGS.schedule,
-        virtual_stages=FLAGS.virtual_stages,
-        remat=FLAGS.remat,
-        global_batch_size=FLAGS.global_batch_size,
-        train_steps=FLAGS.train_steps,
-        learning_rate=FLAGS.learning_rate,
-        seed=FLAGS.seed,
-        width=FLAGS.width,
-        depth=FLAGS.depth,
-        jit_compile=FLAGS.jit_compile,
-        log_every=FLAGS.log_every,
-    )
-    result = train(config)
-    print(
-        f"done: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
-        f"{result.examples_per_second:.1f} examples/s"
-    )
+    config = config_from_flags()
+    stages, replicas = parse_spec(config.mesh)
+    try:
+        if config.platform == "cpu":
+            hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
+        if config.platform == "tpu":
+            from hybrid import cloud_tpu as tpu_lib
+
+            def attempt(restart: int) -> Any:
+                # After a preemption the TPU system must be connected and initialised again.
+                system = tpu_lib.resolve(
+                    FLAGS.tpu,
+                    FLAGS.tpu_zone,
+                    FLAGS.gcp_project,
+                    discovery_url=FLAGS.tpu_discovery_url,
+                )
+                return train(config, devices=system.devices)
+
+            result = cloud_tpu.run_supervised(
+                attempt,
+                FLAGS.tpu,
+                FLAGS.tpu_zone,
+                FLAGS.gcp_project,
+                log=print,
+            )
+        else:
+            result = train(config)
+    except (NonFiniteLossError, CheckpointError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    if result.losses:
+        print(
+            f"done: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over steps "
+            f"{result.start_step + 1}-{config.train_steps}, "
+            f"{result.examples_per_second:.1f} examples/s"
+        )
+    else:
+        print(f"done: already trained to step {config.train_steps} ({result.checkpoint})")
 
 
 if __name__ == "__main__":

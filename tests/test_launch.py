@@ -22,23 +22,41 @@ def launch(*flags: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_trains_and_loss_falls():
+def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     run = launch(
         "--mesh=stage:2;replica:2",
         "--micro_batches=2",
-        "--global_batch_size=64",
+        "--global_batch_size=16",
         "--train_steps=30",
         "--width=32",
-        "--depth=2",
+        "--depth=1",
+        "--seq_len=32",
         "--learning_rate=0.01",
         "--log_every=10",
+        f"--model_dir={tmp_path}",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh stage:2;replica:2" in run.stdout
-    assert "examples/s" in run.stdout
+    assert "examples/s" in run.stdout and "eta 0:00:00" in run.stdout
     done = [line for line in run.stdout.splitlines() if line.startswith("done:")]
-    first, last = (float(v) for v in done[0].split("loss ")[1].split(",")[0].split(" -> "))
-    assert last < 0.8 * first, done
+    first, last = (float(v) for v in done[0].split("loss ")[1].split(" over")[0].split(" -> "))
+    assert first > 5.0  # ~ln(256): bytes are uniform to a fresh model
+    assert last < 0.7 * first, done
+    assert os.path.exists(os.path.join(tmp_path, "ckpt-30.index"))
+    events = os.listdir(os.path.join(tmp_path, "train"))
+    assert any(name.startswith("events.out.tfevents") for name in events)
+    again = launch(
+        "--mesh=stage:2;replica:2",
+        "--micro_batches=2",
+        "--global_batch_size=16",
+        "--train_steps=30",
+        "--width=32",
+        "--depth=1",
+        "--seq_len=32",
+        f"--model_dir={tmp_path}",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already trained to step 30" in again.stdout
 
 
 @pytest.mark.parametrize(
@@ -52,6 +70,7 @@ def test_trains_and_loss_falls():
         (["--mesh=stages:2"], "--mesh: bad mesh spec 'stages:2'"),
         (["--schedule=gpip"], "flag --schedule=gpip: value should be one of"),
         (["--remat=sometimes"], "flag --remat=sometimes: value should be one of"),
+        (["--model=gpt"], "flag --model=gpt: value should be one of"),
         (["--micro_batches=0"], "--micro_batches"),
         (
             ["--mesh=stage:2", "--simulated_devices=1"],
@@ -59,14 +78,36 @@ def test_trains_and_loss_falls():
         ),
         (
             ["--mesh=stage:20", "--depth=2"],
-            "make 20 stages but --depth=2 gives the model only 7",
+            "make 20 stages but --model=transformer with --depth=2 has only 5 layers",
         ),
         (
             ["--mesh=stage:4", "--schedule=interleaved", "--virtual_stages=2", "--micro_batches=6"],
             "--schedule=interleaved needs --micro_batches (6) to be a multiple of the pipeline "
             "stages (4, from --mesh)",
         ),
+        (
+            ["--mesh=stage:4", "--depth=4", "--schedule=1f1b", "--micro_batches=2"],
+            "--schedule=1f1b needs --micro_batches (2) >= pipeline stages (4, from --mesh)",
+        ),
         (["--virtual_stages=2"], "--virtual_stages=2 needs --schedule=interleaved"),
+        (
+            ["--balance=4,4"],
+            "--balance=4,4 must give 2 stages (from --mesh and --virtual_stages) "
+            "layer counts summing to 5",
+        ),
+        (["--balance=half"], "--balance=half must be 'params', 'time' or layer counts"),
+        (["--data=text:/no/such/file.txt"], "--data=text:/no/such/file.txt: no such file"),
+        (["--data=imagenet"], "--data=imagenet: use 'synthetic', 'text:PATH'"),
+        (
+            ["--model=mlp"],
+            "--data=text:python-docs is a language-modelling corpus but --model=mlp classifies",
+        ),
+        (["--width=30", "--num_heads=4"], "--width=30 must be divisible by --num_heads=4"),
+        (["--checkpoint_every=5"], "--checkpoint_every=5 needs --model_dir"),
+        (["--profile_steps=5,3", "--model_dir=/tmp/x"], "--profile_steps=5,3 must satisfy"),
+        (["--platform=tpu", "--tpu=n"], "--platform=tpu needs --tpu_zone, --gcp_project"),
+        (["--tpu=node", "--tpu_zone=z"], "--tpu, --tpu_zone only apply with --platform=tpu"),
+        (["--platform=gpu", "--simulated_devices=4"], "--simulated_devices only applies with"),
         (["stray"], "unexpected arguments: ['stray']"),
     ],
 )
@@ -75,6 +116,30 @@ def test_bad_flags_fail_before_training(flags, message):
     assert run.returncode != 0
     assert message in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
     assert "step " not in run.stdout
+
+
+def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
+    run = launch(
+        "--model=mlp",
+        "--data=synthetic",
+        "--mesh=stage:2;replica:1",
+        "--micro_batches=2",
+        "--global_batch_size=8",
+        "--width=8",
+        "--depth=1",
+        "--learning_rate=1e30",
+        "--train_steps=20",
+        "--checkpoint_every=1",
+        f"--model_dir={tmp_path}",
+        "--nojit_compile",
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    error = [line for line in run.stderr.splitlines() if line.startswith("error: loss is")]
+    assert error, run.stderr[-3000:]
+    step = int(error[0].split(" at step ")[1].split(";")[0])
+    assert f"the last good checkpoint is {tmp_path}/ckpt-{step - 1}" in error[0]
+    assert "Lower --learning_rate (now 1e+30)" in error[0]
+    assert not os.path.exists(os.path.join(tmp_path, f"ckpt-{step}.index"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""Serves one task of a multi-host job: a TensorFlow gRPC server that waits for the client.
+
+Start one per task (host), then the client with the same cluster spec:
+
+    python -m launch.worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=0
+    python -m launch.worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=1
+
+or with TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' and no flags.
+On a CPU host, ``--simulated_devices=N`` splits the CPU into N logical devices. The worker
+serves until SIGTERM or SIGINT (exit code 0) or until ``--lifetime_s`` has passed (exit code
+3, so a forgotten worker does not live forever).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+EXIT_LIFETIME = 3
+
+
+def define_flags() -> None:
+    flags.DEFINE_string(
+        "cluster",
+        None,
+        'Cluster spec as JSON, e.g. {"worker": ["host0:2222", "host1:2222"]} (or a TF_CONFIG '
+        "shaped object); default: the TF_CONFIG environment variable.",
+    )
+    flags.DEFINE_string("job_name", None, "This task's job (default: TF_CONFIG's, else worker).")
+    flags.DEFINE_integer(
+        "task_index", None, "This task's index in its job (default: TF_CONFIG's).", lower_bound=0
+    )
+    flags.DEFINE_integer(
+        "simulated_devices",
+        None,
+        "CPU only: logical CPU devices this task offers (default: the host's devices).",
+        lower_bound=1,
+    )
+    flags.DEFINE_float(
+        "lifetime_s", 0.0, "Exit after this many seconds (0: serve until signalled).", lower_bound=0
+    )
+
+
+def _task_of(text: str | None) -> dict[str, Any]:
+    """The "task" entry of a TF_CONFIG-shaped JSON object, if any."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}  # cluster_spec() reports the bad JSON
+    task = value.get("task", {}) if isinstance(value, dict) else {}
+    return task if isinstance(task, dict) else {}
+
+
+def _resolve_task() -> tuple[str, int, str | None]:
+    text = FLAGS.cluster if FLAGS.cluster is not None else os.environ.get("TF_CONFIG")
+    task = _task_of(text)
+    job = FLAGS.job_name or task.get("type") or "worker"
+    index = FLAGS.task_index if FLAGS.task_index is not None else task.get("index")
+    if index is None:
+        raise app.UsageError(
+            "which task is this? pass --task_index (or set TF_CONFIG's task.index)"
+        )
+    return job, int(index), text
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is a --flag")
+    from hybrid import cluster
+
+    job, index, text = _resolve_task()
+    try:
+        spec = cluster.cluster_spec(text)
+        server = cluster.start_server(spec, job, index, FLAGS.simulated_devices)
+    except (ValueError, cluster.ClusterError) as err:
+        print(f"worker: {err}", file=sys.stderr, flush=True)
+        return 2
+    devices = FLAGS.simulated_devices or "all local"
+    print(
+        f"worker {job}:{index} serving at {spec.task_address(job, index)} "
+        f"({server.target}, {devices} devices); stop with SIGTERM",
+        flush=True,
+    )
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        del frame
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    deadline = time.monotonic() + FLAGS.lifetime_s if FLAGS.lifetime_s else None
+    # The main thread waits in Python (not in server.join()) so the signal handlers run.
+    while not stop.wait(0.5):
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"worker {job}:{index}: --lifetime_s={FLAGS.lifetime_s:g} passed", flush=True)
+            return EXIT_LIFETIME
+    print(f"worker {job}:{index}: {received[0]}, shutting down", flush=True)
+    return 0
+
+
+def run() -> None:
+    """Runs ``main`` and ends the process with its exit code.
+
+    The exit skips interpreter teardown: TensorFlow's gRPC server cannot be stopped, and
+    destroying it while a client is connected can block.
+    """
+    def main_and_exit(argv: list[str]) -> None:
+        code = main(argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    app.run(main_and_exit)
+
+
+if __name__ == "__main__":
+    define_flags()
+    run()

@@ -1,0 +1,102 @@
+"""Crash safety with real processes: SIGKILL mid-run, the same command again, same weights.
+
+One launcher run trains uninterrupted to step 12. A second, with the same flags and its own
+--model_dir, is killed with SIGKILL after step 7 (its last checkpoint is step 6, and step 7
+is lost), then started again with the same command: it resumes at step 7 and must end with
+exactly the weights and optimizer state of the uninterrupted run.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12
+FLAGS = [
+    "--model=transformer",
+    "--data=text:python-docs",
+    "--mesh=stage:2;replica:2",
+    "--schedule=1f1b",
+    "--micro_batches=2",
+    "--global_batch_size=8",
+    "--width=16",
+    "--depth=2",
+    "--seq_len=16",
+    "--dropout=0.1",  # random layers too: their seeds must resume exactly
+    f"--train_steps={STEPS}",
+    "--checkpoint_every=2",
+    "--log_every=1",
+    "--nojit_compile",
+]
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def command(model_dir):
+    return [sys.executable, "-m", "launch.train", *FLAGS, f"--model_dir={model_dir}"]
+
+
+def run_to_end(model_dir):
+    run = subprocess.run(
+        command(model_dir), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def run_and_kill_after(model_dir, step):
+    """Starts the run and SIGKILLs it as soon as it has logged ``step``."""
+    process = subprocess.Popen(
+        command(model_dir),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
+    deadline = time.monotonic() + 300
+    try:
+        for line in process.stdout:
+            if line.startswith(f"step {step:6d}/"):
+                process.send_signal(signal.SIGKILL)
+                break
+            assert time.monotonic() < deadline, "the run did not reach the step in time"
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+
+def state(path):
+    reader = tf.train.load_checkpoint(path)
+    keys = [k for k in reader.get_variable_to_shape_map() if not k.startswith("_CHECKPOINTABLE")]
+    return {k: reader.get_tensor(k) for k in keys if k.split("/")[0] in ("model", "optimizer")}
+
+
+def test_sigkill_then_same_command_ends_with_identical_weights(tmp_path):
+    whole, crashed = tmp_path / "whole", tmp_path / "crashed"
+    run_to_end(whole)
+    run_and_kill_after(crashed, 7)
+    assert tf.train.latest_checkpoint(str(crashed)).endswith("ckpt-6")
+    resumed = run_to_end(crashed)
+    assert "ckpt-6: resuming at step 7" in resumed
+    assert f"step      7/{STEPS}" in resumed and f"step      6/{STEPS}" not in resumed
+
+    expected = state(str(whole / f"ckpt-{STEPS}"))
+    actual = state(str(crashed / f"ckpt-{STEPS}"))
+    assert expected.keys() == actual.keys()
+    assert any(k.startswith("optimizer/layer_") for k in expected)  # Adam slots compared too
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
