@@ -22,18 +22,20 @@ def launch(*flags: str) -> subprocess.CompletedProcess:
     )
 
 
+SMALL_TRANSFORMER = (
+    "--mesh=stage:2;replica:2",
+    "--micro_batches=2",
+    "--global_batch_size=16",
+    "--train_steps=30",
+    "--width=32",
+    "--depth=1",
+    "--seq_len=32",
+)
+
+
 def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     run = launch(
-        "--mesh=stage:2;replica:2",
-        "--micro_batches=2",
-        "--global_batch_size=16",
-        "--train_steps=30",
-        "--width=32",
-        "--depth=1",
-        "--seq_len=32",
-        "--learning_rate=0.01",
-        "--log_every=10",
-        f"--model_dir={tmp_path}",
+        *SMALL_TRANSFORMER, "--learning_rate=0.01", "--log_every=10", f"--model_dir={tmp_path}"
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh stage:2;replica:2" in run.stdout
@@ -45,16 +47,7 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, "ckpt-30.index"))
     events = os.listdir(os.path.join(tmp_path, "train"))
     assert any(name.startswith("events.out.tfevents") for name in events)
-    again = launch(
-        "--mesh=stage:2;replica:2",
-        "--micro_batches=2",
-        "--global_batch_size=16",
-        "--train_steps=30",
-        "--width=32",
-        "--depth=1",
-        "--seq_len=32",
-        f"--model_dir={tmp_path}",
-    )
+    again = launch(*SMALL_TRANSFORMER, f"--model_dir={tmp_path}")  # already at step 30
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained to step 30" in again.stdout
 
