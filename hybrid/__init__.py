@@ -7,7 +7,7 @@ pipe = hybrid.Pipeline(layers, mesh=mesh, loss=..., optimizer=..., micro_batches
 pipe.train_step(x, y)
 """
 
-from hybrid import models, partition, schedule, timeline
+from hybrid import cluster, models, partition, schedule, timeline, tpu_mesh
 from hybrid.checkpoint import Checkpointer, CheckpointError
 from hybrid.devices import local_devices, simulate_cpu_devices
 from hybrid.mesh import DeviceMesh
@@ -24,12 +24,14 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "TimedAction",
+    "cluster",
     "local_devices",
     "models",
     "partition",
     "schedule",
     "simulate_cpu_devices",
     "timeline",
+    "tpu_mesh",
 ]
 
 __version__ = "0.1.0"

@@ -160,14 +160,25 @@ class Checkpointer:
       directory: where ``ckpt-<step>`` files and the ``checkpoint`` state file live.
       keep: how many recent checkpoints to keep.
       seed: the data seed of the run; a checkpoint written with another one is refused.
+      io_device: the device whose host reads and writes the files (default: each variable's
+        own host). A client of a multi-host job passes its own CPU, so the files land on
+        the client's file system whichever task holds the variables.
     """
 
-    def __init__(self, pipe: Pipeline, directory: str, keep: int = 3, seed: int = 0) -> None:
+    def __init__(
+        self,
+        pipe: Pipeline,
+        directory: str,
+        keep: int = 3,
+        seed: int = 0,
+        io_device: str | None = None,
+    ) -> None:
         if not pipe.built:
             raise ValueError("build the pipeline before creating its Checkpointer")
         if keep < 1:
             raise ValueError(f"keep must be at least 1 checkpoint, got {keep}")
         self.pipe, self.directory, self.seed = pipe, directory, seed
+        self._options = tf.train.CheckpointOptions(experimental_io_device=io_device)
         with tf.device("/device:CPU:0"):
             self._meta = {
                 "step": tf.Variable(0, dtype=tf.int64, trainable=False),
@@ -191,7 +202,7 @@ class Checkpointer:
         self._meta["step"].assign(step)
         self._meta["data_position"].assign(step if data_position is None else data_position)
         self._meta["seed"].assign(self.seed)
-        return str(self._manager.save(checkpoint_number=step))
+        return str(self._manager.save(checkpoint_number=step, options=self._options))
 
     def restore(self, path: str) -> Restored:
         """Loads ``path`` into every replica; sets the pipeline's step counter.
@@ -200,7 +211,7 @@ class Checkpointer:
           CheckpointError: the checkpoint holds another model, optimizer or seed.
         """
         self._check_layout(path)
-        status = self._checkpoint.restore(path)
+        status = self._checkpoint.restore(path, options=self._options)
         try:
             status.assert_consumed()
         except AssertionError as err:

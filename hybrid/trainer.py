@@ -194,6 +194,7 @@ def train(
     log: Callable[[str], None] = print,
     step_callback: StepCallback | None = None,
     devices: Sequence[str] | None = None,
+    checkpoint_io_device: str | None = None,
 ) -> TrainResult:
     """Trains ``config.model`` on ``config.data`` on ``config.mesh``; resumes from model_dir.
 
@@ -202,7 +203,10 @@ def train(
       log: receives the progress lines.
       step_callback: called as ``step_callback(step, loss)`` after every step; whatever it
         raises ends the run (the supervisor and the tests inject failures through it).
-      devices: the devices to lay the mesh on (default: the local ``config.platform`` ones).
+      devices: the devices to lay the mesh on, stage-major (default: the local
+        ``config.platform`` ones); e.g. a multi-host mesh's devices.
+      checkpoint_io_device: the device whose host writes the checkpoint files (a
+        multi-host client passes its own CPU).
 
     Raises:
       NonFiniteLossError: the loss became NaN or Inf.
@@ -210,7 +214,9 @@ def train(
     mesh = _mesh(config, devices)
     pipe, input_shape = _pipeline(config, mesh)
     saver = (
-        Checkpointer(pipe, config.model_dir, config.keep_checkpoints, config.seed)
+        Checkpointer(
+            pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device
+        )
         if config.model_dir
         else None
     )

@@ -80,6 +80,22 @@ def define_flags() -> None:
     flags.DEFINE_string("tpu", None, "--platform=tpu: Cloud TPU node name (or grpc:// address).")
     flags.DEFINE_string("tpu_zone", None, "--platform=tpu: the node's zone.")
     flags.DEFINE_string("gcp_project", None, "--platform=tpu: the node's GCP project.")
+    flags.DEFINE_string(
+        "cluster",
+        None,
+        'Multi-host: the cluster spec as JSON (\'{"worker": ["host0:2222", ...]}\') or '
+        "'TF_CONFIG' to read that variable; start each task with `python -m launch.worker`.",
+    )
+    flags.DEFINE_float(
+        "cluster_timeout", 60.0, "Multi-host: seconds to wait for every task.", lower_bound=1.0
+    )
+    flags.DEFINE_enum(
+        "mesh_order",
+        "replica_groups_in_host",
+        ["replica_groups_in_host", "pipelines_in_host"],
+        "Multi-host: keep each stage's replica group inside a host (all-reduce on local links, "
+        "activations cross hosts) or each replica's pipeline.",
+    )
     cloud_tpu.define_flags()
 
     flags.register_multi_flags_validator(
@@ -96,7 +112,8 @@ def define_flags() -> None:
         ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
     )
     flags.register_multi_flags_validator(
-        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices"], _check_platform
+        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices", "cluster"],
+        _check_platform,
     )
 
 
@@ -245,11 +262,70 @@ def _check_platform(values: dict[str, Any]) -> bool:
             raise flags.ValidationError(
                 f"{', '.join(given)} only apply with --platform=tpu (got --platform={platform})"
             )
+    if values["cluster"] is not None:
+        if platform == "tpu":
+            raise flags.ValidationError(
+                "--cluster is for CPU/GPU tasks started with launch.worker; with --platform=tpu "
+                "the TPU resolver finds the hosts"
+            )
+        if values["simulated_devices"] is not None:
+            raise flags.ValidationError(
+                "--simulated_devices does not apply with --cluster: each worker simulates its "
+                "own devices (python -m launch.worker --simulated_devices=N)"
+            )
+        _check_cluster_spec(values["cluster"])
     if platform != "cpu" and values["simulated_devices"] is not None:
         raise flags.ValidationError(
             f"--simulated_devices only applies with --platform=cpu (got --platform={platform})"
         )
     return True
+
+
+def _check_cluster_spec(text: str) -> None:
+    import json
+
+    if text == "TF_CONFIG":
+        if not os.environ.get("TF_CONFIG"):
+            raise flags.ValidationError("--cluster=TF_CONFIG but the TF_CONFIG variable is unset")
+        return
+    try:
+        spec = json.loads(text)
+    except ValueError as err:
+        raise flags.ValidationError(
+            f"--cluster={text} is not JSON ({err}); e.g. "
+            '--cluster=\'{"worker": ["host0:2222", "host1:2222"]}\' or --cluster=TF_CONFIG'
+        ) from None
+    if not isinstance(spec, dict) or not spec.get("worker"):
+        raise flags.ValidationError(
+            f"--cluster={text} needs a 'worker' job listing the task addresses"
+        )
+
+
+def _run_on_cluster(config: Any) -> Any:
+    """Connects to the workers, lays the mesh over their devices and trains from the client.
+
+    Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
+    """
+    from hybrid import cluster as cluster_lib
+    from hybrid.mesh import DeviceMesh, parse_spec
+    from hybrid.trainer import train
+
+    spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
+    stages, replicas = parse_spec(config.mesh)
+    try:
+        job = cluster_lib.connect(spec, timeout_s=FLAGS.cluster_timeout)
+        mesh = DeviceMesh.from_cluster(
+            job, stages, replicas, order=FLAGS.mesh_order, device_type=config.platform.upper()
+        )
+        with job.guard():
+            return train(
+                config,
+                devices=[d for row in mesh.devices for d in row],
+                checkpoint_io_device=f"/job:{job.client_job}/replica:0/task:0/device:CPU:0",
+            )
+    except cluster_lib.ClusterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
 
 
 def config_from_flags() -> Any:
@@ -295,9 +371,9 @@ def main(argv: list[str]) -> None:
     config = config_from_flags()
     stages, replicas = parse_spec(config.mesh)
     try:
-        if config.platform == "cpu":
-            hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-        if config.platform == "tpu":
+        if FLAGS.cluster is not None:
+            result = _run_on_cluster(config)
+        elif config.platform == "tpu":
             from hybrid import cloud_tpu as tpu_lib
 
             def attempt(restart: int) -> Any:
@@ -318,6 +394,8 @@ def main(argv: list[str]) -> None:
                 log=print,
             )
         else:
+            if config.platform == "cpu":
+                hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
             result = train(config)
     except (NonFiniteLossError, CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

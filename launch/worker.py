@@ -8,7 +8,8 @@ Start one per task (host), then the client with the same cluster spec:
 or with TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' and no flags.
 On a CPU host, ``--simulated_devices=N`` splits the CPU into N logical devices. The worker
 serves until SIGTERM or SIGINT (exit code 0) or until ``--lifetime_s`` has passed (exit code
-3, so a forgotten worker does not live forever).
+3, so a forgotten worker does not live forever); a server that cannot start (a bad spec, a
+port in use) exits with code 2 and says why.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def _resolve_task() -> tuple[str, int, str | None]:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is a --flag")
-    from hybrid import cluster
-
     job, index, text = _resolve_task()
+    from hybrid import cluster  # after the flag checks: TensorFlow takes seconds to import
+
     try:
         spec = cluster.cluster_spec(text)
         server = cluster.start_server(spec, job, index, FLAGS.simulated_devices)
@@ -114,21 +115,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run() -> None:
-    """Runs ``main`` and ends the process with its exit code.
-
-    The exit skips interpreter teardown: TensorFlow's gRPC server cannot be stopped, and
-    destroying it while a client is connected can block.
-    """
-    def main_and_exit(argv: list[str]) -> None:
-        code = main(argv)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    app.run(main_and_exit)
-
-
 if __name__ == "__main__":
     define_flags()
-    run()
+    app.run(main)

@@ -35,7 +35,11 @@ SMALL_TRANSFORMER = (
 
 def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     run = launch(
-        *SMALL_TRANSFORMER, "--learning_rate=0.01", "--log_every=10", f"--model_dir={tmp_path}"
+        *SMALL_TRANSFORMER,
+        "--learning_rate=0.01",
+        "--log_every=10",
+        f"--model_dir={tmp_path}",
+        "--profile_steps=3,4",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh stage:2;replica:2" in run.stdout
@@ -47,6 +51,8 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, "ckpt-30.index"))
     events = os.listdir(os.path.join(tmp_path, "train"))
     assert any(name.startswith("events.out.tfevents") for name in events)
+    traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
+    assert any(f.endswith(".xplane.pb") for f in traces), traces
     again = launch(*SMALL_TRANSFORMER, f"--model_dir={tmp_path}")  # already at step 30
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained to step 30" in again.stdout
