@@ -220,8 +220,10 @@ def test_lost_worker_fails_with_clear_error(job, tmp_path):
     with open(tmp_path / "client.err") as f:
         error = f.read()
     assert code == 3, error[-3000:]
-    assert f"lost worker task 1 ({job.addresses[1]})" in error, error[-3000:]
-    assert "restart that worker" in error
+    # The step's error (guard) or the watcher, whichever sees the lost task first, names it.
+    named = f"lost worker task 1 ({job.addresses[1]})" in error and "restart that worker" in error
+    watched = f"worker task 1 ({job.addresses[1]}) stopped answering" in error
+    assert named or watched, error[-3000:]
     assert elapsed < 30
 
 
