@@ -137,3 +137,126 @@ def bar_chart(name: str, values: Mapping[str, float], ylabel: str, title: str) -
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def write_csv(name: str, rows: list[Mapping[str, Any]]) -> str:
+    """``rows`` as ``benchmarks/results/<name>.csv`` (columns: the union of their keys, in
+    first-seen order; lists and dicts are written as JSON)."""
+    import csv
+
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.csv")
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {
+                    k: json.dumps(v) if isinstance(v, list | tuple | dict) else v
+                    for k, v in row.items()
+                }
+            )
+    return path
+
+
+def run_child(
+    argv: list[str], env: Mapping[str, str] | None = None, timeout: int = 1800
+) -> list[Any]:
+    """Runs ``python argv...`` in a fresh process (TensorFlow's devices are fixed per process)
+    and returns the JSON values it printed on lines starting with ``RESULT ``.
+
+    Raises:
+      RuntimeError: the child failed or printed no result; with the end of its stderr.
+    """
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        env={**os.environ, **(env or {})},
+        text=True,
+        timeout=timeout,
+    )
+    results = [
+        json.loads(line[len("RESULT ") :])
+        for line in child.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    if child.returncode or not results:
+        raise RuntimeError(
+            f"{' '.join(argv)} failed (exit {child.returncode}):\n{child.stderr[-3000:]}"
+        )
+    return results
+
+
+def define_reference_model_flags(
+    model: str = "transformer", width: int = 64, depth: int = 2, batch: int = 32
+) -> None:
+    """Flags of the reference models (``hybrid.models``): --model, --width (d_model,
+    channels or Dense width), --depth (blocks), --batch, --seq_len, --num_heads, --image_size."""
+    from absl import flags
+
+    flags.DEFINE_enum("model", model, ["transformer", "mlp", "resnet"], "Reference model.")
+    define_model_flags(depth=depth, batch=batch, width=width)
+    flags.DEFINE_integer("seq_len", 32, "Transformer: tokens per example.")
+    flags.DEFINE_integer("num_heads", 4, "Transformer: attention heads.")
+    flags.DEFINE_integer("image_size", 16, "ResNet: image height and width.")
+
+
+def reference_model(
+    model: str,
+    batch: int,
+    width: int,
+    depth: int,
+    seq_len: int = 32,
+    num_heads: int = 4,
+    image_size: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A reference model from ``hybrid.models`` and a fixed synthetic batch for it.
+
+    Returns a dict with ``layers``, ``input_shape`` (without batch), ``input_dtype``,
+    ``loss`` (a fresh Keras loss), ``x``, ``y`` (tensors with ``batch`` examples):
+
+      transformer  vocab 256, ``seq_len`` tokens, d_model ``width``, ``depth`` blocks;
+                   ids (B, T) -> logits (B, T, 256), labels ids (B, T)
+      mlp          ``depth`` blocks of Dense(width) on ``width`` features, 10 classes
+      resnet       ``depth`` residual blocks of ``width`` channels on 3-channel images
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from hybrid import models
+
+    keras.utils.set_random_seed(seed)
+    rng = np.random.default_rng(seed)
+    if model == "transformer":
+        layers = models.transformer(256, seq_len, width, num_heads, depth, seed=seed)
+        shape, dtype = (seq_len,), "int32"
+        x = rng.integers(0, 256, size=(batch, seq_len)).astype("int32")
+        y = rng.integers(0, 256, size=(batch, seq_len)).astype("int32")
+    elif model == "mlp":
+        layers = models.mlp(10, width, depth, seed=seed)
+        shape, dtype = (width,), "float32"
+        x = rng.normal(size=(batch, width)).astype("float32")
+        y = rng.integers(0, 10, size=(batch,)).astype("int32")
+    elif model == "resnet":
+        layers = models.resnet(10, width, depth, seed=seed)
+        shape, dtype = (image_size, image_size, 3), "float32"
+        x = rng.normal(size=(batch, *shape)).astype("float32")
+        y = rng.integers(0, 10, size=(batch,)).astype("int32")
+    else:
+        raise ValueError(f"unknown model {model!r}; choose transformer, mlp or resnet")
+    return {
+        "layers": layers,
+        "input_shape": shape,
+        "input_dtype": dtype,
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "x": tf.constant(x),
+        "y": tf.constant(y),
+    }

@@ -7,11 +7,12 @@ pipe = hybrid.Pipeline(layers, mesh=mesh, loss=..., optimizer=..., micro_batches
 pipe.train_step(x, y)
 """
 
-from hybrid import cluster, models, partition, schedule, timeline, tpu_mesh
+from hybrid import cluster, models, partition, planner, schedule, timeline, tpu_mesh
 from hybrid.checkpoint import Checkpointer, CheckpointError
 from hybrid.devices import local_devices, simulate_cpu_devices
 from hybrid.mesh import DeviceMesh
 from hybrid.pipeline import REMAT_MODES, Pipeline, TimedAction
+from hybrid.planner import plan
 from hybrid.schedule import Action, Schedule, ScheduleError
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "local_devices",
     "models",
     "partition",
+    "plan",
+    "planner",
     "schedule",
     "simulate_cpu_devices",
     "timeline",

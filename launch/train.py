@@ -36,7 +36,19 @@ def define_flags() -> None:
     from hybrid.models import catalog
 
     flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu", "tpu"], "Device type of the mesh.")
-    flags.DEFINE_string("mesh", "stage:2;replica:2", "Mesh spec 'stage:S;replica:R'.")
+    flags.DEFINE_string(
+        "mesh",
+        "stage:2;replica:2",
+        "Mesh spec 'stage:S;replica:R', or 'auto': the planner profiles the model and picks the "
+        "fastest mesh, micro-batches, schedule and remat that fit (--simulated_devices or the "
+        "local GPUs give the device count; flags given explicitly stay fixed).",
+    )
+    flags.DEFINE_float(
+        "memory_per_device_gib",
+        None,
+        "--mesh=auto: memory per device the plan must fit in (default: unlimited).",
+        lower_bound=0.0,
+    )
     flags.DEFINE_integer("micro_batches", 4, "Micro-batches per replica per step.", lower_bound=1)
     flags.DEFINE_enum("schedule", "gpipe", schedule.names(), "Pipeline schedule.")
     flags.DEFINE_integer(
@@ -112,14 +124,17 @@ def define_flags() -> None:
         ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
     )
     flags.register_multi_flags_validator(
-        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices", "cluster"],
+        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices", "cluster", "mesh"],
         _check_platform,
     )
 
 
-def _mesh_of(values: dict[str, Any]) -> tuple[int, int]:
+def _mesh_of(values: dict[str, Any]) -> tuple[int, int] | None:
+    """The mesh flag's (S, R); None for --mesh=auto (the planner checks its own choice)."""
     from hybrid.mesh import parse_spec
 
+    if values["mesh"] == "auto":
+        return None
     try:
         return parse_spec(values["mesh"])
     except ValueError as err:
@@ -127,7 +142,10 @@ def _mesh_of(values: dict[str, Any]) -> tuple[int, int]:
 
 
 def _check_batch(values: dict[str, Any]) -> bool:
-    stages, replicas = _mesh_of(values)
+    mesh = _mesh_of(values)
+    if mesh is None:
+        return True
+    stages, replicas = mesh
     schedule, micro = values["schedule"], values["micro_batches"]
     if schedule == "interleaved" and micro % stages:
         raise flags.ValidationError(
@@ -170,7 +188,10 @@ def parse_balance(text: str) -> str | tuple[int, ...]:
 def _check_mesh_fits(values: dict[str, Any]) -> bool:
     from hybrid.models import catalog
 
-    stages, replicas = _mesh_of(values)
+    mesh = _mesh_of(values)
+    if mesh is None:
+        return True
+    stages, replicas = mesh
     layers = catalog.num_layers(values["model"], values["depth"])
     model_stages = stages * values["virtual_stages"]
     if model_stages > layers:
@@ -262,6 +283,16 @@ def _check_platform(values: dict[str, Any]) -> bool:
             raise flags.ValidationError(
                 f"{', '.join(given)} only apply with --platform=tpu (got --platform={platform})"
             )
+    if values["mesh"] == "auto":
+        if platform == "tpu" or values["cluster"] is not None:
+            raise flags.ValidationError(
+                "--mesh=auto plans for the local devices; give --mesh explicitly with "
+                "--platform=tpu or --cluster"
+            )
+        if platform == "cpu" and values["simulated_devices"] is None:
+            raise flags.ValidationError(
+                "--mesh=auto on --platform=cpu needs --simulated_devices=N (the device budget)"
+            )
     if values["cluster"] is not None:
         if platform == "tpu":
             raise flags.ValidationError(
@@ -328,6 +359,51 @@ def _run_on_cluster(config: Any) -> Any:
         sys.exit(3)
 
 
+def _planned(config: Any, devices: int) -> Any:
+    """``config`` with the mesh, micro-batches, schedule, remat and balance the planner picks
+    for ``devices`` devices; flags the user gave explicitly stay as given."""
+    import dataclasses
+
+    import keras
+
+    from hybrid import planner
+    from hybrid.trainer import build_model
+
+    layers, shape, dtype = build_model(config)
+    given = {name: FLAGS[name].present for name in ("schedule", "remat", "micro_batches")}
+    memory = FLAGS.memory_per_device_gib
+    choice = planner.choose_mesh(
+        layers,
+        (shape, dtype),
+        devices=devices,
+        global_batch=config.global_batch_size,
+        memory_per_device=memory * 2**30 if memory else None,
+        schedule=config.schedule if given["schedule"] else None,
+        remat=config.remat if given["remat"] else None,
+        micro_batches=config.micro_batches if given["micro_batches"] else None,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=lambda: keras.optimizers.Adam(config.learning_rate),
+        hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
+        if config.platform == "cpu"
+        else None,
+    )
+    print(
+        f"planned: --mesh={choice.mesh_spec} --micro_batches={choice.micro_batches} "
+        f"--schedule={choice.schedule} --remat={choice.remat} --virtual_stages="
+        f"{choice.virtual_stages} --balance={','.join(map(str, choice.balance))} (predicted "
+        f"{choice.step_time * 1e3:.1f} ms/step, {choice.memory_per_device / 2**20:.0f} MiB/device)"
+    )
+    return dataclasses.replace(
+        config,
+        mesh=choice.mesh_spec,
+        micro_batches=choice.micro_batches,
+        schedule=choice.schedule,
+        remat=choice.remat,
+        virtual_stages=choice.virtual_stages,
+        balance=choice.balance,
+    )
+
+
 def config_from_flags() -> Any:
     """The frozen TrainConfig the flags describe."""
     from hybrid.trainer import TrainConfig
@@ -363,14 +439,21 @@ def config_from_flags() -> Any:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import logging
+
     import hybrid
     from hybrid.checkpoint import CheckpointError
     from hybrid.mesh import parse_spec
     from hybrid.trainer import NonFiniteLossError, train
 
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
     config = config_from_flags()
-    stages, replicas = parse_spec(config.mesh)
     try:
+        if config.mesh == "auto":
+            if config.platform == "cpu":
+                hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
+            config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
+        stages, replicas = parse_spec(config.mesh)
         if FLAGS.cluster is not None:
             result = _run_on_cluster(config)
         elif config.platform == "tpu":

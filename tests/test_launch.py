@@ -58,6 +58,19 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     assert "already trained to step 30" in again.stdout
 
 
+def test_mesh_auto_trains_on_the_planned_mesh():
+    run = launch(
+        "--mesh=auto", "--simulated_devices=2", "--model=mlp", "--data=synthetic", "--width=16",
+        "--depth=1", "--global_batch_size=16", "--train_steps=4", "--schedule=1f1b",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    planned = [line for line in run.stdout.splitlines() if line.startswith("planned: ")]
+    assert planned and "--schedule=1f1b" in planned[0]  # a flag given explicitly stays fixed
+    spec = planned[0].split("--mesh=")[1].split(" ")[0]
+    assert spec in ("stage:1;replica:2", "stage:2;replica:1")
+    assert f"mesh {spec} devices" in run.stdout and "done:" in run.stdout
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
@@ -107,6 +120,7 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
         (["--platform=tpu", "--tpu=n"], "--platform=tpu needs --tpu_zone, --gcp_project"),
         (["--tpu=node", "--tpu_zone=z"], "--tpu, --tpu_zone only apply with --platform=tpu"),
         (["--platform=gpu", "--simulated_devices=4"], "--simulated_devices only applies with"),
+        (["--mesh=auto"], "--mesh=auto on --platform=cpu needs --simulated_devices=N"),
         (["stray"], "unexpected arguments: ['stray']"),
     ],
 )

@@ -1,0 +1,396 @@
+"""Scaling across mesh shapes: every S × R = N, micro-batch count and schedule, measured.
+
+For each device budget N in ``--devices`` one child process simulates N CPU devices (TF's
+logical devices are fixed per process) and runs, on the reference model (a Transformer by
+default), every configuration of that budget:
+
+    for S × R = N (every factorization), M in --micro_batches, schedule in --schedules
+    (one stage: --single_stage_schedule only, the schedules coincide), remat in --remats:
+        build the Pipeline; first step (traces and compiles)         -> compile_s
+    then, all configurations of the process timed in alternation     -> step_ms (median)
+    for each: one step after resetting the allocator's peak          -> peak memory
+    for each pipelined one: one instrumented step                    -> measured bubble
+
+With ``--baseline`` (default) the 1×1 configurations run in the same process, so speedups
+are ratios measured side by side. Configurations that cannot run (a batch not divisible by
+R × M, interleaved with M % S != 0, more stages than layers) are listed as skipped.
+
+Memory: the simulated devices share one BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=true), so the
+measured figure is per configuration: its resident bytes (weights and optimizer state of
+all its devices, from before its build to after its first step) plus the peak one step
+allocates on top. ``peak_mib_per_device`` is that total divided by the S × R devices: exact
+for replicas (identical copies), the mean over the stages of a pipeline.
+
+    python benchmarks/mesh_scaling.py                       # N = 2: 1x1, 1x2, 2x1, M in {2, 8}
+    python benchmarks/mesh_scaling.py --devices=2,4 --micro_batches=1,2,4,8
+
+Writes benchmarks/results/mesh_scaling.{csv,json,png}; ends with one SUMMARY line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from hybrid import schedule as sched  # noqa: E402
+
+import common  # noqa: E402
+
+common.define_timing_flags(rounds=5, steps_per_round=3)
+common.define_reference_model_flags()
+flags.DEFINE_list("devices", ["2"], "Device budgets N; each runs in its own process.")
+flags.DEFINE_list("micro_batches", ["2", "8"], "Micro-batch counts M.")
+flags.DEFINE_list("schedules", sched.names(), "Schedules for meshes with S > 1.")
+flags.DEFINE_string("single_stage_schedule", "1f1b", "The schedule of S = 1 meshes.")
+flags.DEFINE_list("remats", ["except_last"], "Remat modes.")
+flags.DEFINE_integer("virtual_stages", 2, "Virtual stages of the interleaved schedule.")
+flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
+flags.DEFINE_bool("baseline", True, "Also run the 1×1 configurations in every process.")
+flags.DEFINE_bool("timeline", True, "One instrumented step per pipelined configuration.")
+flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
+flags.DEFINE_string("name", "mesh_scaling", "Results go to benchmarks/results/<name>.*")
+flags.DEFINE_string("child", None, "Internal: run these configurations (JSON) here.")
+FLAGS = flags.FLAGS
+
+MIB = float(1 << 20)
+_MODEL_FLAGS = ("model", "width", "depth", "batch", "seq_len", "num_heads", "image_size")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configurations(devices: int, num_layers: int) -> tuple[list[dict], list[dict]]:
+    """(runnable, skipped) configurations of one device budget, as plain dicts."""
+    meshes = [(S, devices // S) for S in _divisors(devices)]
+    if FLAGS.baseline and devices > 1:
+        meshes.insert(0, (1, 1))
+    runnable, skipped = [], []
+    for S, R in meshes:
+        names = [FLAGS.single_stage_schedule] if S == 1 else FLAGS.schedules
+        for name in names:
+            v = FLAGS.virtual_stages if name == "interleaved" else 1
+            for M in (int(m) for m in FLAGS.micro_batches):
+                for remat in FLAGS.remats:
+                    config = {
+                        "devices": S * R,
+                        "stages": S,
+                        "replicas": R,
+                        "micro_batches": M,
+                        "schedule": name,
+                        "virtual_stages": v,
+                        "remat": remat,
+                    }
+                    reason = None
+                    if FLAGS.batch % (R * M):
+                        reason = f"batch {FLAGS.batch} not divisible by R×M = {R * M}"
+                    elif name == "interleaved" and M % S:
+                        reason = f"interleaved needs M % S == 0 (M={M}, S={S})"
+                    elif S * v > num_layers:
+                        reason = f"{S * v} model stages but {num_layers} layers"
+                    if reason:
+                        skipped.append({**config, "status": "skipped: " + reason})
+                    else:
+                        runnable.append(config)
+    return runnable, skipped
+
+
+def _label(c: dict) -> str:
+    v = f"(v={c['virtual_stages']})" if c["virtual_stages"] > 1 else ""
+    return f"{c['stages']}x{c['replicas']} M={c['micro_batches']} {c['schedule']}{v} {c['remat']}"
+
+
+def run_child(configs: list[dict], devices: int) -> None:
+    """In this process: build, time and measure every configuration; print RESULT lines."""
+    import hybrid
+
+    hybrid.simulate_cpu_devices(devices)
+    import keras
+    import tensorflow as tf
+
+    from hybrid import timeline
+
+    tf.get_logger().setLevel("ERROR")  # one tf.function per pipeline: retracing notes
+    model_args = {k: getattr(FLAGS, k) for k in _MODEL_FLAGS}
+    data = common.reference_model(**model_args)
+    x, y = data["x"], data["y"]
+
+    def optimizer() -> keras.optimizers.Optimizer:
+        if FLAGS.optimizer == "adam":
+            return keras.optimizers.Adam(1e-4)
+        return keras.optimizers.SGD(1e-3)
+
+    def memory() -> dict:
+        return tf.config.experimental.get_memory_info("CPU:0")
+
+    pipes, rows = {}, {}
+    for c in configs:
+        label = _label(c)
+        before = memory()["current"]
+        start = time.perf_counter()
+        pipe = hybrid.Pipeline(
+            common.reference_model(**model_args)["layers"],
+            mesh=hybrid.DeviceMesh.create(c["stages"], c["replicas"]),
+            loss=data["loss"],
+            optimizer=optimizer,
+            micro_batches=c["micro_batches"],
+            schedule=c["schedule"],
+            remat=c["remat"],
+            virtual_stages=c["virtual_stages"],
+            jit_compile=FLAGS.jit_compile,
+        )
+        pipe.build((None, *data["input_shape"]), data["input_dtype"])
+        pipe.train_step(x, y)
+        first = time.perf_counter() - start
+        pipes[label] = pipe
+        rows[label] = {
+            **c,
+            "balance": list(pipe.balance),
+            "first_step_s": first,
+            "resident_bytes": memory()["current"] - before,
+        }
+        print(f"  built {label}: first step {first:.1f} s", file=sys.stderr, flush=True)
+
+    samples = common.time_alternating(
+        {label: (lambda p=p: p.train_step(x, y)) for label, p in pipes.items()},
+        rounds=FLAGS.rounds,
+        steps_per_round=FLAGS.steps_per_round,
+        warmup=2,
+    )
+    for label, pipe in pipes.items():
+        row = rows[label]
+        step = common.median(samples[label])
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = memory()["current"]
+        pipe.train_step(x, y)
+        transient = memory()["peak"] - before
+        total = row["resident_bytes"] + transient
+        s = pipe.schedule
+        row.update(
+            step_ms=1e3 * step,
+            step_ms_samples=[1e3 * v for v in samples[label]],
+            examples_per_s=FLAGS.batch / step,
+            compile_s=max(0.0, row["first_step_s"] - step),
+            micro_batch_size=FLAGS.batch // (row["replicas"] * row["micro_batches"]),
+            transient_bytes=transient,
+            peak_mib_total=total / MIB,
+            peak_mib_per_device=total / MIB / row["devices"],
+            uniform_bubble=float(sched.simulate(s).bubble_fraction),
+            peak_in_flight=list(sched.simulate(s).peak_in_flight),
+            measured_bubble=0.0,
+            action_ms={},
+            process_devices=devices,
+            status="ok",
+        )
+        if FLAGS.timeline and row["stages"] > 1:
+            for _ in range(2):
+                pipe.timed_train_step(x, y)  # trace and warm the instrumented step
+            _, events = pipe.timed_train_step(x, y)
+            measured = [(e.action, e.start, e.end) for e in events]
+            row["measured_bubble"] = timeline.bubble_fraction(s, measured)
+            spans: dict[str, list[float]] = {}
+            for e in events:
+                spans.setdefault(f"{e.action.op}{e.action.stage}", []).append(e.end - e.start)
+            row["action_ms"] = {k: 1e3 * sum(v) / len(v) for k, v in sorted(spans.items())}
+    for label in pipes:
+        print("RESULT " + json.dumps(rows[label]))
+    env = common.environment()
+    print("RESULT " + json.dumps({"environment": env}))
+
+
+def _rank_and_derive(rows: list[dict]) -> None:
+    """Speedup over the best 1×1 of the same process, efficiency = speedup / N."""
+    best_single: dict[int, float] = {}
+    for r in rows:
+        if r["devices"] == 1:
+            p = r["process_devices"]
+            best_single[p] = max(best_single.get(p, 0.0), r["examples_per_s"])
+    fallback = max(best_single.values(), default=0.0)
+    for r in rows:
+        base = best_single.get(r["process_devices"], fallback)
+        r["speedup"] = r["examples_per_s"] / base if base else float("nan")
+        r["efficiency"] = r["speedup"] / r["devices"] if base else float("nan")
+
+
+def plot(name: str, rows: list[dict], title: str) -> str:
+    """Two panels: throughput per mesh shape (best M per schedule), efficiency vs M."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    meshes = sorted({(r["stages"], r["replicas"]) for r in rows}, key=lambda t: (t[0] * t[1], t))
+    schedules = sorted({r["schedule"] for r in rows})
+    colors = {s: f"C{i}" for i, s in enumerate(schedules)}
+
+    def of(S: int, R: int, schedule: str) -> list[dict]:
+        mine = [r for r in rows if (r["stages"], r["replicas"], r["schedule"]) == (S, R, schedule)]
+        return sorted(mine, key=lambda r: r["micro_batches"])
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for i, (S, R) in enumerate(meshes):
+        present = [s for s in schedules if of(S, R, s)]
+        width = 0.8 / len(present)
+        for j, schedule in enumerate(present):
+            best = max(of(S, R, schedule), key=lambda r: r["examples_per_s"])
+            x = i + (j - (len(present) - 1) / 2) * width
+            left.bar(x, best["examples_per_s"], width, color=colors[schedule])
+            left.text(
+                x,
+                best["examples_per_s"],
+                f"M={best['micro_batches']}",
+                ha="center",
+                va="bottom",
+                fontsize=6,
+            )
+    left.set_xticks(range(len(meshes)))
+    left.set_xticklabels([f"{S}×{R}" for S, R in meshes])
+    left.set_xlabel("mesh S × R (best M of each schedule)")
+    left.set_ylabel("examples / s")
+    left.set_title("throughput vs mesh shape", fontsize=10)
+    left.legend(
+        handles=[Patch(color=c, label=s) for s, c in colors.items()], fontsize=7, loc="lower left"
+    )
+    for S, R in meshes:
+        for schedule in schedules:
+            mine = of(S, R, schedule)
+            if mine and S * R > 1:
+                right.plot(
+                    [r["micro_batches"] for r in mine],
+                    [r["efficiency"] for r in mine],
+                    marker="o" if R > 1 else "s",
+                    linestyle="-" if S > 1 else "--",
+                    color=colors[schedule],
+                    label=f"{S}×{R} {schedule}",
+                )
+    ms = sorted({r["micro_batches"] for r in rows})
+    right.set_xscale("log", base=2)
+    right.set_xticks(ms)
+    right.set_xticklabels([str(m) for m in ms])
+    right.set_xlabel("micro-batches M")
+    right.set_ylabel("efficiency: speedup over 1×1 ÷ N")
+    right.set_ylim(0, max(1.05, max((r["efficiency"] for r in rows), default=1) * 1.1))
+    right.legend(fontsize=7, ncol=2)
+    right.set_title("efficiency vs micro-batches", fontsize=10)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(common.RESULTS, exist_ok=True)
+    path = os.path.join(common.RESULTS, f"{name}.png")
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.child:
+        spec = json.loads(FLAGS.child)
+        run_child(spec["configs"], spec["devices"])
+        return
+    from hybrid.models import num_layers
+
+    layers = num_layers(FLAGS.model, FLAGS.depth)
+    budgets = sorted({int(n) for n in FLAGS.devices})
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    environments = {}
+    started = time.perf_counter()
+    for n in budgets:
+        runnable, skip = configurations(n, layers)
+        skipped += skip
+        if not runnable:
+            continue
+        passed = [f"--{k}={getattr(FLAGS, k)}" for k in _MODEL_FLAGS]
+        passed += [f"--{k}={getattr(FLAGS, k)}" for k in ("rounds", "steps_per_round")]
+        passed += [
+            f"--optimizer={FLAGS.optimizer}",
+            f"--timeline={FLAGS.timeline}",
+            f"--jit_compile={FLAGS.jit_compile}",
+        ]
+        child = json.dumps({"devices": n, "configs": runnable})
+        results = common.run_child(
+            [os.path.abspath(__file__), f"--child={child}", *passed],
+            env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+            timeout=4 * 3600,
+        )
+        environments[n] = results[-1]["environment"]
+        rows += results[:-1]
+    _rank_and_derive(rows)
+    env = dict(next(iter(environments.values()), {}))
+    env["devices"] = {n: e["devices"] for n, e in environments.items()}
+    common.print_header(FLAGS.name, env)
+    model = {k: getattr(FLAGS, k) for k in _MODEL_FLAGS}
+    print(f"  model: {model}, {layers} layers; optimizer {FLAGS.optimizer}")
+    print(f"  {len(rows)} configurations measured, {len(skipped)} skipped")
+    rows.sort(key=lambda r: -r["examples_per_s"])
+    head = (
+        f"  {'#':>3} {'N':>2} {'mesh':>5} {'M':>3} {'schedule':<16} {'remat':<12} "
+        f"{'ms/step':>8} {'ex/s':>8} {'speedup':>7} {'eff':>5} {'bubble':>6} "
+        f"{'MiB/dev':>8} {'compile s':>9}"
+    )
+    print(head)
+    for i, r in enumerate(rows, 1):
+        sched_name = r["schedule"] + (
+            f"(v={r['virtual_stages']})" if r["virtual_stages"] > 1 else ""
+        )
+        print(
+            f"  {i:>3} {r['devices']:>2} {r['stages']}x{r['replicas']:<3} "
+            f"{r['micro_batches']:>3} {sched_name:<16} {r['remat']:<12} {r['step_ms']:>8.2f} "
+            f"{r['examples_per_s']:>8.1f} {r['speedup']:>7.2f} {r['efficiency']:>5.2f} "
+            f"{r['measured_bubble']:>6.1%} {r['peak_mib_per_device']:>8.2f} "
+            f"{r['compile_s']:>9.1f}"
+        )
+    for r in skipped:
+        print(f"      skipped {_label(r)}: {r['status'][len('skipped: ') :]}")
+    config = {
+        **model,
+        **{
+            k: getattr(FLAGS, k)
+            for k in (
+                "devices",
+                "micro_batches",
+                "schedules",
+                "single_stage_schedule",
+                "remats",
+                "virtual_stages",
+                "optimizer",
+                "baseline",
+                "timeline",
+                "jit_compile",
+                "rounds",
+                "steps_per_round",
+            )
+        },
+    }
+    path = common.write_json(
+        FLAGS.name, {"environment": env, "config": config, "rows": rows, "skipped": skipped}
+    )
+    csv_path = common.write_csv(FLAGS.name, rows + skipped)
+    title = (
+        f"{FLAGS.model} (width {FLAGS.width}, depth {FLAGS.depth}), batch {FLAGS.batch}, "
+        f"N = {', '.join(map(str, budgets))} simulated CPU devices ({os.cpu_count()} cores)"
+    )
+    png = plot(FLAGS.name, rows, title)
+    print(f"  wrote {path}, {csv_path} and {png} in {time.perf_counter() - started:.0f} s")
+    pipelined = [r for r in rows if r["devices"] > 1]
+    best = pipelined[0] if pipelined else rows[0]
+    print(
+        f"SUMMARY {FLAGS.name} devices={','.join(map(str, budgets))} configs={len(rows)} "
+        f"skipped={len(skipped)} best={best['stages']}x{best['replicas']}/{best['schedule']}/"
+        f"M={best['micro_batches']}/{best['remat']} best_examples_per_s="
+        f"{best['examples_per_s']:.1f} best_speedup={best['speedup']:.3f} "
+        f"best_efficiency={best['efficiency']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,370 @@
+"""The planner's arithmetic against the schedule formulas and hand-computed values; plans,
+rejections and errors; one real profile of a tiny model."""
+
+import math
+import sys
+
+import keras
+import pytest
+
+import hybrid
+from hybrid import planner
+from hybrid.planner import Config, CostProfile, Hardware, Infeasible, LayerCost, Link
+
+import runner
+
+F, B = 1.0, 2.0  # per layer and example
+
+
+def uniform(num_layers=4, **kwargs):
+    """Identical layers; input_backward=0 so model stage 0 is not cheaper than the others."""
+    kwargs.setdefault("input_backward", 0.0)
+    return planner.uniform_profile(num_layers, F, B, **kwargs)
+
+
+def test_remat_modes_are_the_engines():
+    assert planner.REMAT_MODES == hybrid.REMAT_MODES
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 4), (4, 8), (4, 3)])
+def test_uniform_stages_reproduce_the_formulas(schedule, stages, micro_batches):
+    S, M = stages, micro_batches
+    layers_per_stage = 2
+    profile = uniform(S * layers_per_stage)
+    config = Config(S, 1, M, schedule, "never")
+    p = planner.evaluate(profile, config, global_batch=M)  # one example per micro-batch
+    f, b = layers_per_stage * F, layers_per_stage * B
+    assert p.step_time == pytest.approx((M + S - 1) * (f + b))
+    assert p.bubble == pytest.approx((S - 1) / (M + S - 1))
+    assert p.config.balance == (layers_per_stage,) * S
+
+
+def test_uniform_interleaved_bubble():
+    S, M, v = 2, 4, 2
+    p = planner.evaluate(uniform(8), Config(S, 1, M, "interleaved", "never", v), M)
+    assert p.bubble == pytest.approx(hybrid.schedule.bubble_formula(S, M, v))
+    assert p.config.balance == (2, 2, 2, 2)
+
+
+def test_costs_scale_with_the_micro_batch_size():
+    # 4 examples per micro-batch: every action costs 4 times as much as with 1.
+    one = planner.evaluate(uniform(4), Config(2, 1, 4, "gpipe", "never"), 4)
+    four = planner.evaluate(uniform(4), Config(2, 1, 4, "gpipe", "never"), 16)
+    assert four.step_time == pytest.approx(4 * one.step_time)
+
+
+def test_remat_adds_the_recomputed_forward():
+    # S = 2, M = 2, two layers per stage: F = 2, B = 4 per stage and micro-batch. GPipe runs
+    # s1: F0 F1 [F1 B1 fused] B0 and s0: F0 F1 B1 B0. With remat every B but the fused one
+    # costs F + B = 6, so s1's B0 ends at 16 and s0's B0 at 22 (never: 3 · 6 = 18).
+    profile = uniform(4)
+    times = {
+        remat: planner.evaluate(profile, Config(2, 1, 2, "gpipe", remat), 2).step_time
+        for remat in planner.REMAT_MODES
+    }
+    # except_last keeps micro-batch 1 on stage 0 (its B1 costs 4, not 6), but B0 waits for
+    # stage 1 until 16 either way.
+    assert times == pytest.approx({"never": 18.0, "always": 22.0, "except_last": 22.0})
+    single = {
+        remat: planner.evaluate(uniform(2), Config(1, 1, 3, "gpipe", remat), 3).step_time
+        for remat in planner.REMAT_MODES
+    }
+    # F0 F1 F2 [F2 B2 fused] B1 B0 with F = 2, B = 4: never 18, recomputing B1, B0: +2 · 2
+    assert single == pytest.approx({"never": 18.0, "always": 22.0, "except_last": 22.0})
+
+
+def test_split_backward():
+    # Two layers per stage, F = 1, B = 2 each, of which the input gradient is 0.5. W makes
+    # the weight gradients and the input gradients of every layer but the first (B's job;
+    # stage 0 needs none): on stage 0 W = 4 - 0.5 and B costs nothing.
+    profile = planner.uniform_profile(4, F, B, input_backward=0.5)
+    p = planner.evaluate(profile, Config(2, 1, 1, "zb-h1", "never"), 1)
+    # F0 on s0 [0, 2], F0 on s1 [2, 4], F B W fused on s1 [4, 8], W0 on s0 [8, 11.5]
+    assert p.step_time == pytest.approx(11.5)
+    p = planner.evaluate(profile, Config(2, 1, 1, "zb-h1", "always"), 1)
+    assert p.step_time == pytest.approx(11.5 + 2.0)  # W0 recomputes stage 0's forward
+    # With free input gradients the deferred W fills the bubble: ZB-H1 beats 1F1B.
+    profile = uniform(8)
+    for S, M in [(4, 8), (8, 8)]:
+        one = planner.evaluate(profile, Config(S, 1, M, "1f1b", "never"), M)
+        zb = planner.evaluate(profile, Config(S, 1, M, "zb-h1", "never"), M)
+        assert zb.step_time < one.step_time
+        assert zb.bubble < one.bubble
+
+
+def test_all_reduce_formula():
+    link = Link(bandwidth=100e9, latency=1e-5)
+    assert planner.all_reduce_time(8e9, 4, link) == pytest.approx(2 * 3 / 4 * 8e9 / 100e9 + 6e-5)
+    assert planner.all_reduce_time(8e9, 2, link) == pytest.approx(8e9 / 100e9 + 2e-5)
+    assert planner.all_reduce_time(8e9, 1, link) == 0.0
+    with pytest.raises(ValueError, match="replicas must be at least 1, got 0"):
+        planner.all_reduce_time(1.0, 0, link)
+
+
+def test_step_adds_each_devices_all_reduce_and_update():
+    # 1×4: each replica runs 4 layers (F + B = 12 per micro-batch), then all-reduces 400
+    # bytes over 4 replicas and updates (4 layers · 0.5).
+    profile = uniform(4, param_bytes=100.0, update=0.5)
+    hw = Hardware(replica=Link(bandwidth=10.0, latency=1.0))
+    p = planner.evaluate(profile, Config(1, 4, 2, "gpipe", "never"), 8, hw)
+    reduce = 2 * 3 / 4 * 400 / 10.0 + 6 * 1.0
+    assert p.all_reduce_time == pytest.approx(reduce)
+    assert p.update_time == pytest.approx(2.0)
+    assert p.pipeline_time == pytest.approx(2 * 12.0)
+    assert p.step_time == pytest.approx(24.0 + reduce + 2.0)
+
+
+def test_overheads():
+    # One device, M = 3, 1F1B (every pair fused): 3 F actions launch, 3 accumulations of
+    # 2 layers × 2 arrays, one update per stage.
+    layers = tuple(
+        LayerCost(f"l{i}", (F,), (B,), (B,), (0.0,), (0.0,), (0.0,), (0.0,), 0.0, param_tensors=2)
+        for i in range(2)
+    )
+    profile = CostProfile(layers, (1,), 0.0)
+    hw = Hardware(action_overhead=0.1, tensor_overhead=0.01, step_overhead=5.0)
+    p = planner.evaluate(profile, Config(1, 1, 3, "1f1b", "always"), 3, hw)
+    compute = 3 * 2 * (F + B)
+    assert p.step_time == pytest.approx(compute + 3 * 0.1 + 3 * 4 * 0.01 + 0.1 + 5.0)
+
+
+def test_host_cores_bound_replicas_sharing_a_host():
+    profile = uniform(2)
+    config = Config(1, 2, 1, "gpipe", "never")
+    alone = planner.evaluate(profile, config, 2).step_time
+    assert alone == pytest.approx(2 * (F + B))  # each replica on its own device
+    shared = planner.evaluate(profile, config, 2, Hardware(host_cores=1.0)).step_time
+    assert shared == pytest.approx(2 * alone)  # both replicas' work on one core
+    assert planner.evaluate(profile, config, 2, Hardware(host_cores=2.0)).step_time == alone
+
+
+def test_memory_per_device_follows_peak_in_flight():
+    # 2 layers per stage of 100 parameter bytes, stored 10 bytes each, input 1, working 5.
+    profile = uniform(
+        4,
+        param_bytes=100.0,
+        stored_bytes=10.0,
+        output_bytes=1.0,
+        input_bytes=1.0,
+        working_bytes=5.0,
+    )
+    resident = 2 * 100.0 * (2 + 2)  # weights, gradient accumulator, two Adam slots
+    S, M = 2, 4
+    gpipe = planner.evaluate(profile, Config(S, 1, M, "gpipe", "never"), M)
+    assert gpipe.peak_in_flight == (M, M)
+    assert gpipe.memory_per_device == pytest.approx((resident + M * (1 + 20) + 5,) * 2)
+    one = planner.evaluate(profile, Config(S, 1, M, "1f1b", "never"), M)
+    assert one.peak_in_flight == (S, 1)  # stage s holds S - s
+    assert one.memory_per_device == pytest.approx(
+        (resident + 2 * (1 + 20) + 5, resident + 1 * (1 + 20) + 5)
+    )
+    # Recomputing: M inputs, and one program's working set (its 2 layers' 5 bytes each).
+    always = planner.evaluate(profile, Config(S, 1, M, "gpipe", "always"), M)
+    assert always.memory_per_device == pytest.approx((resident + M * 1 + 10,) * 2)
+    # except_last also keeps micro-batch 3's activations on stage 0; stage 1 runs F3 and B3
+    # as one program and keeps nothing.
+    last = planner.evaluate(profile, Config(S, 1, M, "gpipe", "except_last"), M)
+    assert last.memory_per_device == pytest.approx((resident + M + 10 + 20, resident + M + 10))
+    sgd = planner.evaluate(profile, Config(S, 1, M, "gpipe", "never"), M, optimizer_slots=0)
+    assert sgd.peak_memory == pytest.approx(gpipe.peak_memory - 2 * 2 * 100.0)
+    two = planner.evaluate(profile, Config(S, 2, M, "gpipe", "never"), 2 * M)
+    # replicas add the flattened all-reduce buffers (twice the stage's parameters)
+    assert two.peak_memory == pytest.approx(gpipe.peak_memory + 2 * 200.0)
+    assert two.total_memory == pytest.approx(2 * sum(two.memory_per_device))
+
+
+def test_model_that_does_not_fit_one_device_is_pipelined():
+    profile = uniform(4, param_bytes=100.0)  # 1600 bytes resident on one device
+    result = planner.plan(
+        profile, devices=2, global_batch=4, memory_per_device=1000, remats=["never"]
+    )
+    oom = [r for r in result.rejected if r.kind == "out of memory"]
+    assert oom and all(r.config.stages == 1 for r in oom)
+    # 1×2: 1600 resident + 800 all-reduce buffers
+    assert oom[0].reason == "out of memory: needs 2.34 KiB per device, has 1000 B"
+    assert result.best.config.stages == 2
+    with pytest.raises(ValueError, match=r"no configuration of 2 devices fits .*out of memory ×"):
+        _ = planner.plan(profile, devices=2, global_batch=4, memory_per_device=100).best
+    with pytest.raises(ValueError, match="out of memory"):
+        planner.choose_mesh(profile, None, devices=2, global_batch=4, memory_per_device=100)
+
+
+def test_ranking_data_parallel_vs_pipeline():
+    profile = uniform(4, param_bytes=1000.0)
+    fast = planner.plan(profile, devices=2, global_batch=8, remats=["never"])
+    times = [p.step_time for p in fast.ranked]
+    assert times == sorted(times)
+    # free links: 1×2 has no bubble, 2×1 has one; every candidate was considered
+    assert fast.best.config.mesh_spec == "stage:1;replica:2"
+    assert fast.best.step_time == pytest.approx(8 / 2 * 4 * (F + B))
+    # 4 schedules (interleaved with v=2) × (M in 1, 2, 4 on 1×2; 1, 2, 4, 8 on 2×1)
+    assert len(fast.ranked) + len(fast.rejected) == 4 * 3 + 4 * 4
+    # an all-reduce link this slow makes the pipeline (no all-reduce) the fastest
+    slow = planner.plan(
+        profile,
+        devices=2,
+        global_batch=8,
+        remats=["never"],
+        hardware=Hardware(replica=Link(bandwidth=1.0)),
+    )
+    assert slow.best.config.stages == 2 and slow.best.config.micro_batches == 8
+    choice = planner.choose_mesh(
+        profile,
+        None,
+        devices=2,
+        global_batch=8,
+        remat="never",
+        hardware=Hardware(replica=Link(bandwidth=1.0)),
+    )
+    assert (choice.stages, choice.replicas, choice.micro_batches) == (2, 1, 8)
+    assert choice.mesh_spec == "stage:2;replica:1" and sum(choice.balance) == 4
+    assert choice.step_time == pytest.approx(slow.best.step_time)
+
+
+def test_rejection_reasons_and_table():
+    result = planner.plan(uniform(4), devices=4, global_batch=6, micro_batches=[1, 2, 3])
+    kinds = {r.kind for r in result.rejected}
+    assert kinds == {
+        "more stages than layers",
+        "batch not divisible by R × M",
+        "interleaved needs M % S == 0",
+    }
+    text = str(result)
+    assert text == result.table()
+    assert text.splitlines()[0] == (
+        f"plan for 4 devices, global batch 6: {len(result.ranked)} feasible, "
+        f"{len(result.rejected)} rejected"
+    )
+    assert "  1 " in text and "mesh" in text and "batch not divisible by R × M ×" in text
+
+
+@pytest.mark.parametrize(
+    "config,batch,error,match",
+    [
+        (Config(0, 1, 1), 4, ValueError, "stages must be a positive integer, got 0"),
+        (Config(1, 1, 0), 4, ValueError, "micro_batches must be a positive integer, got 0"),
+        (Config(1, 1, 1), 0, ValueError, "global_batch must be a positive integer, got 0"),
+        (Config(1, 1, 1, "gpip"), 4, ValueError, r"unknown schedule 'gpip'; choose one of"),
+        (Config(1, 1, 1, remat="some"), 4, ValueError, "unknown remat mode 'some'"),
+        (Config(1, 1, 1, "gpipe", virtual_stages=2), 4, ValueError, "virtual_stages=2 needs"),
+        (
+            Config(2, 2, 4),
+            30,
+            Infeasible,
+            r"global batch 30 is not divisible by replicas \(2\) × micro_batches \(4\) = 8",
+        ),
+        (
+            Config(2, 1, 3, "interleaved", virtual_stages=2),
+            6,
+            Infeasible,
+            "interleaved needs micro_batches to be a multiple of the stages: M=3, S=2",
+        ),
+        (
+            Config(4, 1, 4, "interleaved", virtual_stages=2),
+            4,
+            Infeasible,
+            r"more stages than layers: 8 model stages \(4 devices × 2 virtual stages\) but the "
+            "model has 4 layers",
+        ),
+        (Config(2, 1, 2, balance=(3, 2)), 4, Infeasible, "sums to 5 but the model has 4"),
+    ],
+)
+def test_bad_configurations(config, batch, error, match):
+    with pytest.raises(error, match=match):
+        planner.evaluate(uniform(4), config, batch)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):
+        planner.plan(uniform(), devices=0, global_batch=4)
+    with pytest.raises(ValueError, match="stages=3 does not divide devices=4"):
+        planner.plan(uniform(), devices=4, global_batch=4, stages=[3])
+    with pytest.raises(ValueError, match="unknown remat mode 'later'"):
+        planner.plan(uniform(), devices=2, global_batch=4, remats=["later"])
+    with pytest.raises(ValueError, match="needs input_shape"):
+        planner.plan([keras.layers.Dense(2)], devices=1, global_batch=4)
+    with pytest.raises(ValueError, match="bandwidth > 0 and latency >= 0; got bandwidth=0"):
+        Link(bandwidth=0)
+    with pytest.raises(ValueError, match="memory_per_device must be positive, got -1"):
+        Hardware(memory_per_device=-1)
+    with pytest.raises(ValueError, match="tensor_overhead=-1"):
+        Hardware(tensor_overhead=-1)
+    with pytest.raises(ValueError, match="optimizer_slots must be >= 0, got -1"):
+        planner.evaluate(uniform(), Config(1, 1, 1), 1, optimizer_slots=-1)
+    layer = uniform(1).layers[0]
+    with pytest.raises(ValueError, match="forward has 1 values but the profile has 2"):
+        CostProfile((layer,), (1, 2), 0.0)
+    with pytest.raises(ValueError, match=r"increasing order, got \[2, 1\]"):
+        CostProfile((layer,), (2, 1), 0.0)
+
+
+def test_interpolation_between_and_beyond_measured_batches():
+    layer = LayerCost(
+        "l",
+        (1.0, 4.0),
+        (2.0, 2.0),
+        (0.0, 0.0),
+        (0.0, 0.0),
+        (0.0, 0.0),
+        (0.0, 0.0),
+        (8.0, 32.0),
+        0.0,
+    )
+    profile = CostProfile((layer,), (2, 8), 0.0)
+    assert profile.value(0, "forward", 4) == pytest.approx(2.0)
+    assert profile.value(0, "forward", 16) == pytest.approx(8.0)
+    assert profile.value(0, "forward", 1) == pytest.approx(0.5)
+    assert profile.value(0, "backward", 100) == pytest.approx(2.0)  # a fixed cost stays fixed
+    assert profile.value(0, "output_bytes", 4) == pytest.approx(16.0)
+    single = uniform(1)  # one point: proportional to the batch
+    assert single.value(0, "forward", 6) == pytest.approx(6 * F)
+
+
+def test_profile_round_trip_and_link_fit():
+    profile = uniform(3, param_bytes=12.0, update=0.25)
+    assert CostProfile.from_dict(profile.to_dict()) == profile
+    link = Link.fit([1e3, 1e6, 4e6], [1e-5 + 1e3 / 2e9, 1e-5 + 1e6 / 2e9, 1e-5 + 4e6 / 2e9])
+    assert link.bandwidth == pytest.approx(2e9) and link.latency == pytest.approx(1e-5)
+    assert Link.fit([1, 2], [3.0, 3.0]) == Link(math.inf, 3.0)
+    with pytest.raises(ValueError, match="two or more"):
+        Link.fit([1], [1.0])
+
+
+def test_profile_a_tiny_model_and_choose_a_mesh():
+    keras.utils.set_random_seed(0)
+    layers = [
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(8),
+        keras.layers.Dense(10),
+    ]
+    profile = planner.profile_model(
+        layers,
+        (8,),
+        "float32",
+        [2, 4],
+        loss=keras.losses.SparseCategoricalCrossentropy(True),
+        optimizer=lambda: keras.optimizers.SGD(0.1),
+        repeats=3,
+    )
+    assert profile.batch_sizes == (2, 4) and profile.num_layers == 3
+    assert [layer.param_bytes for layer in profile.layers] == [(8 * 8 + 8) * 4] * 2 + [
+        (8 * 10 + 10) * 4
+    ]
+    assert [layer.param_tensors for layer in profile.layers] == [2, 2, 2]
+    assert profile.layers[0].output_bytes == (2 * 8 * 4, 4 * 8 * 4)
+    assert profile.input_bytes == 8 * 4 and profile.input_is_float
+    for layer in profile.layers:
+        assert min(layer.forward + layer.backward + layer.recompute_backward) >= 0
+        assert min(layer.stored_bytes) > 0
+    # Dense(8, relu) and Dense(8) differ; the first two layers are not one measurement
+    choice = planner.choose_mesh(
+        profile, None, devices=2, global_batch=8, schedule="1f1b", remat="always"
+    )
+    assert choice.stages * choice.replicas == 2 and choice.schedule == "1f1b"
+    assert 8 % (choice.replicas * choice.micro_batches) == 0
+    assert sum(choice.balance) == 3 and len(choice.balance) == choice.stages
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
