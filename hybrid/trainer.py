@@ -201,8 +201,9 @@ def train(
     Args:
       config: the run.
       log: receives the progress lines.
-      step_callback: called as ``step_callback(step, loss)`` after every step; whatever it
-        raises ends the run (the supervisor and the tests inject failures through it).
+      step_callback: called as ``step_callback(step, loss)`` after every step, once the
+        step's log line and checkpoint (if any) are written; whatever it raises ends the run
+        (the supervisor and the tests inject failures through it).
       devices: the devices to lay the mesh on, stage-major (default: the local
         ``config.platform`` ones); e.g. a multi-host mesh's devices.
       checkpoint_io_device: the device whose host writes the checkpoint files (a
@@ -265,8 +266,6 @@ def train(
                 f"--learning_rate (now {config.learning_rate}) or check the data"
             )
         losses.append(loss)
-        if step_callback is not None:
-            step_callback(step, loss)
         if step % config.log_every == 0 or step == config.train_steps:
             log(
                 f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
@@ -280,6 +279,8 @@ def train(
             or step == config.train_steps
         ):
             last_checkpoint = saver.save(step)
+        if step_callback is not None:
+            step_callback(step, loss)
     if writer is not None:
         writer.flush()
     return TrainResult(tuple(losses), start, progress.examples_per_second, pipe, last_checkpoint)

@@ -29,6 +29,12 @@ FLAGS = flags.FLAGS
 
 _SCHEDULES_NEEDING_M_GE_S = ("1f1b", "zb-h1")
 
+# Test hook: "STEP:DIR" makes the run stop after step STEP (its checkpoint, if any, written
+# before), create DIR/paused-STEP, and wait until DIR/resume exists. Tests that kill a
+# process or a worker do it while the run is paused, so what the run has written when the
+# fault lands is decided by the step, not by the machine's speed.
+PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
+
 
 def define_flags() -> None:
     """Defines the launcher's flags and their cross-flag validators."""
@@ -332,7 +338,7 @@ def _check_cluster_spec(text: str) -> None:
         )
 
 
-def _run_on_cluster(config: Any) -> Any:
+def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
     """Connects to the workers, lays the mesh over their devices and trains from the client.
 
     Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
@@ -353,6 +359,7 @@ def _run_on_cluster(config: Any) -> Any:
                 config,
                 devices=[d for row in mesh.devices for d in row],
                 checkpoint_io_device=f"/job:{job.client_job}/replica:0/task:0/device:CPU:0",
+                step_callback=step_callback,
             )
     except cluster_lib.ClusterError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -436,6 +443,33 @@ def config_from_flags() -> Any:
     )
 
 
+def pause_hook(value: str | None = None) -> Any:
+    """The ``train(step_callback=...)`` that :data:`PAUSE_ENV` asks for, or None."""
+    value = os.environ.get(PAUSE_ENV) if value is None else value
+    if not value:
+        return None
+    step_text, _, directory = value.partition(":")
+    if not step_text.isdigit() or not directory:
+        raise app.UsageError(f"{PAUSE_ENV}={value!r} must be 'STEP:DIR'")
+    pause_at = int(step_text)
+
+    def pause(step: int, loss: float) -> None:
+        del loss
+        if step != pause_at:
+            return
+        import time
+
+        marker = os.path.join(directory, f"paused-{step}")
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)  # appears whole, never half-written
+        resume = os.path.join(directory, "resume")
+        while not os.path.exists(resume):
+            time.sleep(0.02)
+
+    return pause
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -448,6 +482,7 @@ def main(argv: list[str]) -> None:
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
     config = config_from_flags()
+    pause = pause_hook()
     try:
         if config.mesh == "auto":
             if config.platform == "cpu":
@@ -455,7 +490,7 @@ def main(argv: list[str]) -> None:
             config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
         stages, replicas = parse_spec(config.mesh)
         if FLAGS.cluster is not None:
-            result = _run_on_cluster(config)
+            result = _run_on_cluster(config, pause)
         elif config.platform == "tpu":
             from hybrid import cloud_tpu as tpu_lib
 
@@ -467,7 +502,7 @@ def main(argv: list[str]) -> None:
                     FLAGS.gcp_project,
                     discovery_url=FLAGS.tpu_discovery_url,
                 )
-                return train(config, devices=system.devices)
+                return train(config, devices=system.devices, step_callback=pause)
 
             result = cloud_tpu.run_supervised(
                 attempt,
@@ -479,7 +514,7 @@ def main(argv: list[str]) -> None:
         else:
             if config.platform == "cpu":
                 hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-            result = train(config)
+            result = train(config, step_callback=pause)
     except (NonFiniteLossError, CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

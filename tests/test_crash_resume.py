@@ -1,20 +1,21 @@
 """Crash safety with real processes: SIGKILL mid-run, the same command again, same weights.
 
 One launcher run trains uninterrupted to step 12. A second, with the same flags and its own
---model_dir, is killed with SIGKILL after step 7 (its last checkpoint is step 6, and step 7
-is lost), then started again with the same command: it resumes at step 7 and must end with
-exactly the weights and optimizer state of the uninterrupted run.
+--model_dir, pauses after step 7 (the launcher's test hook) and is killed there with SIGKILL:
+its newest checkpoint is step 6, step 7 is lost. Started again with the same command it
+resumes at step 7 and must end with exactly the weights and optimizer state of the
+uninterrupted run.
 """
 
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
 
+import pause
 import runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,30 +45,30 @@ def command(model_dir):
 
 def run_to_end(model_dir):
     run = subprocess.run(
-        command(model_dir), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+        command(model_dir),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=pause.HANG_BOUND_S,
+        env=ENV,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
 
-def run_and_kill_after(model_dir, step):
-    """Starts the run and SIGKILLs it as soon as it has logged ``step``."""
+def run_and_kill_after(model_dir, step, events):
+    """Starts the run, lets it pause after ``step`` and SIGKILLs it there."""
     process = subprocess.Popen(
         command(model_dir),
         cwd=ROOT,
-        stdout=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        text=True,
-        env=ENV,
+        env={**ENV, **pause.env(step, events)},
     )
-    deadline = time.monotonic() + 300
     try:
-        for line in process.stdout:
-            if line.startswith(f"step {step:6d}/"):
-                process.send_signal(signal.SIGKILL)
-                break
-            assert time.monotonic() < deadline, "the run did not reach the step in time"
-        process.wait(timeout=30)
+        pause.wait_until_paused(events, step, process)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=pause.HANG_BOUND_S)
     finally:
         if process.poll() is None:
             process.kill()
@@ -84,7 +85,7 @@ def state(path):
 def test_sigkill_then_same_command_ends_with_identical_weights(tmp_path):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
     run_to_end(whole)
-    run_and_kill_after(crashed, 7)
+    run_and_kill_after(crashed, 7, tmp_path / "events")
     assert tf.train.latest_checkpoint(str(crashed)).endswith("ckpt-6")
     resumed = run_to_end(crashed)
     assert "ckpt-6: resuming at step 7" in resumed

@@ -27,6 +27,7 @@ import tensorflow as tf
 import hybrid
 from hybrid import cluster
 
+import pause
 import reference as ref
 import runner
 
@@ -208,15 +209,13 @@ def test_lost_worker_fails_with_clear_error(job, tmp_path):
     init = initial_weights(str(tmp_path))
     client = job.client(f"--init={init}", "--steps=100000", "--no_jit")  # XLA is not the point
     deadline = time.monotonic() + DEADLINE_S
-    while "step 2 " not in job.log("client"):
+    while "step 2 " not in job.log("client"):  # training has begun: an event, not a time
         if client.poll() is not None or time.monotonic() > deadline:
             client.kill()
             pytest.fail(f"the client did not train:\n{job.output()}")
         time.sleep(0.2)
     job.workers[1].kill()
-    killed = time.monotonic()
-    code = finish(client, job, timeout_s=30)
-    elapsed = time.monotonic() - killed
+    code = finish(client, job)  # the bound is against a hang; a lost task fails the step
     with open(tmp_path / "client.err") as f:
         error = f.read()
     assert code == 3, error[-3000:]
@@ -224,8 +223,6 @@ def test_lost_worker_fails_with_clear_error(job, tmp_path):
     named = f"lost worker task 1 ({job.addresses[1]})" in error and "restart that worker" in error
     watched = f"worker task 1 ({job.addresses[1]}) stopped answering" in error
     assert named or watched, error[-3000:]
-    assert elapsed < 30
-
 
 
 LAUNCH_FLAGS = [
@@ -268,26 +265,29 @@ def test_launcher_job_survives_a_lost_worker_and_moves_between_hosts(tmp_path):
     assert "done:" in run_launcher(run_dir, 2)  # one host writes ckpt-2
 
     first = Job(str(tmp_path / "job1"), make_dir=True)
+    events = tmp_path / "events"
     try:
         log = tmp_path / "client1.log"
         with open(log, "w") as out:
             client = subprocess.Popen(
                 launcher(run_dir, 8, f"--cluster={first.spec}"),
-                cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1"}, stdout=out,
-                stderr=subprocess.STDOUT,
+                cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1", **pause.env(5, events)},
+                stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        deadline = time.monotonic() + DEADLINE_S
-        while "step      5/8" not in log.read_text():
-            if client.poll() is not None or time.monotonic() > deadline:
-                client.kill()
-                pytest.fail(f"the cluster client did not train:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        # The client waits after step 5 (ckpt-4 is the newest) while the worker dies.
+        pause.wait_until_paused(events, 5, client, lambda: log.read_text()[-3000:])
+        assert tf.train.latest_checkpoint(run_dir).endswith("ckpt-4")
         first.workers[1].kill()
-        code = client.wait(60)
+        first.workers[1].wait(pause.HANG_BOUND_S)
+        pause.release(events)
+        code = client.wait(pause.HANG_BOUND_S)
         text = log.read_text()
         assert code == 3, text[-3000:]
         assert "ckpt-2: resuming at step 3" in text  # one host's checkpoint on two tasks
-        assert f"lost worker task 1 ({first.addresses[1]})" in text, text[-3000:]
+        # The step's error (guard) or the watcher, whichever sees the lost task first, names it.
+        named = f"lost worker task 1 ({first.addresses[1]})" in text
+        watched = f"worker task 1 ({first.addresses[1]}) stopped answering" in text
+        assert named or watched, text[-3000:]
     finally:
         first.close()
 
@@ -311,13 +311,14 @@ def test_launcher_job_survives_a_lost_worker_and_moves_between_hosts(tmp_path):
             final.get_tensor(key), expected.get_tensor(key), rtol=1e-5, atol=1e-6, err_msg=key
         )
 
+
 def test_connect_names_tasks_that_do_not_answer():
     ports = free_ports(2)
     spec = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     start = time.monotonic()
     with pytest.raises(cluster.UnreachableTaskError) as err:
         cluster.connect(spec, timeout_s=1.0)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 120  # a bound against hanging (plain TF waits forever)
     message = str(err.value)
     for i, port in enumerate(ports):
         assert f"worker task {i} (127.0.0.1:{port})" in message
@@ -343,7 +344,7 @@ def test_probe_and_watch_tell_live_servers_from_dead_ports():
         assert cluster.unreachable(tasks, timeout_s=1.0) == tasks[1:]
         lost: list[tuple[cluster.Task, ...]] = []
         stop = cluster.Cluster(tasks).watch(lost.append, interval_s=0.1, probe_timeout_s=0.5)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a bound against a hang
         while not lost and time.monotonic() < deadline:
             time.sleep(0.1)
         stop.set()
