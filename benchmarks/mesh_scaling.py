@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from hybrid import schedule as sched  # noqa: E402
+from hybrid.core import schedule as sched  # noqa: E402
 
 import common  # noqa: E402
 

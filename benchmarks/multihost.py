@@ -135,7 +135,7 @@ def run(spec: str) -> None:
     hybrid.simulate_cpu_devices(4)
     import keras
 
-    from hybrid import cluster
+    from hybrid.platforms import cluster
 
     job = cluster.connect(spec, timeout_s=FLAGS.connect_timeout_s)
     env = common.environment()
@@ -146,8 +146,8 @@ def run(spec: str) -> None:
     local = [d for d in hybrid.local_devices("CPU") if "/job:worker/" not in d]
     meshes = {
         "local": hybrid.DeviceMesh.from_devices(local, 2, 2),
-        "cluster": hybrid.DeviceMesh.from_cluster(job, 2, 2),
-        "cluster_pipelines": hybrid.DeviceMesh.from_cluster(job, 2, 2, order="pipelines_in_host"),
+        "cluster": cluster.mesh(job, 2, 2),
+        "cluster_pipelines": cluster.mesh(job, 2, 2, order="pipelines_in_host"),
     }
 
     def make(mesh: hybrid.DeviceMesh) -> Any:

@@ -4,7 +4,7 @@
    measured every configuration of N = 2 simulated devices: 1×1, 1×2 and 2×1 in every
    schedule.
 2. A child process with 2 simulated devices profiles the same model layer by layer
-   (``hybrid.profile.measure_layers`` at every micro-batch size the sweep ran) and measures
+   (``hybrid.planning.profile.measure_layers`` at every micro-batch size the sweep ran) and measures
    the links: the all-reduce between the two devices and a cross-device hand-over.
 3. Machine constants, each fitted on its own rows; the other pipelined rows are held out:
      action_overhead           the profile's identity program (launching one program)
@@ -15,7 +15,7 @@
      replica latency           devices really get (2 on an idle host, less when other
                                processes share it) and the all-reduce's hand-over latency
      pipeline latency          grid search on the 2×1 rows of one schedule (1F1B)
-   Every row is then predicted with ``hybrid.planner.evaluate`` at the balance it ran with;
+   Every row is then predicted with ``hybrid.planning.planner.evaluate`` at the balance it ran with;
    the 2×1 rows of GPipe, interleaved and ZB-H1 are the held-out check.
 4. Projections from the cost model alone (no profiling, stated hardware): the GPipe
    Transformer scaling (K = 2, 4, 8 partitions, M = 32; published 1.8 / 3.4 / 6.3), and
@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from hybrid import planner  # noqa: E402
-from hybrid.planner import Config, CostProfile, Hardware, LayerCost, Link  # noqa: E402
+from hybrid.planning import planner  # noqa: E402
+from hybrid.planning.planner import Config, CostProfile, Hardware, LayerCost, Link  # noqa: E402
 
 import common  # noqa: E402
 
@@ -90,7 +90,7 @@ def profile_child(spec: dict) -> None:
     import keras
     import tensorflow as tf
 
-    from hybrid import profile
+    from hybrid.planning import profile
 
     tf.get_logger().setLevel("ERROR")
     data = common.reference_model(**spec["model"])

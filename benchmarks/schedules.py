@@ -33,7 +33,7 @@ FLAGS = flags.FLAGS
 
 def calibrated_costs(schedule, events):
     """Mean measured seconds of F, B and W per model stage -> schedule.Costs."""
-    from hybrid.schedule import Costs, Op
+    from hybrid.core.schedule import Costs, Op
 
     spans = collections.defaultdict(list)
     for e in events:
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
     hybrid.simulate_cpu_devices(2)
     import keras
 
-    from hybrid import schedule as sched
+    from hybrid.core import schedule as sched
     from hybrid import timeline
 
     env = common.environment()

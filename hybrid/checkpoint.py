@@ -28,8 +28,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.pipeline import Pipeline
-from hybrid.stage import StageReplica
+from hybrid.engine.pipeline import Pipeline
+from hybrid.engine.stage import StageReplica
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored"]
 

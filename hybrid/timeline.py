@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hybrid.schedule import Action, Op, Schedule
+from hybrid.core.schedule import Action, Costs, Op, Schedule, simulate
 
-__all__ = ["bubble_fraction", "plot_timelines"]
+__all__ = ["bubble_fraction", "plot_timelines", "render_schedule"]
 
 COLORS = {Op.F: "#4c72b0", Op.B: "#dd8452", Op.W: "#55a868"}
 
@@ -83,3 +83,13 @@ def plot_timelines(panels: Sequence[tuple[str, Schedule, Timeline]], path: str) 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def render_schedule(
+    schedule: Schedule, path: str, costs: Costs | None = None, title: str = ""
+) -> str:
+    """Draws the simulated timeline of ``schedule`` as a PNG Gantt chart at ``path``."""
+    result = simulate(schedule, costs)
+    return plot_timelines(
+        [(title or f"{schedule.name} simulated", schedule, result.timeline)], path
+    )

@@ -27,8 +27,8 @@ import tensorflow as tf
 
 from hybrid import data, models
 from hybrid.checkpoint import Checkpointer
-from hybrid.mesh import DeviceMesh, parse_spec
-from hybrid.pipeline import Pipeline
+from hybrid.core.mesh import DeviceMesh, parse_spec
+from hybrid.engine.pipeline import Pipeline
 
 __all__ = ["NonFiniteLossError", "TrainConfig", "TrainResult", "build_model", "train"]
 

@@ -6,7 +6,7 @@ A launcher calls ``define_flags()`` next to its own (``--tpu``, ``--tpu_zone`` a
     run_supervised(lambda restart: train(config), FLAGS.tpu, FLAGS.tpu_zone,
                    FLAGS.gcp_project, log=print)
 
-The policy itself lives in ``hybrid.cloud_tpu`` (flag-free).
+The policy itself lives in ``hybrid.platforms.cloud_tpu`` (flag-free).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def run_supervised(
     log: Callable[[str], None],
     flag_values: flags.FlagValues = flags.FLAGS,
 ) -> T:
-    """Runs ``attempt(restart)`` under ``hybrid.cloud_tpu.supervise`` with the flags' settings.
+    """Runs ``attempt(restart)`` under ``hybrid.platforms.cloud_tpu.supervise`` with the flags' settings.
 
     Args:
       attempt: one training attempt that restores the latest checkpoint and trains to the end.
@@ -115,9 +115,9 @@ def run_supervised(
       What the attempt that finishes returns.
 
     Raises:
-      hybrid.cloud_tpu.TPURecoveryError: the supervisor gave up (the message says why).
+      hybrid.platforms.cloud_tpu.TPURecoveryError: the supervisor gave up (the message says why).
     """
-    from hybrid import cloud_tpu  # imports TensorFlow: only once the launcher has set devices
+    from hybrid.platforms import cloud_tpu  # imports TensorFlow: only once the launcher has set devices
 
     config = cloud_tpu.SupervisorConfig(
         max_restarts=flag_values.tpu_max_restarts,

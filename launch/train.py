@@ -38,7 +38,7 @@ PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
 
 def define_flags() -> None:
     """Defines the launcher's flags and their cross-flag validators."""
-    from hybrid import schedule  # no TensorFlow: safe before the device count is set
+    from hybrid.core import schedule  # no TensorFlow: safe before the device count is set
     from hybrid.models import catalog
 
     flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu", "tpu"], "Device type of the mesh.")
@@ -137,7 +137,7 @@ def define_flags() -> None:
 
 def _mesh_of(values: dict[str, Any]) -> tuple[int, int] | None:
     """The mesh flag's (S, R); None for --mesh=auto (the planner checks its own choice)."""
-    from hybrid.mesh import parse_spec
+    from hybrid.core.mesh import parse_spec
 
     if values["mesh"] == "auto":
         return None
@@ -343,15 +343,15 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
 
     Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
     """
-    from hybrid import cluster as cluster_lib
-    from hybrid.mesh import DeviceMesh, parse_spec
+    from hybrid.platforms import cluster as cluster_lib
+    from hybrid.core.mesh import parse_spec
     from hybrid.trainer import train
 
     spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
     stages, replicas = parse_spec(config.mesh)
     try:
         job = cluster_lib.connect(spec, timeout_s=FLAGS.cluster_timeout)
-        mesh = DeviceMesh.from_cluster(
+        mesh = cluster_lib.mesh(
             job, stages, replicas, order=FLAGS.mesh_order, device_type=config.platform.upper()
         )
         with job.guard():
@@ -373,7 +373,7 @@ def _planned(config: Any, devices: int) -> Any:
 
     import keras
 
-    from hybrid import planner
+    from hybrid.planning import planner
     from hybrid.trainer import build_model
 
     layers, shape, dtype = build_model(config)
@@ -477,7 +477,7 @@ def main(argv: list[str]) -> None:
 
     import hybrid
     from hybrid.checkpoint import CheckpointError
-    from hybrid.mesh import parse_spec
+    from hybrid.core.mesh import parse_spec
     from hybrid.trainer import NonFiniteLossError, train
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
@@ -492,7 +492,7 @@ def main(argv: list[str]) -> None:
         if FLAGS.cluster is not None:
             result = _run_on_cluster(config, pause)
         elif config.platform == "tpu":
-            from hybrid import cloud_tpu as tpu_lib
+            from hybrid.platforms import cloud_tpu as tpu_lib
 
             def attempt(restart: int) -> Any:
                 # After a preemption the TPU system must be connected and initialised again.

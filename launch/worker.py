@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is a --flag")
     job, index, text = _resolve_task()
-    from hybrid import cluster  # after the flag checks: TensorFlow takes seconds to import
+    from hybrid.platforms import cluster  # after the flag checks: TensorFlow takes seconds to import
 
     try:
         spec = cluster.cluster_spec(text)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from hybrid import cluster  # noqa: E402
+from hybrid.platforms import cluster  # noqa: E402
 
 EXIT_LOST_TASK = 3
 BATCH = 64
@@ -55,7 +55,7 @@ def main() -> int:
     import reference as ref
 
     job = cluster.connect(args.cluster, timeout_s=args.timeout_s)
-    mesh = hybrid.DeviceMesh.from_cluster(job, stages=2, replicas=2, order=args.order)
+    mesh = cluster.mesh(job, stages=2, replicas=2, order=args.order)
     with open(os.path.join(args.out, "mesh.json"), "w") as f:
         json.dump({"devices": mesh.devices}, f)
     pipe = hybrid.Pipeline(

@@ -22,8 +22,8 @@ from absl import flags
 from fake_cloud_tpu import FakeClock, FakeCloudTpu, NetworkGuardError, loopback_only
 from google.auth.credentials import AnonymousCredentials
 
-from hybrid import cloud_tpu
-from hybrid.cloud_tpu import NodeStatus, SupervisorConfig, TPURecoveryError
+from hybrid.platforms import cloud_tpu
+from hybrid.platforms.cloud_tpu import NodeStatus, SupervisorConfig, TPURecoveryError
 
 import runner
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hybrid
-from hybrid import schedule as sched
+from hybrid.core import schedule as sched
 
 import reference as ref
 import runner

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 import hybrid
-from hybrid.mesh import parse_spec
+from hybrid.core.mesh import parse_spec
 
 import runner
 from conftest import NUM_DEVICES

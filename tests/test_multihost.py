@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid import cluster
+from hybrid.platforms import cluster
 
 import pause
 import reference as ref

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hybrid import partition
+from hybrid.core import partition
 
 import runner
 

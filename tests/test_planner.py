@@ -8,8 +8,8 @@ import keras
 import pytest
 
 import hybrid
-from hybrid import planner
-from hybrid.planner import Config, CostProfile, Hardware, Infeasible, LayerCost, Link
+from hybrid.planning import planner
+from hybrid.planning.planner import Config, CostProfile, Hardware, Infeasible, LayerCost, Link
 
 import runner
 
@@ -43,7 +43,7 @@ def test_uniform_stages_reproduce_the_formulas(schedule, stages, micro_batches):
 def test_uniform_interleaved_bubble():
     S, M, v = 2, 4, 2
     p = planner.evaluate(uniform(8), Config(S, 1, M, "interleaved", "never", v), M)
-    assert p.bubble == pytest.approx(hybrid.schedule.bubble_formula(S, M, v))
+    assert p.bubble == pytest.approx(hybrid.core.schedule.bubble_formula(S, M, v))
     assert p.config.balance == (2, 2, 2, 2)
 
 

@@ -5,8 +5,9 @@ from fractions import Fraction
 
 import pytest
 
-from hybrid import schedule as sched
-from hybrid.schedule import Action, Costs, Op, Schedule, ScheduleError
+from hybrid import timeline
+from hybrid.core import schedule as sched
+from hybrid.core.schedule import Action, Costs, Op, Schedule, ScheduleError
 
 import runner
 
@@ -130,7 +131,7 @@ def test_execution_order_respects_devices_and_data():
         for row in s.actions:
             assert [position[a] for a in row] == sorted(position[a] for a in row)
         for a in order:
-            for dep in sched._dependencies(a, s.num_model_stages):
+            for dep in sched.dependencies(a, s.num_model_stages):
                 assert position[dep] < position[a]
 
 
@@ -207,7 +208,7 @@ def test_grid_rendering():
 
 
 def test_render_png(tmp_path):
-    path = sched.render(sched.interleaved(2, 4, 2), str(tmp_path / "t.png"))
+    path = timeline.render_schedule(sched.interleaved(2, 4, 2), str(tmp_path / "t.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from hybrid import schedule as sched
+from hybrid.core import schedule as sched
 
 import runner
 from test_equivalence import REMATS, _run

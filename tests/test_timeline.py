@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hybrid
-from hybrid import schedule as sched
+from hybrid.core import schedule as sched
 from hybrid import timeline
 
 import reference as ref

@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid import tpu_mesh
-from hybrid.tpu_mesh import Torus
+from hybrid.platforms import tpu_mesh
+from hybrid.platforms.tpu_mesh import Torus
 
 import runner
 
@@ -370,29 +370,30 @@ def test_bad_arguments():
         tpu_mesh.layout(slice_topology("2x2x2")[0], 2, 4, job="")
 
 
-# -- DeviceMesh.from_tpu -----------------------------------------------------------------------
+# -- the layout as a DeviceMesh -----------------------------------------------------------------
 
 
-def test_from_tpu():
+def test_layout_mesh():
     topology, expected = slice_topology("2x2x1 2 cores")
-    mesh = hybrid.DeviceMesh.from_tpu(topology, stages=2, replicas=4)
+    tpu = tpu_mesh.layout(topology, stages=2, replicas=4)
+    mesh = tpu.mesh
     assert mesh.shape == (2, 4) and mesh.spec == "stage:2;replica:4"
-    assert mesh.tpu is not None and mesh.devices == mesh.tpu.devices
+    assert mesh.devices == tpu.devices
     names = {f"/job:worker/replica:0/task:{t}/device:TPU:{o}" for t, o in expected.values()}
     assert {d for row in mesh.devices for d in row} == names
-    group = mesh.tpu.placement.replica_group(1)
+    group = tpu.placement.replica_group(1)
     assert mesh.replica_group(1) == tuple(
         "/job:worker/replica:0/task:{}/device:TPU:{}".format(*expected[c]) for c in group
     )
-    assert mesh == hybrid.DeviceMesh(mesh.devices)  # the layout is not part of equality
-    assert mesh.tpu.device_assignment().num_cores_per_replica == 2
+    assert mesh == hybrid.DeviceMesh(mesh.devices)
+    assert tpu.device_assignment().num_cores_per_replica == 2
 
-    local = hybrid.DeviceMesh.from_tpu(topology, 8, job="localhost")
+    local = tpu_mesh.layout(topology, 8, job="localhost").mesh
     assert local.shape == (8, 1)
     assert set(local.pipeline(0)) == {n.replace("job:worker", "job:localhost") for n in names}
 
     with pytest.raises(ValueError, match="needs 6 TPU cores but the slice has 8"):
-        hybrid.DeviceMesh.from_tpu(topology, 3, 2)
+        tpu_mesh.layout(topology, 3, 2)
 
 
 if __name__ == "__main__":

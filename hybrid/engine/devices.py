@@ -1,4 +1,4 @@
-"""Local devices: the simulated CPU mesh and discovery of the best local device type.
+"""The simulated CPU mesh: the host CPU split into logical devices that act like cores.
 
 TensorFlow fixes its logical devices when the runtime starts, once per process. A test or a
 launcher therefore decides its simulated device count before anything touches the runtime.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["local_devices", "simulate_cpu_devices"]
+__all__ = ["simulate_cpu_devices"]
 
 
 def _logical_cpu_count() -> int:
@@ -53,13 +53,3 @@ def simulate_cpu_devices(num_devices: int, inter_op_threads: int | None = None) 
                 "any tensor is created), or run this configuration in its own process"
             ) from err
     return [d.name for d in tf.config.list_logical_devices("CPU")]
-
-
-def local_devices(device_type: str | None = None) -> tuple[str, ...]:
-    """Names of the local logical devices of ``device_type`` ('GPU', 'TPU', 'CPU').
-
-    With no type, the best present: GPU if any, else CPU.
-    """
-    if device_type is None:
-        device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-    return tuple(d.name for d in tf.config.list_logical_devices(device_type.upper()))

@@ -19,7 +19,7 @@ model instead of trying every configuration::
     rank the configurations that fit by step time; say why the others were rejected
 
 Everything here is arithmetic on plain numbers (no TensorFlow); :func:`profile_model`
-measures a Keras model with :mod:`hybrid.profile` when a plan is asked for a list of layers.
+measures a Keras model with :mod:`hybrid.planning.profile` when a plan is asked for a list of layers.
 
 Conventions: times in seconds, sizes in bytes, bandwidths in bytes per second.
 """
@@ -33,8 +33,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from hybrid import partition
-from hybrid import schedule as schedule_lib
+from hybrid.core import partition
+from hybrid.core import schedule as schedule_lib
 
 __all__ = [
     "REMAT_MODES",
@@ -56,7 +56,7 @@ __all__ = [
     "uniform_profile",
 ]
 
-# The engine's remat modes (hybrid.pipeline.REMAT_MODES; repeated so this module needs no
+# The engine's remat modes (hybrid.engine.pipeline.REMAT_MODES; repeated so this module needs no
 # TensorFlow, and a test keeps the two equal).
 REMAT_MODES = ("never", "except_last", "always")
 GiB = float(1 << 30)
@@ -308,7 +308,7 @@ class CostProfile:
 
     @classmethod
     def from_measurement(cls, measurement: Any, input_is_float: bool = True) -> CostProfile:
-        """From :func:`hybrid.profile.measure_layers`' result.
+        """From :func:`hybrid.planning.profile.measure_layers`' result.
 
         Without allocator statistics (bytes measured as None) a layer's stored bytes fall
         back to its output bytes and its working bytes to twice that: lower bounds.
@@ -395,7 +395,7 @@ class Config:
       stages: S, devices along the pipeline.
       replicas: R, data-parallel copies of the pipeline.
       micro_batches: M per replica per step.
-      schedule: a name in ``hybrid.schedule.names()``.
+      schedule: a name in ``hybrid.core.schedule.names()``.
       remat: one of :data:`REMAT_MODES`.
       virtual_stages: model stages per device (interleaved only).
       balance: layers per model stage; None: the planner balances by time.
@@ -575,7 +575,7 @@ class _Stage:
 
 @dataclasses.dataclass(frozen=True)
 class _ActionCosts(schedule_lib.Costs):
-    """:class:`hybrid.schedule.Costs` with a time for every single action: a fused pair or
+    """:class:`hybrid.core.schedule.Costs` with a time for every single action: a fused pair or
     ``except_last`` makes one micro-batch's backward cost differ from the others'."""
 
     table: Mapping[schedule_lib.Action, float] = dataclasses.field(default_factory=dict)
@@ -965,7 +965,7 @@ def plan(
       input_shape, input_dtype, loss, target_shape, optimizer, device: for profiling
         layers (see :func:`profile_model`).
       optimizer_slots: optimizer state per weight (Adam 2).
-      schedules: schedule names (default: all of ``hybrid.schedule.names()``).
+      schedules: schedule names (default: all of ``hybrid.core.schedule.names()``).
       remats: remat modes (default: all of :data:`REMAT_MODES`).
 
     Raises:
@@ -1073,17 +1073,17 @@ def profile_model(
     device: str | None = None,
     repeats: int = 7,
 ) -> CostProfile:
-    """Measures ``layers`` on one device (:func:`hybrid.profile.measure_layers`) at the
+    """Measures ``layers`` on one device (:func:`hybrid.planning.profile.measure_layers`) at the
     given micro-batch sizes and returns their :class:`CostProfile`.
 
     ``device`` defaults to the first local device (the first GPU, else the first CPU).
     """
     import tensorflow as tf  # only profiling needs TensorFlow
 
-    from hybrid import devices as devices_lib
-    from hybrid import profile as profile_lib
+    from hybrid.core.mesh import local_devices
+    from hybrid.planning import profile as profile_lib
 
-    where = device or devices_lib.local_devices()[0]
+    where = device or local_devices()[0]
     measurement = profile_lib.measure_layers(
         layers,
         input_shape,

@@ -28,17 +28,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid import lowering, partition, profile
-from hybrid import schedule as schedule_lib
-from hybrid.collectives import ReplicaGroup
-from hybrid.mesh import DeviceMesh
-from hybrid.schedule import Action
-from hybrid.stage import LossFn, StageReplica, TensorSpec
+from hybrid.engine import lowering
+from hybrid.core import partition
+from hybrid.core.config import REMAT_MODES, RunConfig, check_global_batch, validate_run
+from hybrid.engine import layer_costs
+from hybrid.core import schedule as schedule_lib
+from hybrid.engine.collectives import ReplicaGroup
+from hybrid.core.mesh import DeviceMesh
+from hybrid.core.schedule import Action
+from hybrid.engine.stage import LossFn, StageReplica, TensorSpec
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
 
-REMAT_MODES = ("never", "except_last", "always")
-_BALANCE_MODES = ("params", "time")
 
 OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer or a zero-argument factory
 
@@ -102,7 +103,7 @@ class Pipeline:
       micro_batches: M, the micro-batches each replica's shard of the batch is split into.
       balance: layers per stage: None or "params" (balance parameter counts), "time"
         (balance profiled forward+backward time per layer), or explicit counts.
-      schedule: name of a schedule in ``hybrid.schedule.names()``.
+      schedule: name of a schedule in ``hybrid.core.schedule.names()``.
       remat: "never" keeps activations, "always" keeps each stage input and recomputes its
         forward in the backward, "except_last" recomputes all but the last micro-batch.
       jit_compile: compile stage programs with XLA.
@@ -123,17 +124,24 @@ class Pipeline:
     ) -> None:
         self._layers = _layers_of(model)
         self.mesh = mesh
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-        if remat not in REMAT_MODES:
-            raise ValueError(f"unknown remat mode {remat!r}; choose one of {list(REMAT_MODES)}")
         if not callable(loss):
             raise TypeError(f"loss must be callable(y_true, y_pred), got {type(loss).__name__}")
+        counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
+        self.config = validate_run(
+            RunConfig(
+                stages=mesh.num_stages,
+                replicas=mesh.num_replicas,
+                micro_batches=micro_batches,
+                schedule=schedule,
+                virtual_stages=virtual_stages,
+                remat=remat,
+                balance=counts if counts is not None else balance,
+                num_layers=len(self._layers),
+            )
+        )
         self.micro_batches = micro_batches
         self.remat = remat
         self.jit_compile = jit_compile
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
         self.schedule = schedule_lib.validate(
             schedule_lib.get(schedule, mesh.num_stages, micro_batches, virtual_stages)
         )
@@ -143,25 +151,9 @@ class Pipeline:
         self._inference_order = schedule_lib.execution_order(self._inference)
         self._loss = loss
         self._optimizer_factory = _optimizer_factory(optimizer)
-        num_layers, num_stages = len(self._layers), self.schedule.num_model_stages
-        if num_stages > num_layers:
-            per = f" ({mesh.num_stages} devices × {virtual_stages} virtual stages)"
-            raise ValueError(
-                f"the mesh has {num_stages} stages{per if virtual_stages > 1 else ''} but the "
-                f"model has only {num_layers} layers; use at most {num_layers} stages"
-            )
-        if balance is None or isinstance(balance, str):
-            mode = balance or "params"
-            if mode not in _BALANCE_MODES:
-                raise ValueError(
-                    f"unknown balance {balance!r}; use None, one of {list(_BALANCE_MODES)}, "
-                    "or a list of layer counts per stage"
-                )
-            self._balance_mode: str | None = mode
-            self._balance: tuple[int, ...] | None = None
-        else:
-            self._balance_mode = None
-            self._balance = partition.check_balance(balance, num_layers, num_stages)
+        # Explicit counts, or None until build() balances by self._balance_mode.
+        self._balance: tuple[int, ...] | None = counts
+        self._balance_mode = "params" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
         self._groups: list[ReplicaGroup] = []
         with tf.device(_host_cpu(mesh.device(0, 0))):
@@ -223,11 +215,11 @@ class Pipeline:
                 boundaries.append(TensorSpec(tuple(y.shape[1:]), y.dtype.name))
         if self._balance is None:
             if self._balance_mode == "time":
-                costs = profile.time_costs(
+                costs = layer_costs.time_costs(
                     self._layers, samples, first, jit_compile=self.jit_compile
                 )
             else:
-                costs = profile.parameter_costs(self._layers)
+                costs = layer_costs.parameter_costs(self._layers)
             self._balance = partition.balance_by_cost(costs, self.schedule.num_model_stages)
         starts = np.cumsum((0,) + self._balance)
         K = self.schedule.num_model_stages
@@ -255,13 +247,7 @@ class Pipeline:
         if not self.built:
             self.build((None,) + tuple(x.shape[1:]), x.dtype.name)
         batch = int(x.shape[0])
-        parts = self.mesh.num_replicas * self.micro_batches
-        if batch % parts:
-            raise ValueError(
-                f"global batch {batch} is not divisible by replicas ({self.mesh.num_replicas}) × "
-                f"micro_batches ({self.micro_batches}) = {parts}; use a batch that is a multiple "
-                f"of {parts}"
-            )
+        check_global_batch(self.config, batch)
         if y is not None:
             y = tf.convert_to_tensor(y)
             if int(y.shape[0]) != batch:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from hybrid.schedule import Action, Op, Schedule
-from hybrid.stage import Saved, StageReplica
+from hybrid.core.schedule import Action, Op, Schedule
+from hybrid.engine.stage import Saved, StageReplica
 
 __all__ = ["DeviceClock", "ReplicaStep", "lower_inference", "lower_training"]
 

@@ -1,5 +1,5 @@
-"""Per-layer costs: parameter counts or measured forward+backward time (for balancing), and
-detailed per-layer measurements (time of each action kind, activation bytes) for the planner."""
+"""Detailed per-layer measurements for the planner: the time of each action kind, activation
+and weight bytes, the optimizer update, the all-reduce and transfers between devices."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hybrid.stage import StageReplica, TensorSpec
+from hybrid.engine.layer_costs import block as _block
+from hybrid.engine.stage import StageReplica, TensorSpec
 
 __all__ = [
     "LayerMeasurement",
@@ -21,65 +22,7 @@ __all__ = [
     "measure_all_reduce",
     "measure_layers",
     "measure_transfer",
-    "parameter_costs",
-    "time_costs",
 ]
-
-
-def parameter_costs(layers: Sequence[keras.layers.Layer]) -> list[float]:
-    """The number of weights of each (built) layer."""
-    return [float(layer.count_params()) for layer in layers]
-
-
-def time_costs(
-    layers: Sequence[keras.layers.Layer],
-    inputs: Sequence[tf.Tensor],
-    device: str,
-    repeats: int = 5,
-    jit_compile: bool = True,
-) -> list[float]:
-    """Median seconds of one forward + backward of each layer on ``device``.
-
-    Args:
-      layers: the built layers, in model order.
-      inputs: a sample input batch for each layer (the micro-batch the pipeline will run).
-      device: where to measure (the first device of the mesh).
-      repeats: timed runs per layer after one warm-up (which also compiles).
-    """
-    costs = []
-    for layer, x in zip(layers, inputs, strict=True):
-
-        def step(x: tf.Tensor, layer: keras.layers.Layer = layer) -> list[tf.Tensor]:
-            with tf.GradientTape() as tape:
-                if x.dtype.is_floating:
-                    tape.watch(x)
-                y = layer(x, training=True)
-                target = tf.reduce_sum(tf.cast(y, tf.float32))
-            sources = ([x] if x.dtype.is_floating else []) + list(layer.trainable_variables)
-            grads = tape.gradient(target, sources) if sources else []
-            return [target] + [g for g in grads if g is not None]
-
-        with tf.device(device):
-            program = tf.function(step, jit_compile=jit_compile)
-            x = tf.identity(x)
-            _block(program(x))
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                _block(program(x))
-                times.append(time.perf_counter() - start)
-        costs.append(sorted(times)[len(times) // 2])
-    return costs
-
-
-def _block(tensors: Sequence[tf.Tensor]) -> None:
-    for t in tensors:
-        t.numpy()
-
-
-# ---------------------------------------------------------------------------
-# Detailed per-layer measurements for the planner (hybrid/planner.py)
-# ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +294,7 @@ def measure_layers(
         work   = the allocator's peak above that while forward_backward runs
 
     where t is the time of one of ``chain`` back-to-back repetitions inside one graph
-    function, with the programs the engine runs (:class:`hybrid.stage.StageReplica`), and
+    function, with the programs the engine runs (:class:`hybrid.engine.stage.StageReplica`), and
     "identity" is a one-weight layer whose programs do next to no work: the difference is
     compute only. Every program is compiled first; then ``repeats`` rounds time every
     program of every layer once, each beside its identity twin, and each figure is the
@@ -508,11 +451,11 @@ def measure_all_reduce(
     """Median seconds of one mean all-reduce of a float32 vector over ``devices``, per size,
     beyond launching the graph function that runs it.
 
-    Runs the engine's own collective (:class:`hybrid.collectives.ReplicaGroup`), one vector
+    Runs the engine's own collective (:class:`hybrid.engine.collectives.ReplicaGroup`), one vector
     per device, inside a graph function, timed in alternation with the same function without
     the collective (its launch cost is subtracted).
     """
-    from hybrid.collectives import ReplicaGroup
+    from hybrid.engine.collectives import ReplicaGroup
 
     group = ReplicaGroup(devices)
 

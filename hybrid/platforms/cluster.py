@@ -6,7 +6,7 @@ places ops on ``/job:worker/replica:0/task:i/device:...`` and all-reduces across
 
     workers:  for i in tasks:  start_server(spec, "worker", i)     # one process per host
     client:   cluster = connect(spec, timeout_s=60)                # probe, then connect
-              mesh = DeviceMesh.from_cluster(cluster, stages=S, replicas=R)
+              mesh = cluster.mesh(cluster, stages=S, replicas=R)
               pipe = Pipeline(layers, mesh, ...)
               with cluster.guard():                               # clear error if a task dies
                   pipe.train_step(x, y)
@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import tensorflow as tf
+
+from hybrid.core.mesh import DeviceMesh
 
 __all__ = [
     "ORDERS",
@@ -534,7 +536,7 @@ def mesh_devices(
 ) -> tuple[tuple[str, ...], ...]:
     """The device rows of an S × R mesh over a cluster (connecting first if needed).
 
-    Backs ``DeviceMesh.from_cluster``; see :func:`order_devices` for the order.
+    Backs :func:`mesh`; see :func:`order_devices` for the order.
     """
     if order not in ORDERS:
         raise ValueError(f"unknown device order {order!r}; choose one of {list(ORDERS)}")
@@ -545,6 +547,35 @@ def mesh_devices(
         return order_devices(per_task, stages, replicas, order)
     except ValueError as err:
         raise ValueError(f"mesh stage:{stages};replica:{replicas} on {cluster}: {err}") from None
+
+
+def mesh(
+    cluster: ClusterLike,
+    stages: int,
+    replicas: int = 1,
+    order: str = "replica_groups_in_host",
+    device_type: str | None = None,
+    job: str = "worker",
+    timeout_s: float = 60.0,
+) -> DeviceMesh:
+    """An S × R mesh over the devices of every task of a TensorFlow cluster.
+
+    Args:
+      cluster: a :class:`Cluster` from :func:`connect`, or anything ``connect`` accepts (a
+        ClusterResolver, a ClusterSpec, a ``{job: [address, ...]}`` mapping, its JSON, None
+        for TF_CONFIG): then this connects first, within ``timeout_s``.
+      stages, replicas: S and R.
+      order: ``"replica_groups_in_host"`` keeps each stage's replica group inside one task
+        and lets the pipeline cross tasks; ``"pipelines_in_host"`` the reverse.
+      device_type: "GPU", "CPU", ...; default GPU if any task has one, else CPU.
+      job: the job whose tasks hold the mesh.
+    """
+    for name, value in (("stages", stages), ("replicas", replicas)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return DeviceMesh(
+        mesh_devices(cluster, stages, replicas, order, device_type, job, timeout_s)
+    )
 
 
 # -- the worker side ---------------------------------------------------------------------

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hybrid.tpu_mesh import TpuLayout
-
-__all__ = ["DeviceMesh"]
+__all__ = ["DeviceMesh", "local_devices", "parse_spec"]
 
 _AXES = ("stage", "replica")
 
@@ -25,12 +20,13 @@ class DeviceMesh:
 
     Attributes:
       devices: one tuple per stage with that stage's device name for every replica.
-      tpu: for a mesh made by ``from_tpu``, its TPU layout (core coordinates, the
-        ``DeviceAssignment``); None otherwise. Not part of equality: the device names are.
+
+    Meshes over other device sources are made where those live:
+    ``hybrid.platforms.tpu_mesh.layout(...).mesh`` (a TPU slice, stages on neighbouring
+    chips) and ``hybrid.platforms.cluster.mesh(...)`` (the tasks of a TensorFlow cluster).
     """
 
     devices: tuple[tuple[str, ...], ...]
-    tpu: TpuLayout | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.devices or not self.devices[0]:
@@ -61,89 +57,20 @@ class DeviceMesh:
 
     @classmethod
     def create(cls, stages: int, replicas: int = 1, device_type: str | None = None) -> DeviceMesh:
-        """The first S*R local devices of ``device_type`` (default: GPU if present, else CPU)."""
-        from hybrid import devices  # TensorFlow is only needed to discover devices.
+        """The first S*R local devices of ``device_type`` (default: GPU if present, else CPU).
 
+        Asks the TensorFlow runtime which devices exist, so this (and only this) imports
+        TensorFlow, at call time: importing the core never does.
+        """
         _check_axis("stages", stages)
         _check_axis("replicas", replicas)
-        return cls.from_devices(devices.local_devices(device_type), stages, replicas)
+        return cls.from_devices(local_devices(device_type), stages, replicas)
 
     @classmethod
     def from_spec(cls, spec: str, device_type: str | None = None) -> DeviceMesh:
         """Builds a mesh from a mesh-tensorflow style spec, e.g. ``"stage:2;replica:4"``."""
         stages, replicas = parse_spec(spec)
         return cls.create(stages, replicas, device_type)
-
-    @classmethod
-    def from_tpu(
-        cls,
-        resolver_or_topology: Any,
-        stages: int,
-        replicas: int = 1,
-        *,
-        wrap: bool | Sequence[bool] | None = None,
-        job: str | None = None,
-        require_closed_rings: bool = False,
-    ) -> DeviceMesh:
-        """Every core of a TPU slice, with neighbouring stages on neighbouring chips and each
-        replica group on a ring of neighbours (``hybrid.tpu_mesh.layout``).
-
-        Args:
-          resolver_or_topology: a ``tf.tpu.experimental.Topology``, or a
-            ``TPUClusterResolver`` (then ``initialize_tpu_system`` runs here; needs a TPU).
-          stages, replicas: S and R with S × R = the cores of the slice.
-          wrap: wraparound links per chip axis; None: every axis wraps iff each side of the
-            chip grid is a multiple of 4 (v4/v5p cubes), else none (2-D slices, small 3-D).
-          job: the job in the device names (default: ``"worker"``, or the TPU devices' job).
-          require_closed_rings: reject open replica chains instead of accepting them.
-
-        Returns:
-          The mesh of TPU device names; ``mesh.tpu`` keeps the layout, and
-          ``mesh.tpu.device_assignment()`` gives the ``DeviceAssignment`` (R replicas of S
-          logical cores) for ``TPUStrategy``.
-        """
-        from hybrid import tpu_mesh  # TensorFlow is only needed for the topology.
-
-        layout = tpu_mesh.layout(
-            resolver_or_topology,
-            stages,
-            replicas,
-            wrap=wrap,
-            job=job,
-            require_closed_rings=require_closed_rings,
-        )
-        return cls(layout.devices, tpu=layout)
-
-    @classmethod
-    def from_cluster(
-        cls,
-        cluster: Any,
-        stages: int,
-        replicas: int = 1,
-        order: str = "replica_groups_in_host",
-        device_type: str | None = None,
-        job: str = "worker",
-        timeout_s: float = 60.0,
-    ) -> DeviceMesh:
-        """The devices of every task of a TensorFlow cluster (``hybrid.cluster``).
-
-        Args:
-          cluster: a ``hybrid.cluster.Cluster`` from ``cluster.connect``, or anything it
-            accepts (a ClusterResolver, a ClusterSpec, a ``{job: [address, ...]}`` mapping,
-            its JSON, None for TF_CONFIG): then this connects first, within ``timeout_s``.
-          stages, replicas: S and R.
-          order: ``"replica_groups_in_host"`` keeps each stage's replica group inside one
-            task and lets the pipeline cross tasks; ``"pipelines_in_host"`` the reverse.
-          device_type: "GPU", "CPU", ...; default GPU if any task has one, else CPU.
-          job: the job whose tasks hold the mesh.
-        """
-        from hybrid import cluster as cluster_lib  # TensorFlow is only needed to connect.
-
-        _check_axis("stages", stages)
-        _check_axis("replicas", replicas)
-        return cls(
-            cluster_lib.mesh_devices(cluster, stages, replicas, order, device_type, job, timeout_s)
-        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -183,6 +110,18 @@ class DeviceMesh:
 
     def __str__(self) -> str:
         return f"DeviceMesh({self.spec})"
+
+
+def local_devices(device_type: str | None = None) -> tuple[str, ...]:
+    """Names of the local logical devices of ``device_type`` ('GPU', 'TPU', 'CPU').
+
+    With no type, the best present: GPU if any, else CPU.
+    """
+    import tensorflow as tf  # the runtime's device list; see DeviceMesh.create
+
+    if device_type is None:
+        device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    return tuple(d.name for d in tf.config.list_logical_devices(device_type.upper()))
 
 
 def _check_axis(name: str, value: int) -> None:

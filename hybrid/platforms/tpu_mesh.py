@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from hybrid.core.mesh import DeviceMesh
+
 __all__ = [
     "Coord",
     "Placement",
@@ -325,6 +327,11 @@ class TpuLayout:
     placement: Placement
     devices: tuple[tuple[str, ...], ...]
     topology: Any = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The placement as a DeviceMesh of TPU device names (what ``Pipeline`` takes)."""
+        return DeviceMesh(self.devices)
 
     def core_assignment(self) -> np.ndarray:
         """``[R, S, 4]`` int32 array: entry ``[r, s]`` is the core of (stage s, replica r)."""

@@ -1,0 +1,198 @@
+"""A run configuration and the one function that decides whether it is valid.
+
+``Pipeline``, the planner and the launcher all describe a run by the same values (the mesh
+shape, micro-batches, schedule, virtual stages, balance, remat, and, when known, the global
+batch and the model's layer count) and all ask :func:`validate_run` whether it can run. A
+rule lives here and nowhere else, so the planner never proposes what ``Pipeline`` refuses,
+and the launcher refuses exactly what ``Pipeline`` would.
+
+Errors speak the library's language: argument names, their values and the fix. Each
+:class:`ConfigError` also names the arguments involved, so a front end (the launcher) can
+say which of its own options to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hybrid.core import generators
+from hybrid.core.partition import check_balance
+
+__all__ = [
+    "BALANCE_MODES",
+    "REMAT_MODES",
+    "ConfigError",
+    "RunConfig",
+    "check_global_batch",
+    "validate_run",
+]
+
+REMAT_MODES = ("never", "except_last", "always")
+BALANCE_MODES = ("params", "time")
+
+Balance = str | tuple[int, ...] | None
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot run.
+
+    Attributes:
+      kind: what is wrong, without the values (stable; the planner's rejection reasons).
+      arguments: the RunConfig fields involved, for a front end to name its own options.
+    """
+
+    def __init__(self, kind: str, message: str, arguments: Sequence[str]) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.arguments = tuple(arguments)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How one training step runs on the mesh.
+
+    Attributes:
+      stages: S, devices along each pipeline.
+      replicas: R, data-parallel copies of the pipeline.
+      micro_batches: M, micro-batches each replica's shard of the batch is split into.
+      schedule: a name in ``hybrid.schedule.names()``.
+      remat: one of :data:`REMAT_MODES`.
+      virtual_stages: model stages per device (the interleaved schedule), so the model is
+        cut into ``stages × virtual_stages`` model stages.
+      balance: layers per model stage: None or "params" (balance parameter counts), "time"
+        (balance measured time), or explicit counts.
+      global_batch: examples per step over all replicas; None when not known yet (it is
+        then checked per batch with :func:`check_global_batch`).
+      num_layers: the layers the model is cut along; None when not known yet.
+    """
+
+    stages: int
+    replicas: int = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    remat: str = "except_last"
+    virtual_stages: int = 1
+    balance: Balance = None
+    global_batch: int | None = None
+    num_layers: int | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def model_stages(self) -> int:
+        """How many pieces the model is cut into: S × virtual stages."""
+        return self.stages * self.virtual_stages
+
+    @property
+    def mesh_spec(self) -> str:
+        """The mesh as ``hybrid.core.mesh.parse_spec`` reads it: ``"stage:S;replica:R"``."""
+        return f"stage:{self.stages};replica:{self.replicas}"
+
+    def label(self) -> str:
+        """Short form for tables: ``2x1 M=8 interleaved(v=2) except_last``."""
+        sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        return f"{self.stages}x{self.replicas} M={self.micro_batches} {sched} {self.remat}"
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            "not a positive integer", f"{name} must be a positive integer, got {value!r}", [name]
+        )
+
+
+def _check_names(config: RunConfig) -> None:
+    names = generators.names()
+    if config.schedule not in names:
+        raise ConfigError(
+            "unknown schedule",
+            f"unknown schedule {config.schedule!r}; choose one of {names}",
+            ["schedule"],
+        )
+    if config.remat not in REMAT_MODES:
+        raise ConfigError(
+            "unknown remat mode",
+            f"unknown remat mode {config.remat!r}; choose one of {list(REMAT_MODES)}",
+            ["remat"],
+        )
+    if isinstance(config.balance, str) and config.balance not in BALANCE_MODES:
+        raise ConfigError(
+            "unknown balance",
+            f"unknown balance {config.balance!r}; use None, one of {list(BALANCE_MODES)}, or "
+            "a list of layer counts per stage",
+            ["balance"],
+        )
+
+
+def _check_schedule(config: RunConfig) -> None:
+    S, M, v = config.stages, config.micro_batches, config.virtual_stages
+    if v != 1 and config.schedule not in generators.VIRTUAL_SCHEDULES:
+        raise ConfigError(
+            "virtual stages need the interleaved schedule",
+            f"schedule {config.schedule!r} runs one stage per device; virtual_stages={v} "
+            f"needs one of {sorted(generators.VIRTUAL_SCHEDULES)}",
+            ["virtual_stages", "schedule"],
+        )
+    problem = generators.interleaved_problem(S, M) if config.schedule == "interleaved" else None
+    if problem:
+        raise ConfigError(
+            "interleaved needs M % S == 0", problem, ["micro_batches", "stages", "schedule"]
+        )
+
+
+def _check_model(config: RunConfig) -> None:
+    if config.num_layers is None:
+        return
+    _positive("num_layers", config.num_layers)
+    K, v, L = config.model_stages, config.virtual_stages, config.num_layers
+    if K > L:
+        per = f" ({config.stages} devices × {v} virtual stages)" if v > 1 else ""
+        raise ConfigError(
+            "more stages than layers",
+            f"more stages than layers: the run has {K} model stages{per} but the model has "
+            f"only {L} layers; use at most {L} stages",
+            ["stages", "virtual_stages"],
+        )
+    if config.balance is not None and not isinstance(config.balance, str):
+        try:
+            check_balance(config.balance, L, K)
+        except ValueError as err:
+            raise ConfigError("bad balance", str(err), ["balance"]) from None
+
+
+def check_global_batch(config: RunConfig, global_batch: int) -> None:
+    """Raises :class:`ConfigError` unless ``global_batch`` splits into R × M equal parts."""
+    _positive("global_batch", global_batch)
+    R, M = config.replicas, config.micro_batches
+    if global_batch % (R * M):
+        raise ConfigError(
+            "batch not divisible by R × M",
+            f"global batch {global_batch} is not divisible by replicas ({R}) × micro_batches "
+            f"({M}) = {R * M}; use a batch that is a multiple of {R * M}",
+            ["global_batch", "replicas", "micro_batches"],
+        )
+
+
+def validate_run(config: RunConfig) -> RunConfig:
+    """Checks every rule a run configuration must satisfy; returns it unchanged.
+
+    The rules: S, R, M and virtual stages are positive integers; the schedule and remat mode
+    exist; virtual stages only with a schedule that has them; interleaved needs M to be a
+    multiple of S; with the layer count known, at most one model stage per layer and an
+    explicit balance that gives every model stage at least one layer and sums to the
+    layers; with the global batch known, a batch that splits into R × M equal parts.
+
+    Raises:
+      ConfigError: the first rule broken, naming the values and the fix.
+    """
+    for name in ("stages", "replicas", "micro_batches", "virtual_stages"):
+        _positive(name, getattr(config, name))
+    _check_names(config)
+    _check_schedule(config)
+    _check_model(config)
+    if config.global_batch is not None:
+        check_global_batch(config, config.global_batch)
+    return config
