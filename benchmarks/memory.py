@@ -71,7 +71,7 @@ def measure(schedule: str, remat: str) -> dict:
         "remat": remat,
         "peak_activation_mib": (peak - resident) / MB,
         "resident_mib": resident / MB,
-        "simulated_peak_in_flight": list(hybrid.core.schedule.simulate(pipe.schedule).peak_in_flight),
+        "simulated_peak_in_flight": list(hybrid.schedule.simulate(pipe.schedule).peak_in_flight),
     }
 
 

@@ -14,16 +14,17 @@ The floors, bottom up: ``core`` (no TensorFlow) < ``engine`` < ``planning`` < ``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hybrid.core.lazy import attributes
 
 if TYPE_CHECKING:
-    from hybrid.checkpoint import CheckpointError, Checkpointer
-    from hybrid.core.config import RunConfig, validate_run
+    from hybrid.checkpoint import Checkpointer, CheckpointError
+    from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
     from hybrid.core.mesh import DeviceMesh, local_devices
     from hybrid.core.schedule import Action, Schedule, ScheduleError
     from hybrid.engine.devices import simulate_cpu_devices
-    from hybrid.engine.pipeline import REMAT_MODES, Pipeline, TimedAction
+    from hybrid.engine.pipeline import Pipeline, TimedAction
     from hybrid.planning.planner import plan
 
 # public name -> (module, attribute); attribute None: the module itself.
@@ -33,7 +34,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Checkpointer": ("hybrid.checkpoint", "Checkpointer"),
     "DeviceMesh": ("hybrid.core.mesh", "DeviceMesh"),
     "Pipeline": ("hybrid.engine.pipeline", "Pipeline"),
-    "REMAT_MODES": ("hybrid.engine.pipeline", "REMAT_MODES"),
+    "REMAT_MODES": ("hybrid.core.config", "REMAT_MODES"),
     "RunConfig": ("hybrid.core.config", "RunConfig"),
     "Schedule": ("hybrid.core.schedule", "Schedule"),
     "ScheduleError": ("hybrid.core.schedule", "ScheduleError"),
@@ -61,23 +62,40 @@ _SUBMODULES = (
     "trainer",
 )
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+__all__ = [
+    "Action",
+    "CheckpointError",
+    "Checkpointer",
+    "DeviceMesh",
+    "Pipeline",
+    "REMAT_MODES",
+    "RunConfig",
+    "Schedule",
+    "ScheduleError",
+    "TimedAction",
+    "checkpoint",
+    "cluster",
+    "core",
+    "data",
+    "engine",
+    "local_devices",
+    "models",
+    "partition",
+    "plan",
+    "planner",
+    "planning",
+    "platforms",
+    "schedule",
+    "simulate_cpu_devices",
+    "timeline",
+    "tpu_mesh",
+    "trainer",
+    "validate_run",
+]
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        module, attribute = _EXPORTS[name]
-        loaded = importlib.import_module(module)
-        value = loaded if attribute is None else getattr(loaded, attribute)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"hybrid.{name}")
-    else:
-        raise AttributeError(f"module 'hybrid' has no attribute {name!r}")
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = attributes(
+    "hybrid", globals(), {**_EXPORTS, **{n: (f"hybrid.{n}", None) for n in _SUBMODULES}}
+)

@@ -223,7 +223,7 @@ class Checkpointer:
         if seed != self.seed:
             raise CheckpointError(
                 f"checkpoint {path} was written by a run with seed {seed}, this run has seed "
-                f"{self.seed}; resume with --seed={seed} or start in a new --model_dir"
+                f"{self.seed}; resume with seed={seed} or start in a new directory"
             )
         _copy_replica_zero(self.pipe)
         step = int(self._meta["step"].numpy())
@@ -262,15 +262,15 @@ class Checkpointer:
         if layers_saved != layers_mine:
             raise CheckpointError(
                 f"checkpoint {path} holds a model of {layers_saved} layers, this pipeline's "
-                f"model has {layers_mine}; restore with the model it was written with (same "
-                "--model and --depth) or start in a new --model_dir"
+                f"model has {layers_mine}; restore with the model it was written with or start in "
+                "a new directory"
             )
         for key, shape in mine.items():
             if saved.get(key) != shape:
                 raise CheckpointError(
                     f"checkpoint {path}: weight {key} has shape {saved.get(key)}, this model's "
                     f"has {shape}; restore with the model it was written with or start in a "
-                    "new --model_dir"
+                    "new directory"
                 )
 
 

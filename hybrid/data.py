@@ -20,44 +20,14 @@ Sources (``spec``):
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["BUILTIN_TEXT", "DataSpec", "dataset", "load_text", "parse_spec"]
+from hybrid.data_sources import BUILTIN_TEXT, VOCAB_SIZE, check_source
 
-BUILTIN_TEXT = "python-docs"
-VOCAB_SIZE = 256  # byte-level
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """A parsed ``--data`` value: ``kind`` is "synthetic" or "text"; ``path`` for text."""
-
-    kind: str
-    path: str = ""
-
-
-def parse_spec(spec: str) -> DataSpec:
-    """``"synthetic"``, ``"text:PATH"`` or ``"text:python-docs"`` -> DataSpec.
-
-    Raises:
-      ValueError: an unknown kind, or a text file that does not exist.
-    """
-    if spec == "synthetic":
-        return DataSpec("synthetic")
-    kind, sep, path = spec.partition(":")
-    if kind != "text" or not sep or not path:
-        raise ValueError(
-            f"unknown data source {spec!r}; use 'synthetic', 'text:PATH' (a text file) or "
-            f"'text:{BUILTIN_TEXT}' (the Python manual, present on every machine)"
-        )
-    if path != BUILTIN_TEXT and not os.path.isfile(path):
-        raise ValueError(f"data file {path!r} (from {spec!r}) does not exist or is not a file")
-    return DataSpec("text", path)
+__all__ = ["BUILTIN_TEXT", "VOCAB_SIZE", "dataset", "load_text"]
 
 
 def load_text(path: str) -> np.ndarray:
@@ -83,7 +53,7 @@ def _text_batches(corpus: np.ndarray, batch: int, seq_len: int, seed: int) -> Ba
     if corpus.size < seq_len + 2:
         raise ValueError(
             f"the text has {corpus.size} bytes, fewer than seq_len + 2 = {seq_len + 2}; use a "
-            "longer text or a shorter --seq_len"
+            "longer text or a shorter seq_len"
         )
     tokens = tf.constant(corpus.astype(np.int32))
     last_start = corpus.size - seq_len - 1
@@ -158,17 +128,12 @@ def dataset(
     Raises:
       ValueError: a text source for a model that does not read tokens, or a bad spec.
     """
-    source = parse_spec(spec)
+    source = check_source(spec, model)
     if model == "transformer":
         if source.kind == "text":
             make = _text_batches(load_text(source.path), global_batch, seq_len, seed)
         else:
             make = _token_batches(global_batch, seq_len, seed)
-    elif source.kind == "text":
-        raise ValueError(
-            f"--data={spec} is a language-modelling corpus, but model {model!r} classifies "
-            "vectors or images; use --model=transformer, or --data=synthetic"
-        )
     else:
         make = _teacher_batches(global_batch, tuple(input_shape), num_classes, seed)
     steps = tf.data.Dataset.range(start_step + 1, np.iinfo(np.int64).max)

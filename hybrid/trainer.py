@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from hybrid import data, models
-from hybrid.checkpoint import Checkpointer
+from hybrid.checkpoint import Checkpointer, Restored
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.engine.pipeline import Pipeline
 
@@ -212,8 +212,7 @@ def train(
     Raises:
       NonFiniteLossError: the loss became NaN or Inf.
     """
-    mesh = _mesh(config, devices)
-    pipe, input_shape = _pipeline(config, mesh)
+    pipe, input_shape = _pipeline(config, _mesh(config, devices))
     saver = (
         Checkpointer(
             pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device
@@ -221,14 +220,8 @@ def train(
         if config.model_dir
         else None
     )
-    restored = saver.restore_latest(log) if saver else None
+    restored = _resume(config, pipe, saver, log)
     start = restored.step if restored else 0
-    log(
-        f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
-        f"balance {pipe.balance} schedule {config.schedule} remat {config.remat}"
-    )
-    if restored:
-        log(f"restored {restored.path}: resuming at step {start + 1}")
     batches = iter(
         data.dataset(
             config.data,
@@ -242,7 +235,7 @@ def train(
     )
     writer = (
         tf.summary.create_file_writer(os.path.join(config.model_dir, "train"))
-        if (config.model_dir)
+        if config.model_dir
         else None
     )
     progress = _Progress(config.global_batch_size, config.train_steps - start)
@@ -255,25 +248,10 @@ def train(
         loss = pipe.train_step(x, y)["loss"]
         progress.add(time.perf_counter() - began, first=step == start + 1)
         _profile(config, step, "stop")
-        if not math.isfinite(loss):
-            kept = (
-                f"the last good checkpoint is {last_checkpoint}"
-                if last_checkpoint
-                else ("no checkpoint was written")
-            )
-            raise NonFiniteLossError(
-                f"loss is {loss} at step {step}; stopping without saving ({kept}). Lower "
-                f"--learning_rate (now {config.learning_rate}) or check the data"
-            )
+        _check_finite(config, step, loss, last_checkpoint)
         losses.append(loss)
         if step % config.log_every == 0 or step == config.train_steps:
-            log(
-                f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
-                f"examples/s {progress.examples_per_second:9.1f}  "
-                f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
-            )
-            if writer is not None:
-                _scalars(writer, step, loss, config.learning_rate, progress)
+            _report(config, step, loss, progress, log, writer)
         if saver and (
             (config.checkpoint_every and step % config.checkpoint_every == 0)
             or step == config.train_steps
@@ -284,6 +262,55 @@ def train(
     if writer is not None:
         writer.flush()
     return TrainResult(tuple(losses), start, progress.examples_per_second, pipe, last_checkpoint)
+
+
+def _resume(
+    config: TrainConfig,
+    pipe: Pipeline,
+    saver: Checkpointer | None,
+    log: Callable[[str], None],
+) -> Restored | None:
+    """Restores the newest checkpoint (if any) and logs the layout and where training starts."""
+    restored = saver.restore_latest(log) if saver else None
+    mesh = pipe.mesh
+    log(
+        f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
+        f"balance {pipe.balance} schedule {config.schedule} remat {config.remat}"
+    )
+    if restored:
+        log(f"restored {restored.path}: resuming at step {restored.step + 1}")
+    return restored
+
+
+def _check_finite(config: TrainConfig, step: int, loss: float, checkpoint: str | None) -> None:
+    """Raises NonFiniteLossError (naming the step and the last good checkpoint) on NaN/Inf."""
+    if math.isfinite(loss):
+        return
+    kept = (
+        f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+    )
+    raise NonFiniteLossError(
+        f"loss is {loss} at step {step}; stopping without saving ({kept}). Lower "
+        f"learning_rate (now {config.learning_rate}) or check the data"
+    )
+
+
+def _report(
+    config: TrainConfig,
+    step: int,
+    loss: float,
+    progress: _Progress,
+    log: Callable[[str], None],
+    writer: tf.summary.SummaryWriter | None,
+) -> None:
+    """One progress line, and the TensorBoard scalars when a writer is open."""
+    log(
+        f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
+        f"examples/s {progress.examples_per_second:9.1f}  "
+        f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
+    )
+    if writer is not None:
+        _scalars(writer, step, loss, config.learning_rate, progress)
 
 
 def _scalars(

@@ -27,8 +27,6 @@ from launch import cloud_tpu  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-_SCHEDULES_NEEDING_M_GE_S = ("1f1b", "zb-h1")
-
 # Test hook: "STEP:DIR" makes the run stop after step STEP (its checkpoint, if any, written
 # before), create DIR/paused-STEP, and wait until DIR/resume exists. Tests that kill a
 # process or a worker do it while the run is paused, so what the run has written when the
@@ -117,12 +115,12 @@ def define_flags() -> None:
     cloud_tpu.define_flags()
 
     flags.register_multi_flags_validator(
-        ["mesh", "micro_batches", "global_batch_size", "schedule", "virtual_stages"], _check_batch
-    )
-    flags.register_multi_flags_validator(
-        ["mesh", "model", "depth", "simulated_devices", "platform", "virtual_stages", "balance"],
-        _check_mesh_fits,
-    )
+        [
+            "mesh", "micro_batches", "global_batch_size", "schedule", "remat", "virtual_stages",
+            "balance", "model", "depth", "simulated_devices", "platform",
+        ],
+        _check_run_config,
+    )  # fmt: skip
     flags.register_multi_flags_validator(
         ["model", "data", "width", "num_heads"], _check_model_and_data
     )
@@ -133,6 +131,20 @@ def define_flags() -> None:
         ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices", "cluster", "mesh"],
         _check_platform,
     )
+
+
+# RunConfig field -> the flags that set it, to name them when hybrid.core.config refuses.
+_FLAGS_OF_FIELD = {
+    "stages": ("mesh",),
+    "replicas": ("mesh",),
+    "micro_batches": ("micro_batches",),
+    "schedule": ("schedule",),
+    "remat": ("remat",),
+    "virtual_stages": ("virtual_stages",),
+    "balance": ("balance",),
+    "global_batch": ("global_batch_size",),
+    "num_layers": ("model", "depth"),
+}
 
 
 def _mesh_of(values: dict[str, Any]) -> tuple[int, int] | None:
@@ -147,72 +159,48 @@ def _mesh_of(values: dict[str, Any]) -> tuple[int, int] | None:
         raise flags.ValidationError(f"--mesh: {err}") from err
 
 
-def _check_batch(values: dict[str, Any]) -> bool:
-    mesh = _mesh_of(values)
-    if mesh is None:
-        return True
-    stages, replicas = mesh
-    schedule, micro = values["schedule"], values["micro_batches"]
-    if schedule == "interleaved" and micro % stages:
-        raise flags.ValidationError(
-            f"--schedule=interleaved needs --micro_batches ({micro}) to be a multiple of the "
-            f"pipeline stages ({stages}, from --mesh)"
-        )
-    if schedule in _SCHEDULES_NEEDING_M_GE_S and micro < stages:
-        raise flags.ValidationError(
-            f"--schedule={schedule} needs --micro_batches ({micro}) >= pipeline stages ({stages}, "
-            f"from --mesh) to fill its warm-up; raise --micro_batches or use --schedule=gpipe"
-        )
-    if values["virtual_stages"] > 1 and schedule != "interleaved":
-        raise flags.ValidationError(
-            f"--virtual_stages={values['virtual_stages']} needs --schedule=interleaved "
-            f"(got --schedule={schedule})"
-        )
-    parts = replicas * micro
-    if values["global_batch_size"] % parts:
-        raise flags.ValidationError(
-            f"--global_batch_size={values['global_batch_size']} is not divisible by replicas "
-            f"({replicas}, from --mesh) × --micro_batches ({micro}) = {parts}; use a multiple "
-            f"of {parts}"
-        )
-    return True
-
-
 def parse_balance(text: str) -> str | tuple[int, ...]:
     """``"params"``/``"time"`` or ``"3,2"`` -> the Pipeline's ``balance`` argument."""
-    if text in ("params", "time"):
+    from hybrid.core.config import BALANCE_MODES
+
+    if text in BALANCE_MODES:
         return text
     try:
-        counts = tuple(int(c) for c in text.split(","))
+        return tuple(int(c) for c in text.split(","))
     except ValueError:
         raise flags.ValidationError(
-            f"--balance={text} must be 'params', 'time' or layer counts per stage like '3,2'"
+            f"--balance={text} must be one of {list(BALANCE_MODES)} or layer counts per stage "
+            "like '3,2'"
         ) from None
-    return counts
 
 
-def _check_mesh_fits(values: dict[str, Any]) -> bool:
+def _check_run_config(values: dict[str, Any]) -> bool:
+    """The run the flags describe, checked by the rule the library itself applies
+    (``hybrid.core.config.validate_run``); its error is reported with the flags to change."""
+    from hybrid.core.config import ConfigError, RunConfig, validate_run
     from hybrid.models import catalog
 
     mesh = _mesh_of(values)
     if mesh is None:
         return True
     stages, replicas = mesh
-    layers = catalog.num_layers(values["model"], values["depth"])
-    model_stages = stages * values["virtual_stages"]
-    if model_stages > layers:
-        raise flags.ValidationError(
-            f"--mesh and --virtual_stages make {model_stages} stages but --model="
-            f"{values['model']} with --depth={values['depth']} has only {layers} layers; use "
-            "fewer stages or a larger --depth"
-        )
-    balance = parse_balance(values["balance"])
-    if isinstance(balance, tuple) and (len(balance) != model_stages or sum(balance) != layers):
-        raise flags.ValidationError(
-            f"--balance={values['balance']} must give {model_stages} stages (from --mesh and "
-            f"--virtual_stages) layer counts summing to {layers} (the layers of --model="
-            f"{values['model']} --depth={values['depth']})"
-        )
+    config = RunConfig(
+        stages=stages,
+        replicas=replicas,
+        micro_batches=values["micro_batches"],
+        schedule=values["schedule"],
+        remat=values["remat"],
+        virtual_stages=values["virtual_stages"],
+        balance=parse_balance(values["balance"]),
+        global_batch=values["global_batch_size"],
+        num_layers=catalog.num_layers(values["model"], values["depth"]),
+    )
+    try:
+        validate_run(config)
+    except ConfigError as err:
+        named = dict.fromkeys(f for a in err.arguments for f in _FLAGS_OF_FIELD.get(a, ()))
+        given = " ".join(f"--{name}={values[name]}" for name in named)
+        raise flags.ValidationError(f"{given}: {err}") from None
     devices = values["simulated_devices"]
     if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
         raise flags.ValidationError(
@@ -223,22 +211,15 @@ def _check_mesh_fits(values: dict[str, Any]) -> bool:
 
 
 def _check_model_and_data(values: dict[str, Any]) -> bool:
-    spec, model = values["data"], values["model"]
-    kind = spec.partition(":")[0]
-    if spec != "synthetic" and (kind != "text" or not spec.partition(":")[2]):
+    from hybrid.data_sources import check_source
+
+    try:
+        check_source(values["data"], values["model"])
+    except ValueError as err:
         raise flags.ValidationError(
-            f"--data={spec}: use 'synthetic', 'text:PATH' or 'text:python-docs'"
-        )
-    if kind == "text":
-        path = spec.partition(":")[2]
-        if path != "python-docs" and not os.path.isfile(path):
-            raise flags.ValidationError(f"--data={spec}: no such file {path!r}")
-        if model != "transformer":
-            raise flags.ValidationError(
-                f"--data={spec} is a language-modelling corpus but --model={model} classifies; "
-                "use --model=transformer or --data=synthetic"
-            )
-    if model == "transformer" and values["width"] % values["num_heads"]:
+            f"--data={values['data']} --model={values['model']}: {err}"
+        ) from None
+    if values["model"] == "transformer" and values["width"] % values["num_heads"]:
         raise flags.ValidationError(
             f"--width={values['width']} must be divisible by --num_heads={values['num_heads']}"
         )
@@ -343,8 +324,8 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
 
     Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
     """
-    from hybrid.platforms import cluster as cluster_lib
     from hybrid.core.mesh import parse_spec
+    from hybrid.platforms import cluster as cluster_lib
     from hybrid.trainer import train
 
     spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
@@ -515,7 +496,10 @@ def main(argv: list[str]) -> None:
             if config.platform == "cpu":
                 hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
             result = train(config, step_callback=pause)
-    except (NonFiniteLossError, CheckpointError, ValueError) as err:
+    except NonFiniteLossError as err:
+        print(f"error: {err} (--learning_rate)", file=sys.stderr)
+        sys.exit(1)
+    except (CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     if result.losses:

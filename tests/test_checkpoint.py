@@ -134,7 +134,7 @@ def test_another_model_or_seed_is_refused_with_the_reason(tmp_path):
     fewer = pipeline(2, 1, layers=shorter[:4] + shorter[-1:])
     with pytest.raises(CheckpointError, match="holds a model of 8 layers, this .* model has 5"):
         Checkpointer(fewer, str(tmp_path)).restore_latest()
-    with pytest.raises(CheckpointError, match="resume with --seed=0"):
+    with pytest.raises(CheckpointError, match="resume with seed=0"):
         Checkpointer(pipeline(2, 1), str(tmp_path), seed=5).restore_latest()
     with pytest.raises(CheckpointError, match="does not match this pipeline's optimizer"):
         Checkpointer(pipeline(2, 1, optimizer="sgd_momentum"), str(tmp_path)).restore_latest()

@@ -76,8 +76,8 @@ def test_mesh_auto_trains_on_the_planned_mesh():
     [
         (
             ["--mesh=stage:2;replica:2", "--micro_batches=4", "--global_batch_size=30"],
-            "--global_batch_size=30 is not divisible by replicas (2, from --mesh) × "
-            "--micro_batches (4) = 8",
+            "--global_batch_size=30 --mesh=stage:2;replica:2 --micro_batches=4: global batch 30 "
+            "is not divisible by replicas (2) × micro_batches (4) = 8",
         ),
         (["--mesh=stages:2"], "--mesh: bad mesh spec 'stages:2'"),
         (["--schedule=gpip"], "flag --schedule=gpip: value should be one of"),
@@ -90,29 +90,33 @@ def test_mesh_auto_trains_on_the_planned_mesh():
         ),
         (
             ["--mesh=stage:20", "--depth=2"],
-            "make 20 stages but --model=transformer with --depth=2 has only 5 layers",
+            "--mesh=stage:20 --virtual_stages=1 --model=transformer --depth=2: more stages than "
+            "layers: the run has 20 model stages but the model has only 5 layers",
         ),
         (
             ["--mesh=stage:4", "--schedule=interleaved", "--virtual_stages=2", "--micro_batches=6"],
-            "--schedule=interleaved needs --micro_batches (6) to be a multiple of the pipeline "
-            "stages (4, from --mesh)",
+            "--micro_batches=6 --mesh=stage:4 --schedule=interleaved: the interleaved schedule "
+            "needs micro_batches to be a multiple of the pipeline stages: M=6, S=4",
         ),
         (
-            ["--mesh=stage:4", "--depth=4", "--schedule=1f1b", "--micro_batches=2"],
-            "--schedule=1f1b needs --micro_batches (2) >= pipeline stages (4, from --mesh)",
+            ["--virtual_stages=2"],
+            "--virtual_stages=2 --schedule=gpipe: schedule 'gpipe' runs one stage per device",
         ),
-        (["--virtual_stages=2"], "--virtual_stages=2 needs --schedule=interleaved"),
         (
             ["--balance=4,4"],
-            "--balance=4,4 must give 2 stages (from --mesh and --virtual_stages) "
-            "layer counts summing to 5",
+            "--balance=4,4 --mesh=stage:2;replica:2 --virtual_stages=1 --model=transformer "
+            "--depth=2: balance [4, 4] sums to 8 but the model has 5 layers",
         ),
-        (["--balance=half"], "--balance=half must be 'params', 'time' or layer counts"),
-        (["--data=text:/no/such/file.txt"], "--data=text:/no/such/file.txt: no such file"),
-        (["--data=imagenet"], "--data=imagenet: use 'synthetic', 'text:PATH'"),
+        (["--balance=half"], "--balance=half must be one of ['params', 'time'] or layer counts"),
+        (
+            ["--data=text:/no/such/file.txt"],
+            "--data=text:/no/such/file.txt --model=transformer: data file '/no/such/file.txt'",
+        ),
+        (["--data=imagenet"], "--data=imagenet --model=transformer: unknown data source"),
         (
             ["--model=mlp"],
-            "--data=text:python-docs is a language-modelling corpus but --model=mlp classifies",
+            "--data=text:python-docs --model=mlp: data source 'text:python-docs' is a "
+            "language-modelling corpus, but model 'mlp' classifies",
         ),
         (["--width=30", "--num_heads=4"], "--width=30 must be divisible by --num_heads=4"),
         (["--checkpoint_every=5"], "--checkpoint_every=5 needs --model_dir"),
@@ -151,7 +155,7 @@ def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
     assert error, run.stderr[-3000:]
     step = int(error[0].split(" at step ")[1].split(";")[0])
     assert f"the last good checkpoint is {tmp_path}/ckpt-{step - 1}" in error[0]
-    assert "Lower --learning_rate (now 1e+30)" in error[0]
+    assert "Lower learning_rate (now 1e+30) or check the data (--learning_rate)" in error[0]
     assert not os.path.exists(os.path.join(tmp_path, f"ckpt-{step}.index"))
 
 

@@ -133,7 +133,9 @@ def test_labels_batch_mismatch():
 
 
 def test_more_stages_than_layers():
-    with pytest.raises(ValueError, match="the run has 4 model stages but the model has only 3 layers"):
+    with pytest.raises(
+        ValueError, match="the run has 4 model stages but the model has only 3 layers"
+    ):
         make(stages=4, layers=ref.mlp_layers()[:3])
 
 

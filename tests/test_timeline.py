@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import hybrid
-from hybrid.core import schedule as sched
 from hybrid import timeline
+from hybrid.core import schedule as sched
 
 import reference as ref
 import runner

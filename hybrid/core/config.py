@@ -154,13 +154,15 @@ def _check_model(config: RunConfig) -> None:
             "more stages than layers",
             f"more stages than layers: the run has {K} model stages{per} but the model has "
             f"only {L} layers; use at most {L} stages",
-            ["stages", "virtual_stages"],
+            ["stages", "virtual_stages", "num_layers"],
         )
     if config.balance is not None and not isinstance(config.balance, str):
         try:
             check_balance(config.balance, L, K)
         except ValueError as err:
-            raise ConfigError("bad balance", str(err), ["balance"]) from None
+            raise ConfigError(
+                "bad balance", str(err), ["balance", "stages", "virtual_stages", "num_layers"]
+            ) from None
 
 
 def check_global_batch(config: RunConfig, global_batch: int) -> None:

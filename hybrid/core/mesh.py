@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
 __all__ = ["DeviceMesh", "local_devices", "parse_spec"]
 
 _AXES = ("stage", "replica")

@@ -90,9 +90,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
             waits = "; ".join(
                 f"device {d} waits at {schedule.actions[d][i].long()} for "
                 + ", ".join(
-                    dep.long()
-                    for dep in dependencies(schedule.actions[d][i], K)
-                    if dep not in done
+                    dep.long() for dep in dependencies(schedule.actions[d][i], K) if dep not in done
                 )
                 for d, i in blocked
             )

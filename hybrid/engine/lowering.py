@@ -24,8 +24,9 @@ import tensorflow as tf
 
 from hybrid.core.schedule import Action, Op, Schedule
 from hybrid.engine.stage import Saved, StageReplica
+from hybrid.engine.timing import DeviceClock, Recorder
 
-__all__ = ["DeviceClock", "ReplicaStep", "lower_inference", "lower_training"]
+__all__ = ["ReplicaStep", "lower_inference", "lower_training"]
 
 
 @dataclasses.dataclass
@@ -43,47 +44,6 @@ class ReplicaStep:
     grads: list[list[tf.Tensor]]
     tails: list[list[tf.Tensor]]
     events: list[tuple[int, Action, tf.Tensor, tf.Tensor]]
-
-
-class DeviceClock:
-    """Reads the wall clock on one device without ordering it against other devices.
-
-    A bare ``tf.timestamp()`` is a stateful op with no resource, and a ``tf.function``'s
-    automatic control dependencies chain all such ops in program order: timestamps on
-    different devices would serialize the whole step. Reading a per-device token variable
-    inside a small function ties each clock read to that device's resource instead.
-    """
-
-    def __init__(self, device: str) -> None:
-        with tf.device(device):
-            self._token = tf.Variable(0, dtype=tf.int32, trainable=False, name="clock_token")
-
-        def now() -> tf.Tensor:
-            with tf.control_dependencies([self._token.read_value()]):
-                return tf.timestamp()
-
-        self.now = tf.function(now, autograph=False)
-
-
-class _Recorder:
-    """Brackets each action with timestamps from its device's clock (when clocks are given)."""
-
-    def __init__(self, clocks: Sequence[DeviceClock] | None) -> None:
-        self.clocks = clocks
-        self.events: list[tuple[int, Action, tf.Tensor, tf.Tensor]] = []
-
-    def start(self, device: int, waits: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        if self.clocks is None:
-            return []
-        with tf.control_dependencies(list(waits)):
-            return [self.clocks[device].now()]
-
-    def end(
-        self, device: int, action: Action, start: list[tf.Tensor], outputs: list[tf.Tensor]
-    ) -> None:
-        if self.clocks is not None:
-            with tf.control_dependencies(outputs):
-                self.events.append((device, action, start[0], self.clocks[device].now()))
 
 
 def lower_training(
@@ -117,7 +77,7 @@ def lower_training(
     outputs: dict[tuple[int, int], tf.Tensor] = {}  # F results consumed by stage k+1
     saved: dict[tuple[int, int], Saved] = {}
     upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage k
-    recorder = _Recorder(clocks)
+    recorder = Recorder(clocks)
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
 
     def accumulate(k: int, dw: list[tf.Tensor]) -> None:

@@ -22,66 +22,23 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine import lowering
 from hybrid.core import partition
-from hybrid.core.config import REMAT_MODES, RunConfig, check_global_batch, validate_run
-from hybrid.engine import layer_costs
 from hybrid.core import schedule as schedule_lib
-from hybrid.engine.collectives import ReplicaGroup
+from hybrid.core.config import REMAT_MODES, RunConfig, check_global_batch, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.core.schedule import Action
+from hybrid.engine import layer_costs, lowering, timing
+from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.stage import LossFn, StageReplica, TensorSpec
+from hybrid.engine.template import OptimizerLike, layers_of, optimizer_factory
+from hybrid.engine.timing import TimedAction
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
-
-
-OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer or a zero-argument factory
-
-
-class TimedAction(NamedTuple):
-    """When one action ran on its pipeline device, in seconds from the step's start."""
-
-    device: int
-    action: Action
-    start: float
-    end: float
-
-
-def _optimizer_factory(optimizer: OptimizerLike) -> Callable[[], keras.optimizers.Optimizer]:
-    """A factory making fresh optimizers equal to ``optimizer`` (one per device)."""
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        cls, config = optimizer.__class__, optimizer.get_config()
-        return lambda: cls.from_config(config)
-    if callable(optimizer):
-        return optimizer
-    raise TypeError(
-        f"optimizer must be a keras.optimizers.Optimizer or a zero-argument factory, got "
-        f"{type(optimizer).__name__}"
-    )
-
-
-def _layers_of(model: keras.Model | Sequence[keras.layers.Layer]) -> list[keras.layers.Layer]:
-    if isinstance(model, keras.Sequential):
-        layers = list(model.layers)
-    elif isinstance(model, Sequence) and not isinstance(model, str):
-        layers = list(model)
-    else:
-        raise TypeError(
-            f"model must be a keras.Sequential or a list of Keras layers, got "
-            f"{type(model).__name__}; cut functional models into a list of layers first"
-        )
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, keras.layers.Layer):
-            raise TypeError(f"model layer {i} is {type(layer).__name__}, not a Keras layer")
-    if not layers:
-        raise ValueError("the model has no layers")
-    return layers
 
 
 def _host_cpu(device: str) -> str:
@@ -122,7 +79,7 @@ class Pipeline:
         jit_compile: bool = True,
         virtual_stages: int = 1,
     ) -> None:
-        self._layers = _layers_of(model)
+        self._layers = layers_of(model)
         self.mesh = mesh
         if not callable(loss):
             raise TypeError(f"loss must be callable(y_true, y_pred), got {type(loss).__name__}")
@@ -135,7 +92,7 @@ class Pipeline:
                 schedule=schedule,
                 virtual_stages=virtual_stages,
                 remat=remat,
-                balance=counts if counts is not None else balance,
+                balance=counts if counts is not None else str(balance) if balance else None,
                 num_layers=len(self._layers),
             )
         )
@@ -150,7 +107,7 @@ class Pipeline:
         self._inference = schedule_lib.forward_only(mesh.num_stages, micro_batches, virtual_stages)
         self._inference_order = schedule_lib.execution_order(self._inference)
         self._loss = loss
-        self._optimizer_factory = _optimizer_factory(optimizer)
+        self._optimizer_factory = optimizer_factory(optimizer)
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
@@ -240,7 +197,7 @@ class Pipeline:
                 ]
             )
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
-        self._clocks = [lowering.DeviceClock(d) for d in self.mesh.pipeline(0)]
+        self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
 
     def _prepare(self, x: Any, y: Any = None) -> tuple[tf.Tensor, tf.Tensor | None]:
         x = tf.convert_to_tensor(x)
@@ -273,16 +230,9 @@ class Pipeline:
         """
         x, y = self._prepare(x, y)
         loss, stamps = self._timed(x, y)
-        origin = min(float(start) for start, _ in stamps)
-        timeline, device_free = [], [0.0] * self.mesh.num_stages
-        for (device, action), (start, end) in zip(self._event_keys, stamps, strict=True):
-            # A device runs one action at a time: an action whose inputs were ready early
-            # still began only when the device's previous action had ended.
-            begin = max(float(start) - origin, device_free[device])
-            finish = max(float(end) - origin, begin)
-            device_free[device] = finish
-            timeline.append(TimedAction(device, action, begin, finish))
-        return {"loss": float(loss)}, sorted(timeline, key=lambda e: e.start)
+        return {"loss": float(loss)}, timing.timeline(
+            self._event_keys, stamps, self.mesh.num_stages
+        )
 
     def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
         """The all-reduced gradients of the mean loss on (x, y), without updating anything.
