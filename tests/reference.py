@@ -6,11 +6,14 @@ whole batch with a ``tf.GradientTape`` step on one device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+import hybrid
 
 IN_FEATURES = 8
 CLASSES = 10
@@ -50,6 +53,44 @@ OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
     # weight differs only as much as its gradients do; the comparison stays exact elsewhere.
     "adam": lambda: keras.optimizers.Adam(learning_rate=1e-3, epsilon=1e-3),
 }
+
+
+def pipeline(
+    stages: int = 2,
+    replicas: int = 1,
+    *,
+    layers: list[keras.layers.Layer] | None = None,
+    optimizer: str | Any = "sgd_momentum",
+    micro_batches: int = 2,
+    schedule: str = "gpipe",
+    weights: Sequence[np.ndarray] | None = None,
+    build: bool = False,
+    **kwargs: Any,
+) -> hybrid.Pipeline:
+    """The test MLP (or ``layers``) as a Pipeline on an S × R mesh of this process.
+
+    Args:
+      optimizer: a name in :data:`OPTIMIZERS`, or anything ``Pipeline`` takes.
+      schedule: interleaved gets 2 virtual stages unless ``virtual_stages`` is given.
+      weights: set on every replica (the pipeline is built first).
+      build: build for the test input even without ``weights``.
+      kwargs: the rest of ``Pipeline``'s arguments.
+    """
+    kwargs.setdefault("virtual_stages", 2 if schedule == "interleaved" else 1)
+    pipe = hybrid.Pipeline(
+        layers if layers is not None else mlp_layers(),
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        loss=loss_fn(),
+        optimizer=OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        **kwargs,
+    )
+    if build or weights is not None:
+        pipe.build((None, IN_FEATURES))
+    if weights is not None:
+        pipe.set_weights(weights)
+    return pipe
 
 
 class Reference:

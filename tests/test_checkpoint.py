@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import hybrid
 from hybrid.checkpoint import Checkpointer, CheckpointError
 
 import reference
@@ -23,18 +22,17 @@ BATCH = 16
 
 
 def pipeline(stages, replicas, balance=None, optimizer="adam", layers=None, micro_batches=2):
-    pipe = hybrid.Pipeline(
-        layers or reference.mlp_layers(seed=0),
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=reference.loss_fn(),
-        optimizer=reference.OPTIMIZERS[optimizer],
+    return reference.pipeline(
+        stages,
+        replicas,
+        layers=layers,
+        optimizer=reference.OPTIMIZERS[optimizer],  # the factory: one optimizer per device
         micro_batches=micro_batches,
         balance=balance,
         schedule="1f1b" if stages > 1 else "gpipe",
         jit_compile=False,
+        build=True,
     )
-    pipe.build((None, reference.IN_FEATURES))
-    return pipe
 
 
 def batches(start, count):

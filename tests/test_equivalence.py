@@ -13,8 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-import hybrid
-
 import reference as ref
 import runner
 
@@ -28,22 +26,18 @@ BATCH = 64  # divisible by every replicas × micro_batches in the grid
 def _run(
     stages, replicas, micro_batches, remat, optimizer, schedule="gpipe", check_grads=True, jit=True
 ):
-    virtual = 2 if schedule == "interleaved" else 1
-    mesh = hybrid.DeviceMesh.create(stages=stages, replicas=replicas)
     reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS[optimizer]())
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(seed=99),  # different initial weights: set_weights must overwrite them
-        mesh=mesh,
-        loss=ref.loss_fn(),
-        optimizer=ref.OPTIMIZERS[optimizer](),
+    pipe = ref.pipeline(
+        stages,
+        replicas,
+        layers=ref.mlp_layers(seed=99),  # other initial weights: set_weights must overwrite them
+        optimizer=optimizer,
         micro_batches=micro_batches,
         schedule=schedule,
         remat=remat,
-        virtual_stages=virtual,
         jit_compile=jit,
+        weights=reference.model.get_weights(),
     )
-    pipe.build((None, ref.IN_FEATURES))
-    pipe.set_weights(reference.model.get_weights())
     if check_grads:
         x0, y0 = ref.batch(BATCH, seed=0)
         ref.assert_weights_close(pipe.gradients(x0, y0), reference.gradients(x0, y0))
@@ -78,15 +72,7 @@ def test_matches_single_device(stages, replicas, micro_batches, remat, optimizer
 def test_reference_comparison_can_fail():
     """A pipeline that trained on other data must not pass the comparison."""
     reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS["adam"]())
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(),
-        hybrid.DeviceMesh.create(2, 1),
-        ref.loss_fn(),
-        ref.OPTIMIZERS["adam"](),
-        micro_batches=2,
-    )
-    pipe.build((None, ref.IN_FEATURES))
-    pipe.set_weights(reference.model.get_weights())
+    pipe = ref.pipeline(2, 1, optimizer="adam", weights=reference.model.get_weights())
     x, y = ref.batch(BATCH, seed=1)
     reference.train_step(x, y)
     pipe.train_step(x, (y + 1) % ref.CLASSES)

@@ -13,14 +13,8 @@ import runner
 
 
 def make(stages=2, replicas=1, micro_batches=2, layers=None, **kwargs):
-    return hybrid.Pipeline(
-        layers if layers is not None else ref.mlp_layers(),
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=ref.loss_fn(),
-        optimizer=kwargs.pop("optimizer", keras.optimizers.Adam(1e-3)),
-        micro_batches=micro_batches,
-        **kwargs,
-    )
+    kwargs.setdefault("optimizer", keras.optimizers.Adam(1e-3))
+    return ref.pipeline(stages, replicas, layers=layers, micro_batches=micro_batches, **kwargs)
 
 
 def test_predict_and_evaluate_match_keras():
@@ -175,7 +169,7 @@ def test_bad_model_and_optimizer():
     with pytest.raises(TypeError, match="layer 1 is int"):
         make(layers=[keras.layers.Dense(2), 3])
     with pytest.raises(TypeError, match="zero-argument factory"):
-        make(optimizer="adam")
+        make(optimizer=3)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import keras
 import numpy as np
 import pytest
 
-import hybrid
 from hybrid import timeline
 from hybrid.core import schedule as sched
 
@@ -16,14 +15,8 @@ import runner
 
 
 def make(schedule):
-    return hybrid.Pipeline(
-        ref.mlp_layers(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=ref.loss_fn(),
-        optimizer=keras.optimizers.SGD(0.1),
-        micro_batches=4,
-        schedule=schedule,
-        virtual_stages=2 if schedule == "interleaved" else 1,
+    return ref.pipeline(
+        2, 2, optimizer=keras.optimizers.SGD(0.1), micro_batches=4, schedule=schedule
     )
 
 
