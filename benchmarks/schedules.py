@@ -61,8 +61,8 @@ def main(argv: list[str]) -> None:
     hybrid.simulate_cpu_devices(2)
     import keras
 
-    from hybrid.core import schedule as sched
     from hybrid import timeline
+    from hybrid.core import schedule as sched
 
     env = common.environment()
     common.print_header("schedules", env)
