@@ -1,6 +1,8 @@
 """The planner's arithmetic against the schedule formulas and hand-computed values; plans,
 rejections and errors; one real profile of a tiny model."""
 
+import collections
+import dataclasses
 import math
 import sys
 
@@ -8,8 +10,9 @@ import keras
 import pytest
 
 import hybrid
-from hybrid.planning import planner
-from hybrid.planning.planner import Config, CostProfile, Hardware, Infeasible, LayerCost, Link
+from hybrid.core.config import ConfigError, RunConfig, validate_run
+from hybrid.planning import planner, search
+from hybrid.planning.planner import CostProfile, Hardware, LayerCost, Link
 
 import runner
 
@@ -24,6 +27,7 @@ def uniform(num_layers=4, **kwargs):
 
 def test_remat_modes_are_the_engines():
     assert planner.REMAT_MODES == hybrid.REMAT_MODES
+    assert planner.Config is RunConfig  # the callers' old name for the one configuration
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -32,7 +36,7 @@ def test_uniform_stages_reproduce_the_formulas(schedule, stages, micro_batches):
     S, M = stages, micro_batches
     layers_per_stage = 2
     profile = uniform(S * layers_per_stage)
-    config = Config(S, 1, M, schedule, "never")
+    config = RunConfig(S, 1, M, schedule, "never")
     p = planner.evaluate(profile, config, global_batch=M)  # one example per micro-batch
     f, b = layers_per_stage * F, layers_per_stage * B
     assert p.step_time == pytest.approx((M + S - 1) * (f + b))
@@ -42,15 +46,15 @@ def test_uniform_stages_reproduce_the_formulas(schedule, stages, micro_batches):
 
 def test_uniform_interleaved_bubble():
     S, M, v = 2, 4, 2
-    p = planner.evaluate(uniform(8), Config(S, 1, M, "interleaved", "never", v), M)
+    p = planner.evaluate(uniform(8), RunConfig(S, 1, M, "interleaved", "never", v), M)
     assert p.bubble == pytest.approx(hybrid.core.schedule.bubble_formula(S, M, v))
     assert p.config.balance == (2, 2, 2, 2)
 
 
 def test_costs_scale_with_the_micro_batch_size():
     # 4 examples per micro-batch: every action costs 4 times as much as with 1.
-    one = planner.evaluate(uniform(4), Config(2, 1, 4, "gpipe", "never"), 4)
-    four = planner.evaluate(uniform(4), Config(2, 1, 4, "gpipe", "never"), 16)
+    one = planner.evaluate(uniform(4), RunConfig(2, 1, 4, "gpipe", "never"), 4)
+    four = planner.evaluate(uniform(4), RunConfig(2, 1, 4, "gpipe", "never"), 16)
     assert four.step_time == pytest.approx(4 * one.step_time)
 
 
@@ -60,14 +64,14 @@ def test_remat_adds_the_recomputed_forward():
     # costs F + B = 6, so s1's B0 ends at 16 and s0's B0 at 22 (never: 3 · 6 = 18).
     profile = uniform(4)
     times = {
-        remat: planner.evaluate(profile, Config(2, 1, 2, "gpipe", remat), 2).step_time
+        remat: planner.evaluate(profile, RunConfig(2, 1, 2, "gpipe", remat), 2).step_time
         for remat in planner.REMAT_MODES
     }
     # except_last keeps micro-batch 1 on stage 0 (its B1 costs 4, not 6), but B0 waits for
     # stage 1 until 16 either way.
     assert times == pytest.approx({"never": 18.0, "always": 22.0, "except_last": 22.0})
     single = {
-        remat: planner.evaluate(uniform(2), Config(1, 1, 3, "gpipe", remat), 3).step_time
+        remat: planner.evaluate(uniform(2), RunConfig(1, 1, 3, "gpipe", remat), 3).step_time
         for remat in planner.REMAT_MODES
     }
     # F0 F1 F2 [F2 B2 fused] B1 B0 with F = 2, B = 4: never 18, recomputing B1, B0: +2 · 2
@@ -79,16 +83,16 @@ def test_split_backward():
     # the weight gradients and the input gradients of every layer but the first (B's job;
     # stage 0 needs none): on stage 0 W = 4 - 0.5 and B costs nothing.
     profile = planner.uniform_profile(4, F, B, input_backward=0.5)
-    p = planner.evaluate(profile, Config(2, 1, 1, "zb-h1", "never"), 1)
+    p = planner.evaluate(profile, RunConfig(2, 1, 1, "zb-h1", "never"), 1)
     # F0 on s0 [0, 2], F0 on s1 [2, 4], F B W fused on s1 [4, 8], W0 on s0 [8, 11.5]
     assert p.step_time == pytest.approx(11.5)
-    p = planner.evaluate(profile, Config(2, 1, 1, "zb-h1", "always"), 1)
+    p = planner.evaluate(profile, RunConfig(2, 1, 1, "zb-h1", "always"), 1)
     assert p.step_time == pytest.approx(11.5 + 2.0)  # W0 recomputes stage 0's forward
     # With free input gradients the deferred W fills the bubble: ZB-H1 beats 1F1B.
     profile = uniform(8)
     for S, M in [(4, 8), (8, 8)]:
-        one = planner.evaluate(profile, Config(S, 1, M, "1f1b", "never"), M)
-        zb = planner.evaluate(profile, Config(S, 1, M, "zb-h1", "never"), M)
+        one = planner.evaluate(profile, RunConfig(S, 1, M, "1f1b", "never"), M)
+        zb = planner.evaluate(profile, RunConfig(S, 1, M, "zb-h1", "never"), M)
         assert zb.step_time < one.step_time
         assert zb.bubble < one.bubble
 
@@ -107,7 +111,7 @@ def test_step_adds_each_devices_all_reduce_and_update():
     # bytes over 4 replicas and updates (4 layers · 0.5).
     profile = uniform(4, param_bytes=100.0, update=0.5)
     hw = Hardware(replica=Link(bandwidth=10.0, latency=1.0))
-    p = planner.evaluate(profile, Config(1, 4, 2, "gpipe", "never"), 8, hw)
+    p = planner.evaluate(profile, RunConfig(1, 4, 2, "gpipe", "never"), 8, hw)
     reduce = 2 * 3 / 4 * 400 / 10.0 + 6 * 1.0
     assert p.all_reduce_time == pytest.approx(reduce)
     assert p.update_time == pytest.approx(2.0)
@@ -124,14 +128,14 @@ def test_overheads():
     )
     profile = CostProfile(layers, (1,), 0.0)
     hw = Hardware(action_overhead=0.1, tensor_overhead=0.01, step_overhead=5.0)
-    p = planner.evaluate(profile, Config(1, 1, 3, "1f1b", "always"), 3, hw)
+    p = planner.evaluate(profile, RunConfig(1, 1, 3, "1f1b", "always"), 3, hw)
     compute = 3 * 2 * (F + B)
     assert p.step_time == pytest.approx(compute + 3 * 0.1 + 3 * 4 * 0.01 + 0.1 + 5.0)
 
 
 def test_host_cores_bound_replicas_sharing_a_host():
     profile = uniform(2)
-    config = Config(1, 2, 1, "gpipe", "never")
+    config = RunConfig(1, 2, 1, "gpipe", "never")
     alone = planner.evaluate(profile, config, 2).step_time
     assert alone == pytest.approx(2 * (F + B))  # each replica on its own device
     shared = planner.evaluate(profile, config, 2, Hardware(host_cores=1.0)).step_time
@@ -151,24 +155,24 @@ def test_memory_per_device_follows_peak_in_flight():
     )
     resident = 2 * 100.0 * (2 + 2)  # weights, gradient accumulator, two Adam slots
     S, M = 2, 4
-    gpipe = planner.evaluate(profile, Config(S, 1, M, "gpipe", "never"), M)
+    gpipe = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "never"), M)
     assert gpipe.peak_in_flight == (M, M)
     assert gpipe.memory_per_device == pytest.approx((resident + M * (1 + 20) + 5,) * 2)
-    one = planner.evaluate(profile, Config(S, 1, M, "1f1b", "never"), M)
+    one = planner.evaluate(profile, RunConfig(S, 1, M, "1f1b", "never"), M)
     assert one.peak_in_flight == (S, 1)  # stage s holds S - s
     assert one.memory_per_device == pytest.approx(
         (resident + 2 * (1 + 20) + 5, resident + 1 * (1 + 20) + 5)
     )
     # Recomputing: M inputs, and one program's working set (its 2 layers' 5 bytes each).
-    always = planner.evaluate(profile, Config(S, 1, M, "gpipe", "always"), M)
+    always = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "always"), M)
     assert always.memory_per_device == pytest.approx((resident + M * 1 + 10,) * 2)
     # except_last also keeps micro-batch 3's activations on stage 0; stage 1 runs F3 and B3
     # as one program and keeps nothing.
-    last = planner.evaluate(profile, Config(S, 1, M, "gpipe", "except_last"), M)
+    last = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "except_last"), M)
     assert last.memory_per_device == pytest.approx((resident + M + 10 + 20, resident + M + 10))
-    sgd = planner.evaluate(profile, Config(S, 1, M, "gpipe", "never"), M, optimizer_slots=0)
+    sgd = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "never"), M, optimizer_slots=0)
     assert sgd.peak_memory == pytest.approx(gpipe.peak_memory - 2 * 2 * 100.0)
-    two = planner.evaluate(profile, Config(S, 2, M, "gpipe", "never"), 2 * M)
+    two = planner.evaluate(profile, RunConfig(S, 2, M, "gpipe", "never"), 2 * M)
     # replicas add the flattened all-reduce buffers (twice the stage's parameters)
     assert two.peak_memory == pytest.approx(gpipe.peak_memory + 2 * 200.0)
     assert two.total_memory == pytest.approx(2 * sum(two.memory_per_device))
@@ -223,7 +227,9 @@ def test_ranking_data_parallel_vs_pipeline():
 
 
 def test_rejection_reasons_and_table():
-    result = planner.plan(uniform(4), devices=4, global_batch=6, micro_batches=[1, 2, 3])
+    # validate_run checks the schedule before the layer count, so 4×1 interleaved (v=2, 8
+    # model stages of 4 layers) is "more stages than layers" only with M a multiple of 4.
+    result = planner.plan(uniform(4), devices=4, global_batch=6, micro_batches=[1, 2, 3, 4])
     kinds = {r.kind for r in result.rejected}
     assert kinds == {
         "more stages than layers",
@@ -240,39 +246,132 @@ def test_rejection_reasons_and_table():
 
 
 @pytest.mark.parametrize(
-    "config,batch,error,match",
+    "config,batch,kind,match",
     [
-        (Config(0, 1, 1), 4, ValueError, "stages must be a positive integer, got 0"),
-        (Config(1, 1, 0), 4, ValueError, "micro_batches must be a positive integer, got 0"),
-        (Config(1, 1, 1), 0, ValueError, "global_batch must be a positive integer, got 0"),
-        (Config(1, 1, 1, "gpip"), 4, ValueError, r"unknown schedule 'gpip'; choose one of"),
-        (Config(1, 1, 1, remat="some"), 4, ValueError, "unknown remat mode 'some'"),
-        (Config(1, 1, 1, "gpipe", virtual_stages=2), 4, ValueError, "virtual_stages=2 needs"),
         (
-            Config(2, 2, 4),
+            RunConfig(0, 1, 1),
+            4,
+            "not a positive integer",
+            "stages must be a positive integer, got 0",
+        ),
+        (
+            RunConfig(1, 1, 0),
+            4,
+            "not a positive integer",
+            "micro_batches must be a positive integer, got 0",
+        ),
+        (
+            RunConfig(1, 1, 1),
+            0,
+            "not a positive integer",
+            "global_batch must be a positive integer, got 0",
+        ),
+        (
+            RunConfig(1, 1, 1, "gpip"),
+            4,
+            "unknown schedule",
+            r"unknown schedule 'gpip'; choose one of",
+        ),
+        (RunConfig(1, 1, 1, remat="some"), 4, "unknown remat mode", "unknown remat mode 'some'"),
+        (
+            RunConfig(1, 1, 1, "gpipe", virtual_stages=2),
+            4,
+            "virtual stages need the interleaved schedule",
+            "virtual_stages=2 needs",
+        ),
+        (
+            RunConfig(2, 2, 4),
             30,
-            Infeasible,
+            "batch not divisible by R × M",
             r"global batch 30 is not divisible by replicas \(2\) × micro_batches \(4\) = 8",
         ),
         (
-            Config(2, 1, 3, "interleaved", virtual_stages=2),
+            RunConfig(2, 1, 3, "interleaved", virtual_stages=2),
             6,
-            Infeasible,
-            "interleaved needs micro_batches to be a multiple of the stages: M=3, S=2",
+            "interleaved needs M % S == 0",
+            "the interleaved schedule needs micro_batches to be a multiple of the pipeline "
+            "stages: M=3, S=2; use M=4",
         ),
         (
-            Config(4, 1, 4, "interleaved", virtual_stages=2),
+            RunConfig(4, 1, 4, "interleaved", virtual_stages=2),
             4,
-            Infeasible,
-            r"more stages than layers: 8 model stages \(4 devices × 2 virtual stages\) but the "
-            "model has 4 layers",
+            "more stages than layers",
+            r"more stages than layers: the run has 8 model stages \(4 devices × 2 virtual "
+            r"stages\) but the model has only 4 layers; use at most 4 stages",
         ),
-        (Config(2, 1, 2, balance=(3, 2)), 4, Infeasible, "sums to 5 but the model has 4"),
+        (
+            RunConfig(2, 1, 2, balance=(3, 2)),
+            4,
+            "bad balance",
+            "sums to 5 but the model has 4",
+        ),
     ],
 )
-def test_bad_configurations(config, batch, error, match):
-    with pytest.raises(error, match=match):
+def test_bad_configurations(config, batch, kind, match):
+    with pytest.raises(ConfigError, match=match) as err:
         planner.evaluate(uniform(4), config, batch)
+    assert err.value.kind == kind
+
+
+INFEASIBLE = {
+    "more stages than layers",
+    "batch not divisible by R × M",
+    "interleaved needs M % S == 0",
+}
+
+
+def _unbalanced(config):
+    return dataclasses.replace(config, balance=None)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3, 4, 8])
+def test_the_planner_never_proposes_what_pipeline_refuses(num_layers):
+    """Every candidate the search considers is judged once; each proposed one (ranked, or
+    out of memory) passes validate_run with the balance the planner chose, and each one
+    rejected as infeasible fails validate_run with the same kind."""
+    profile = uniform(num_layers, param_bytes=100.0)
+    limit = 0.9 * 4 * profile.param_bytes  # the whole model does not fit on one device
+    kinds = collections.Counter()
+    for devices in (1, 2, 3, 4, 6, 8):
+        for batch in (1, 4, 6, 12):
+            result = planner.plan(
+                profile,
+                devices=devices,
+                global_batch=batch,
+                memory_per_device=limit,
+                max_micro_batches=8,
+                max_virtual_stages=3,
+            )
+            considered = search.candidates(
+                devices,
+                batch,
+                num_layers,
+                hybrid.schedule.names(),
+                planner.REMAT_MODES,
+                None,
+                8,
+                3,
+                None,
+            )
+            judged = [p.config for p in result.ranked] + [r.config for r in result.rejected]
+            assert collections.Counter(map(_unbalanced, judged)) == collections.Counter(considered)
+            for p in result.ranked:
+                assert validate_run(p.config) == p.config
+                assert (p.config.global_batch, p.config.num_layers) == (batch, num_layers)
+            for r in result.rejected:
+                kinds[r.kind] += 1
+                if r.kind == "out of memory":
+                    assert validate_run(r.config) == r.config
+                    assert r.prediction.peak_memory > limit
+                    continue
+                assert r.kind in INFEASIBLE
+                with pytest.raises(ConfigError) as err:
+                    validate_run(r.config)
+                assert err.value.kind == r.kind
+                assert str(err.value) == r.reason
+    assert set(kinds) >= {"out of memory", "batch not divisible by R × M"}
+    if num_layers < 8:
+        assert "more stages than layers" in kinds
 
 
 def test_bad_arguments():
@@ -291,7 +390,17 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="tensor_overhead=-1"):
         Hardware(tensor_overhead=-1)
     with pytest.raises(ValueError, match="optimizer_slots must be >= 0, got -1"):
-        planner.evaluate(uniform(), Config(1, 1, 1), 1, optimizer_slots=-1)
+        planner.evaluate(uniform(), RunConfig(1, 1, 1), 1, optimizer_slots=-1)
+    with pytest.raises(ConfigError, match="micro_batches must be a positive integer, got 0"):
+        planner.plan(uniform(), devices=2, global_batch=4, micro_batches=[0])
+    with pytest.raises(ValueError, match="balances layers by time; use balance=None, 'time'"):
+        planner.evaluate(uniform(), RunConfig(2, 1, 1, balance="params"), 1)
+    with pytest.raises(ValueError, match=r"config.global_batch=8 differs .* \(4\)"):
+        planner.evaluate(uniform(), RunConfig(1, 1, 1, global_batch=8), 4)
+    with pytest.raises(ValueError, match=r"config.num_layers=3 differs .* \(4\)"):
+        planner.evaluate(uniform(), RunConfig(1, 1, 1, num_layers=3), 4)
+    timed = planner.evaluate(uniform(), RunConfig(2, 1, 2, balance="time"), 2)
+    assert timed == planner.evaluate(uniform(), RunConfig(2, 1, 2), 2)
     layer = uniform(1).layers[0]
     with pytest.raises(ValueError, match="forward has 1 values but the profile has 2"):
         CostProfile((layer,), (1, 2), 0.0)

@@ -1,19 +1,30 @@
 """Detailed per-layer measurements for the planner: the time of each action kind, activation
-and weight bytes, the optimizer update, the all-reduce and transfers between devices."""
+and weight bytes, and the optimizer update (:func:`measure_layers`); the all-reduce and
+transfers between devices are measured by :mod:`hybrid.planning.link_timing` (re-exported
+here)."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import keras
 import tensorflow as tf
 
-from hybrid.engine.layer_costs import block as _block
+from hybrid.engine.layer_costs import block
 from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.planning.layer_programs import (
+    PROGRAMS,
+    Probe,
+    StagePrograms,
+    identity_programs,
+    measure_memory,
+    prod,
+    signature,
+)
+from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
+from hybrid.planning.timing import median_seconds, run_seconds
 
 __all__ = [
     "LayerMeasurement",
@@ -99,172 +110,18 @@ class ModelMeasurement:
     device: str
 
 
-def _median_seconds(fn: Callable[[], Sequence[tf.Tensor]], repeats: int) -> float:
-    _block(fn())  # traces and compiles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _block(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """How :func:`measure_layers` measures: its arguments every step needs."""
 
-
-def _allocator_stats(device: str) -> bool:
-    try:
-        tf.config.experimental.get_memory_info(_memory_device(device))
-    except ValueError:
-        return False
-    return True
-
-
-def _memory_device(device: str) -> str:
-    # get_memory_info wants "CPU:0" / "GPU:1", not a full device name.
-    spec = tf.DeviceSpec.from_string(device)
-    return f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
-
-
-class _StagePrograms:
-    """The programs the engine runs for one stage, each issued ``chain`` times in a row
-    inside one graph function (every repetition waits for the previous one), so the cost of
-    launching the graph function is shared by ``chain`` repetitions.
-
-    ``forward``: F; ``stored``: F with a tape, then its backward (remat "never"); ``fused``:
-    the one-program forward+backward; ``input_only``: F, then a recomputing backward for the
-    input gradient only.
-    """
-
-    def __init__(
-        self, stage: StageReplica, labels: tf.Tensor | None, need_dx: bool, chain: int
-    ) -> None:
-        seed = tf.constant([0, 0], tf.int64)
-        self.stage, self.labels, self._seed = stage, labels, seed
-
-        def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            return [stage.forward(x, labels, seed, True, False).output]
-
-        def stored(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward(x, labels, seed, False, False)
-            dx, dw = stage.backward(saved, dy, need_dx=need_dx, need_dw=True)
-            return [saved.output] + ([dx] if dx is not None else []) + dw
-
-        def fused(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            y, dx, dw = stage.forward_backward(x, labels, seed, dy, need_dx)
-            return [y] + ([dx] if dx is not None else []) + dw
-
-        def input_only(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward(x, labels, seed, True, False)
-            dx, _ = stage.backward(saved, dy, need_dx=True, need_dw=False)
-            return [saved.output] + ([dx] if dx is not None else [])
-
-        def chained(body: Callable[[tf.Tensor, tf.Tensor], list[tf.Tensor]]) -> Any:
-            def run(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-                outputs = body(x, dy)
-                for _ in range(chain - 1):
-                    # The next repetition's input is x plus a zero computed from every output
-                    # of this one: the repetitions run one after another, none is a
-                    # duplicate of another, and every output is consumed.
-                    firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs]
-                    zero = tf.math.multiply_no_nan(tf.add_n(firsts), 0.0)
-                    outputs = body(x + tf.cast(zero, x.dtype), dy)
-                return outputs
-
-            return tf.function(run, autograph=False)
-
-        self.forward = chained(forward)
-        self.stored = chained(stored)
-        self.fused = chained(fused)
-        self.input_only = chained(input_only)
-        self.fused_once = tf.function(fused, autograph=False)
-
-    def taped_forward(self, x: tf.Tensor) -> Any:
-        """Eagerly: the record a stored-activation forward keeps (it holds the tape)."""
-        return self.stage.forward(x, self.labels, self._seed, False, False)
-
-
-def _identity_programs(device: str, chain: int, jit_compile: bool) -> _StagePrograms:
-    """The same programs on an identity layer: what launching them costs, with no work."""
-    with tf.device(device):
-        identity = keras.layers.Dense(1, use_bias=False)  # one weight: next to no work
-        identity(tf.zeros((1, 1)))
-        stage = StageReplica(
-            0, [identity], device, TensorSpec((1,), "float32"), None, None, jit_compile
-        )
-        return _StagePrograms(stage, None, need_dx=True, chain=chain)
-
-
-def _measure_memory(
-    device: str, programs: _StagePrograms, x: tf.Tensor, dy: tf.Tensor
-) -> tuple[int | None, int | None]:
-    """(bytes a taped forward holds, peak bytes while the fused forward+backward runs)."""
-    if not _allocator_stats(device):
-        return None, None
-    where = _memory_device(device)
-    _block(programs.fused_once(x, dy))  # traced and compiled before anything is counted
-    before = tf.config.experimental.get_memory_info(where)["current"]
-    saved = programs.taped_forward(x)
-    _block([saved.output])
-    stored = tf.config.experimental.get_memory_info(where)["current"] - before
-    del saved
-    tf.config.experimental.reset_memory_stats(where)
-    before = tf.config.experimental.get_memory_info(where)["current"]
-    _block(programs.fused_once(x, dy))
-    working = tf.config.experimental.get_memory_info(where)["peak"] - before
-    return max(0, stored), max(0, working)
-
-
-_PROGRAMS = ("forward", "stored", "fused", "input_only")
-
-
-def _signature(layer: keras.layers.Layer, spec: TensorSpec, last: bool) -> str:
-    """Layers with equal signatures cost the same: same class and configuration (names and
-    seeds aside), same input, same position (last or not)."""
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("name", "seed")}
-        if isinstance(value, list | tuple):
-            return [strip(v) for v in value]
-        return value
-
-    config = strip(layer.get_config())
-    return repr((type(layer).__qualname__, config, spec, last))
-
-
-class _Probe:
-    """One distinct layer at one batch size: its programs, inputs and collected times."""
-
-    def __init__(
-        self,
-        stage: StageReplica,
-        spec: TensorSpec,
-        out_spec: TensorSpec,
-        batch: int,
-        labels_shape: tuple[int, ...] | None,
-        labels_dtype: str,
-        chain: int,
-    ) -> None:
-        self.batch = batch
-        self.need_dx = tf.as_dtype(spec.dtype).is_floating
-        out_shape = (batch,) + tuple(int(d or 1) for d in out_spec.shape)
-        self.output_bytes = _prod(out_shape) * tf.as_dtype(out_spec.dtype).size
-        with tf.device(stage.device):
-            self.x = tf.constant(spec.zeros(batch))
-            labels = None
-            if labels_shape is not None:
-                labels = tf.zeros((batch,) + labels_shape, labels_dtype)
-                self.dy = tf.constant(1.0 / batch)  # d(mean loss of the step) / d(this loss)
-            else:
-                self.dy = tf.ones(out_shape, out_spec.dtype)
-        self.programs = _StagePrograms(stage, labels, self.need_dx, chain)
-        self.names = _PROGRAMS if self.need_dx else _PROGRAMS[:3]
-        self.times: dict[str, list[float]] = {name: [] for name in self.names}
-        self.memory: tuple[int | None, int | None] = (None, None)
-
-
-def _run_seconds(program: Any, args: tuple[tf.Tensor, ...]) -> float:
-    start = time.perf_counter()
-    _block(program(*args))
-    return time.perf_counter() - start
+    device: str
+    loss: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None
+    optimizer: Callable[[], keras.optimizers.Optimizer] | None
+    labels_shape: tuple[int, ...]
+    target_dtype: str
+    repeats: int
+    chain: int
+    jit_compile: bool
 
 
 def measure_layers(
@@ -323,97 +180,137 @@ def measure_layers(
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    specs = _layer_specs(layers, input_shape, input_dtype, device)
+    out_shape = tuple(int(d or 1) for d in specs[-1].shape)
+    labels_shape = tuple(target_shape) if target_shape is not None else out_shape[:-1]
+    identity, base_args = _warm_identity(device, chain, jit_compile)
+    setup = _Setup(device, loss, optimizer, labels_shape, target_dtype, repeats, chain, jit_compile)
+    keys, distinct = _probe_layers(layers, specs, sizes, setup)
+    base = _time_rounds([probes for _, probes in distinct.values()], identity, base_args, repeats)
+    measured = {
+        key: _measurement(stage, probes, base, setup) for key, (stage, probes) in distinct.items()
+    }
+    rows = tuple(
+        dataclasses.replace(measured[key], name=layer.name)
+        for key, layer in zip(keys, layers, strict=True)
+    )
+    launch = max(0.0, base["forward"] / chain)
+    return ModelMeasurement(rows, int(specs[0].zeros(1).nbytes), launch, device)
+
+
+def _layer_specs(
+    layers: Sequence[keras.layers.Layer],
+    input_shape: Sequence[int | None],
+    input_dtype: str,
+    device: str,
+) -> list[TensorSpec]:
+    """The model input's spec, then every layer's output spec (building the layers on
+    ``device`` with one zero example)."""
     specs = [TensorSpec(tuple(input_shape), tf.as_dtype(input_dtype).name)]
     with tf.device(device):
         y = tf.convert_to_tensor(specs[0].zeros())
         for layer in layers:
             y = layer(y)
             specs.append(TensorSpec(tuple(y.shape[1:]), y.dtype.name))
-    out_shape = tuple(int(d or 1) for d in specs[-1].shape)
-    labels_shape = tuple(target_shape) if target_shape is not None else out_shape[:-1]
+    return specs
 
-    identity = _identity_programs(device, chain, jit_compile)
+
+def _warm_identity(
+    device: str, chain: int, jit_compile: bool
+) -> tuple[StagePrograms, tuple[tf.Tensor, tf.Tensor]]:
+    """The identity layer's programs, each run once (compiled), and their arguments."""
+    identity = identity_programs(device, chain, jit_compile)
     with tf.device(device):
         base_args = (tf.zeros((1, 1)), tf.ones((1, 1)))
-    for name in _PROGRAMS:
-        _block(getattr(identity, name)(*base_args))
+    for name in PROGRAMS:
+        block(getattr(identity, name)(*base_args))
+    return identity, base_args
 
-    stages: dict[str, StageReplica] = {}
-    probes: dict[str, list[_Probe]] = {}
-    keys = []
+
+def _probe_layers(
+    layers: Sequence[keras.layers.Layer],
+    specs: Sequence[TensorSpec],
+    sizes: Sequence[int],
+    setup: _Setup,
+) -> tuple[list[str], dict[str, tuple[StageReplica, list[Probe]]]]:
+    """Each layer's signature, and per distinct signature its one-layer stage with a
+    compiled, memory-measured :class:`Probe` per batch size."""
+    keys: list[str] = []
+    distinct: dict[str, tuple[StageReplica, list[Probe]]] = {}
     for i, layer in enumerate(layers):
-        last = loss is not None and i == len(layers) - 1
-        key = _signature(layer, specs[i], last)
+        last = setup.loss is not None and i == len(layers) - 1
+        key = signature(layer, specs[i], last)
         keys.append(key)
-        if key in stages:
+        if key in distinct:
             continue
-        stages[key] = StageReplica(
-            i, [layer], device, specs[i], optimizer, loss if last else None, jit_compile
+        loss = setup.loss if last else None
+        stage = StageReplica(
+            i, [layer], setup.device, specs[i], setup.optimizer, loss, setup.jit_compile
         )
-        probes[key] = []
+        probes = []
         for b in sizes:
-            probe = _Probe(
-                stages[key],
-                specs[i],
-                specs[i + 1],
-                b,
-                labels_shape if last else None,
-                target_dtype,
-                chain,
-            )
+            labels = setup.labels_shape if last else None
+            probe = Probe(stage, specs[i], specs[i + 1], b, labels, setup.target_dtype, setup.chain)
             for name in probe.names:
-                _block(getattr(probe.programs, name)(probe.x, probe.dy))  # compile
-            probe.memory = _measure_memory(device, probe.programs, probe.x, probe.dy)
-            probes[key].append(probe)
+                block(getattr(probe.programs, name)(probe.x, probe.dy))  # compile
+            probe.memory = measure_memory(setup.device, probe.programs, probe.x, probe.dy)
+            probes.append(probe)
+        distinct[key] = (stage, probes)
+    return keys, distinct
 
-    baseline: dict[str, list[float]] = {name: [] for name in _PROGRAMS}
+
+def _time_rounds(
+    groups: Sequence[Sequence[Probe]],
+    identity: StagePrograms,
+    base_args: tuple[tf.Tensor, tf.Tensor],
+    repeats: int,
+) -> dict[str, float]:
+    """Runs ``repeats`` rounds that time every program of every probe once (into its
+    ``times``), each beside its identity twin; returns the identity programs' medians."""
+    baseline: dict[str, list[float]] = {name: [] for name in PROGRAMS}
     for _ in range(repeats):
-        for group in probes.values():
+        for group in groups:
             for probe in group:
                 for name in probe.names:
                     probe.times[name].append(
-                        _run_seconds(getattr(probe.programs, name), (probe.x, probe.dy))
+                        run_seconds(getattr(probe.programs, name), (probe.x, probe.dy))
                     )
-                    baseline[name].append(_run_seconds(getattr(identity, name), base_args))
-    base = {name: statistics.median(v) for name, v in baseline.items()}
-    launch = max(0.0, base["forward"] / chain)
+                    baseline[name].append(run_seconds(getattr(identity, name), base_args))
+    return {name: statistics.median(v) for name, v in baseline.items()}
 
-    def net(probe: _Probe, name: str) -> float:
+
+def _layer_timing(probe: Probe, base: dict[str, float], chain: int) -> LayerTiming:
+    """One probe's figures: each program's median per repetition net of its identity twin,
+    the forward subtracted from the programs that contain it."""
+
+    def net(name: str) -> float:
         return (statistics.median(probe.times[name]) - base[name]) / chain
 
-    measured: dict[str, LayerMeasurement] = {}
-    for key, group in probes.items():
-        timings = []
-        for probe in group:
-            f = max(0.0, net(probe, "forward"))
-            timings.append(
-                LayerTiming(
-                    batch=probe.batch,
-                    forward=f,
-                    backward=max(0.0, net(probe, "stored") - f),
-                    recompute_backward=max(0.0, net(probe, "fused") - f),
-                    input_backward=(
-                        max(0.0, net(probe, "input_only") - 2 * f) if probe.need_dx else 0.0
-                    ),
-                    stored_bytes=probe.memory[0],
-                    working_bytes=probe.memory[1],
-                    output_bytes=probe.output_bytes,
-                )
-            )
-        stage = stages[key]
-        update = 0.0
-        if optimizer is not None and stage.trainable_variables:
-            update = _update_seconds(stage, device, repeats)
-        param_bytes = sum(
-            _prod(v.shape) * tf.as_dtype(v.dtype).size for v in stage.trainable_variables
-        )
-        tensors = len(stage.trainable_variables)
-        measured[key] = LayerMeasurement("", param_bytes, tensors, update, tuple(timings))
-    rows = tuple(
-        dataclasses.replace(measured[key], name=layer.name)
-        for key, layer in zip(keys, layers, strict=True)
+    f = max(0.0, net("forward"))
+    return LayerTiming(
+        batch=probe.batch,
+        forward=f,
+        backward=max(0.0, net("stored") - f),
+        recompute_backward=max(0.0, net("fused") - f),
+        input_backward=max(0.0, net("input_only") - 2 * f) if probe.need_dx else 0.0,
+        stored_bytes=probe.memory[0],
+        working_bytes=probe.memory[1],
+        output_bytes=probe.output_bytes,
     )
-    return ModelMeasurement(rows, int(specs[0].zeros(1).nbytes), launch, device)
+
+
+def _measurement(
+    stage: StageReplica, probes: Sequence[Probe], base: dict[str, float], setup: _Setup
+) -> LayerMeasurement:
+    """One distinct layer's measurement (unnamed): its timings per batch size, weight bytes
+    and arrays, and its optimizer update when there is an optimizer."""
+    timings = tuple(_layer_timing(probe, base, setup.chain) for probe in probes)
+    update = 0.0
+    if setup.optimizer is not None and stage.trainable_variables:
+        update = _update_seconds(stage, setup.device, setup.repeats)
+    param_bytes = sum(prod(v.shape) * tf.as_dtype(v.dtype).size for v in stage.trainable_variables)
+    tensors = len(stage.trainable_variables)
+    return LayerMeasurement("", param_bytes, tensors, update, timings)
 
 
 def _update_seconds(stage: StageReplica, device: str, repeats: int) -> float:
@@ -433,83 +330,6 @@ def _update_seconds(stage: StageReplica, device: str, repeats: int) -> float:
         empty = tf.function(nothing, autograph=False)
         return max(
             0.0,
-            _median_seconds(lambda: [program(zeros)], repeats)
-            - _median_seconds(lambda: [empty(zeros)], repeats),
+            median_seconds(lambda: [program(zeros)], repeats)
+            - median_seconds(lambda: [empty(zeros)], repeats),
         )
-
-
-def _prod(shape: Sequence[int | None]) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d or 1)
-    return out
-
-
-def measure_all_reduce(
-    devices: Sequence[str], sizes_bytes: Sequence[int], repeats: int = 7
-) -> list[float]:
-    """Median seconds of one mean all-reduce of a float32 vector over ``devices``, per size,
-    beyond launching the graph function that runs it.
-
-    Runs the engine's own collective (:class:`hybrid.engine.collectives.ReplicaGroup`), one vector
-    per device, inside a graph function, timed in alternation with the same function without
-    the collective (its launch cost is subtracted).
-    """
-    from hybrid.engine.collectives import ReplicaGroup
-
-    group = ReplicaGroup(devices)
-
-    def reduce(*tensors: tf.Tensor) -> list[tf.Tensor]:
-        return [t for row in group.all_reduce_mean([[t] for t in tensors]) for t in row]
-
-    def nothing(*tensors: tf.Tensor) -> list[tf.Tensor]:
-        return [tf.identity(t) for t in tensors]
-
-    out = []
-    for size in sizes_bytes:
-        values = []
-        for device in devices:
-            with tf.device(device):
-                values.append(tf.ones([max(1, int(size) // 4)]))
-        out.append(
-            _net_of(
-                tf.function(reduce, autograph=False),
-                tf.function(nothing, autograph=False),
-                tuple(values),
-                repeats,
-            )
-        )
-    return out
-
-
-def measure_transfer(
-    source: str, target: str, sizes_bytes: Sequence[int], repeats: int = 7
-) -> list[float]:
-    """Median seconds to hand a float32 tensor made on ``source`` to an op on ``target``, per
-    size, beyond the same graph function with both ops on ``source``."""
-
-    def hand_over(where: str, n: int) -> Any:
-        def run() -> list[tf.Tensor]:
-            with tf.device(source):
-                t = tf.fill([n], 1.0)
-            with tf.device(where):
-                return [tf.reduce_sum(t)]
-
-        return tf.function(run, autograph=False)
-
-    out = []
-    for size in sizes_bytes:
-        n = max(1, int(size) // 4)
-        out.append(_net_of(hand_over(target, n), hand_over(source, n), (), repeats))
-    return out
-
-
-def _net_of(program: Any, baseline: Any, args: tuple[tf.Tensor, ...], repeats: int) -> float:
-    """Median seconds of ``program`` minus median seconds of ``baseline``, timed in turns."""
-    _block(program(*args))
-    _block(baseline(*args))
-    mine, base = [], []
-    for _ in range(repeats):
-        mine.append(_run_seconds(program, args))
-        base.append(_run_seconds(baseline, args))
-    return max(0.0, statistics.median(mine) - statistics.median(base))

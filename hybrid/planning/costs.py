@@ -1,0 +1,263 @@
+"""Per-layer costs of a model (:class:`CostProfile`): time of every action kind and bytes of
+activations and weights at a few micro-batch sizes, interpolated in between; given by hand
+(:func:`uniform_profile`), read back from JSON, or measured on one device
+(:func:`profile_model`).
+
+Conventions: times in seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybrid.planning.profile import LayerMeasurement, ModelMeasurement
+
+__all__ = ["CostProfile", "LayerCost", "profile_model", "uniform_profile"]
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear in the batch size through the measured points, extended by the
+    nearest segment beyond them (proportional to the batch with a single point), >= 0."""
+    if len(xs) == 1:
+        return max(0.0, ys[0] * x / xs[0])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One layer's costs, each per-batch figure given at :attr:`CostProfile.batch_sizes`.
+
+    Attributes:
+      name: the layer name, for tables.
+      forward: seconds of its forward.
+      backward: seconds of its backward from stored activations (remat "never").
+      recompute_backward: seconds of the backward inside a recomputing forward+backward
+        program (a rematerialized B costs forward + recompute_backward).
+      input_backward: seconds of the input gradient alone (a split backward's B).
+      stored_bytes: bytes its forward keeps for the backward (output and intermediates).
+      working_bytes: the transient peak of its forward+backward above that.
+      output_bytes: bytes of its output (what a stage boundary after it sends).
+      param_bytes: bytes of its trainable weights.
+      update: seconds of one optimizer update of its weights.
+      param_tensors: its trainable weight arrays (each backward accumulates one gradient
+        per array, see :attr:`Hardware.tensor_overhead`).
+    """
+
+    name: str
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    recompute_backward: tuple[float, ...]
+    input_backward: tuple[float, ...]
+    stored_bytes: tuple[float, ...]
+    working_bytes: tuple[float, ...]
+    output_bytes: tuple[float, ...]
+    param_bytes: float
+    update: float = 0.0
+    param_tensors: int = 0
+
+
+_PER_BATCH = (
+    "forward",
+    "backward",
+    "recompute_backward",
+    "input_backward",
+    "stored_bytes",
+    "working_bytes",
+    "output_bytes",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostProfile:
+    """Per-layer costs of a model; figures between the measured batch sizes are
+    interpolated linearly (and extended by the nearest segment beyond them).
+
+    Attributes:
+      layers: one :class:`LayerCost` per layer, in model order.
+      batch_sizes: the micro-batch sizes every per-batch figure is given at, increasing.
+      input_bytes: bytes of one example of the model input.
+      input_is_float: whether the model input has a gradient (token ids do not).
+      source: where the figures come from, for reports.
+    """
+
+    layers: tuple[LayerCost, ...]
+    batch_sizes: tuple[int, ...]
+    input_bytes: float
+    input_is_float: bool = True
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a cost profile needs at least one layer")
+        sizes = list(self.batch_sizes)
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(
+                f"batch_sizes must be distinct positive integers in increasing order, got {sizes}"
+            )
+        for layer in self.layers:
+            for name in _PER_BATCH:
+                if len(getattr(layer, name)) != len(sizes):
+                    raise ValueError(
+                        f"layer {layer.name!r}: {name} has {len(getattr(layer, name))} values "
+                        f"but the profile has {len(sizes)} batch sizes {sizes}"
+                    )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def value(self, layer: int, name: str, batch: float) -> float:
+        """Per-batch figure ``name`` of layer ``layer`` at a micro-batch of ``batch``."""
+        return _interpolate(self.batch_sizes, getattr(self.layers[layer], name), batch)
+
+    @property
+    def param_bytes(self) -> float:
+        return float(sum(layer.param_bytes for layer in self.layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form; :meth:`from_dict` reads it back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostProfile:
+        """Reads the form :meth:`to_dict` writes."""
+        layers = []
+        for layer in data["layers"]:
+            per_batch = {k: tuple(float(x) for x in layer[k]) for k in _PER_BATCH}
+            layers.append(
+                LayerCost(
+                    name=str(layer["name"]),
+                    param_bytes=float(layer["param_bytes"]),
+                    update=float(layer.get("update", 0.0)),
+                    param_tensors=int(layer.get("param_tensors", 0)),
+                    **per_batch,
+                )
+            )
+        return cls(
+            layers=tuple(layers),
+            batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
+            input_bytes=float(data["input_bytes"]),
+            input_is_float=bool(data.get("input_is_float", True)),
+            source=str(data.get("source", "")),
+        )
+
+    @classmethod
+    def from_measurement(
+        cls, measurement: ModelMeasurement, input_is_float: bool = True
+    ) -> CostProfile:
+        """From :func:`hybrid.planning.profile.measure_layers`' result.
+
+        Without allocator statistics (bytes measured as None) a layer's stored bytes fall
+        back to its output bytes and its working bytes to twice that: lower bounds.
+        """
+        return cls(
+            tuple(_layer_cost(m) for m in measurement.layers),
+            tuple(t.batch for t in measurement.layers[0].timings),
+            float(measurement.input_bytes),
+            input_is_float,
+            source=f"profiled on {measurement.device}",
+        )
+
+
+def _layer_cost(m: LayerMeasurement) -> LayerCost:
+    """One measured layer's costs; missing byte figures replaced by their lower bounds."""
+    t = m.timings
+    stored = tuple(
+        float(x.stored_bytes if x.stored_bytes is not None else x.output_bytes) for x in t
+    )
+    working = tuple(
+        float(x.working_bytes if x.working_bytes is not None else 2 * s)
+        for x, s in zip(t, stored, strict=True)
+    )
+    return LayerCost(
+        name=m.name,
+        forward=tuple(x.forward for x in t),
+        backward=tuple(x.backward for x in t),
+        recompute_backward=tuple(x.recompute_backward for x in t),
+        input_backward=tuple(x.input_backward for x in t),
+        stored_bytes=stored,
+        working_bytes=working,
+        output_bytes=tuple(float(x.output_bytes) for x in t),
+        param_bytes=float(m.param_bytes),
+        update=m.update,
+        param_tensors=int(m.param_tensors),
+    )
+
+
+def uniform_profile(
+    num_layers: int,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    *,
+    batch: int = 1,
+    input_backward: float | None = None,
+    param_bytes: float = 0.0,
+    stored_bytes: float = 0.0,
+    working_bytes: float = 0.0,
+    output_bytes: float = 0.0,
+    input_bytes: float = 0.0,
+    update: float = 0.0,
+) -> CostProfile:
+    """``num_layers`` identical layers, every per-batch figure given at one batch size
+    (so proportional to the micro-batch): handy for projections and tests."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+    layer = LayerCost(
+        name="layer",
+        forward=(forward,),
+        backward=(backward,),
+        recompute_backward=(backward,),
+        input_backward=(backward / 2 if input_backward is None else input_backward,),
+        stored_bytes=(stored_bytes,),
+        working_bytes=(working_bytes,),
+        output_bytes=(output_bytes,),
+        param_bytes=param_bytes,
+        update=update,
+    )
+    layers = tuple(dataclasses.replace(layer, name=f"layer_{i}") for i in range(num_layers))
+    return CostProfile(layers, (batch,), input_bytes, source="uniform")
+
+
+def profile_model(
+    layers: Sequence[Any],
+    input_shape: Sequence[int],
+    input_dtype: str,
+    batch_sizes: Sequence[int],
+    *,
+    loss: Any = None,
+    target_shape: Sequence[int] | None = None,
+    optimizer: Callable[[], Any] | None = None,
+    device: str | None = None,
+    repeats: int = 7,
+) -> CostProfile:
+    """Measures ``layers`` on one device (:func:`hybrid.planning.profile.measure_layers`) at the
+    given micro-batch sizes and returns their :class:`CostProfile`.
+
+    ``device`` defaults to the first local device (the first GPU, else the first CPU).
+    """
+    import tensorflow as tf  # only profiling needs TensorFlow
+
+    from hybrid.core.mesh import local_devices
+    from hybrid.planning import profile as profile_lib
+
+    where = device or local_devices()[0]
+    measurement = profile_lib.measure_layers(
+        layers,
+        input_shape,
+        input_dtype,
+        batch_sizes,
+        where,
+        loss=loss,
+        target_shape=target_shape,
+        optimizer=optimizer,
+        repeats=repeats,
+    )
+    return CostProfile.from_measurement(
+        measurement, input_is_float=tf.as_dtype(input_dtype).is_floating
+    )

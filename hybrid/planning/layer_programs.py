@@ -1,0 +1,186 @@
+"""The programs the profiler times for one layer: the engine's forward, stored-activation
+backward, fused forward+backward and input-gradient-only programs of a one-layer stage,
+chained so launch costs are shared; their identity twins; the inputs of one layer at one
+micro-batch size (:class:`Probe`); and the allocator bytes a layer holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from hybrid.engine.layer_costs import block
+from hybrid.engine.stage import StageReplica, TensorSpec
+
+__all__ = [
+    "PROGRAMS",
+    "Probe",
+    "StagePrograms",
+    "identity_programs",
+    "measure_memory",
+    "prod",
+    "signature",
+]
+
+# The programs of :class:`StagePrograms` the profiler times, by attribute name.
+PROGRAMS = ("forward", "stored", "fused", "input_only")
+
+
+def prod(shape: Sequence[int | None]) -> int:
+    """The number of elements of ``shape`` (an unknown dimension counts as 1)."""
+    out = 1
+    for d in shape:
+        out *= int(d or 1)
+    return out
+
+
+def _allocator_stats(device: str) -> bool:
+    """Whether TensorFlow's allocator on ``device`` reports memory statistics."""
+    try:
+        tf.config.experimental.get_memory_info(_memory_device(device))
+    except ValueError:
+        return False
+    return True
+
+
+def _memory_device(device: str) -> str:
+    """``device`` as ``get_memory_info`` names it: "CPU:0" / "GPU:1", not a full name."""
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+
+
+class StagePrograms:
+    """The programs the engine runs for one stage, each issued ``chain`` times in a row
+    inside one graph function (every repetition waits for the previous one), so the cost of
+    launching the graph function is shared by ``chain`` repetitions.
+
+    ``forward``: F; ``stored``: F with a tape, then its backward (remat "never"); ``fused``:
+    the one-program forward+backward; ``input_only``: F, then a recomputing backward for the
+    input gradient only.
+    """
+
+    def __init__(
+        self, stage: StageReplica, labels: tf.Tensor | None, need_dx: bool, chain: int
+    ) -> None:
+        seed = tf.constant([0, 0], tf.int64)
+        self.stage, self.labels, self._seed = stage, labels, seed
+
+        def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
+            return [stage.forward(x, labels, seed, True, False).output]
+
+        def stored(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
+            saved = stage.forward(x, labels, seed, False, False)
+            dx, dw = stage.backward(saved, dy, need_dx=need_dx, need_dw=True)
+            return [saved.output] + ([dx] if dx is not None else []) + dw
+
+        def fused(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
+            y, dx, dw = stage.forward_backward(x, labels, seed, dy, need_dx)
+            return [y] + ([dx] if dx is not None else []) + dw
+
+        def input_only(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
+            saved = stage.forward(x, labels, seed, True, False)
+            dx, _ = stage.backward(saved, dy, need_dx=True, need_dw=False)
+            return [saved.output] + ([dx] if dx is not None else [])
+
+        def chained(body: Callable[[tf.Tensor, tf.Tensor], list[tf.Tensor]]) -> Any:
+            def run(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
+                outputs = body(x, dy)
+                for _ in range(chain - 1):
+                    # The next repetition's input is x plus a zero computed from every output
+                    # of this one: the repetitions run one after another, none is a
+                    # duplicate of another, and every output is consumed.
+                    firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs]
+                    zero = tf.math.multiply_no_nan(tf.add_n(firsts), 0.0)
+                    outputs = body(x + tf.cast(zero, x.dtype), dy)
+                return outputs
+
+            return tf.function(run, autograph=False)
+
+        self.forward = chained(forward)
+        self.stored = chained(stored)
+        self.fused = chained(fused)
+        self.input_only = chained(input_only)
+        self.fused_once = tf.function(fused, autograph=False)
+
+    def taped_forward(self, x: tf.Tensor) -> Any:
+        """Eagerly: the record a stored-activation forward keeps (it holds the tape)."""
+        return self.stage.forward(x, self.labels, self._seed, False, False)
+
+
+def identity_programs(device: str, chain: int, jit_compile: bool) -> StagePrograms:
+    """The same programs on an identity layer: what launching them costs, with no work."""
+    with tf.device(device):
+        identity = keras.layers.Dense(1, use_bias=False)  # one weight: next to no work
+        identity(tf.zeros((1, 1)))
+        stage = StageReplica(
+            0, [identity], device, TensorSpec((1,), "float32"), None, None, jit_compile
+        )
+        return StagePrograms(stage, None, need_dx=True, chain=chain)
+
+
+def measure_memory(
+    device: str, programs: StagePrograms, x: tf.Tensor, dy: tf.Tensor
+) -> tuple[int | None, int | None]:
+    """(bytes a taped forward holds, peak bytes while the fused forward+backward runs)."""
+    if not _allocator_stats(device):
+        return None, None
+    where = _memory_device(device)
+    block(programs.fused_once(x, dy))  # traced and compiled before anything is counted
+    before = tf.config.experimental.get_memory_info(where)["current"]
+    saved = programs.taped_forward(x)
+    block([saved.output])
+    stored = tf.config.experimental.get_memory_info(where)["current"] - before
+    del saved
+    tf.config.experimental.reset_memory_stats(where)
+    before = tf.config.experimental.get_memory_info(where)["current"]
+    block(programs.fused_once(x, dy))
+    working = tf.config.experimental.get_memory_info(where)["peak"] - before
+    return max(0, stored), max(0, working)
+
+
+def signature(layer: keras.layers.Layer, spec: TensorSpec, last: bool) -> str:
+    """Layers with equal signatures cost the same: same class and configuration (names and
+    seeds aside), same input, same position (last or not)."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("name", "seed")}
+        if isinstance(value, list | tuple):
+            return [strip(v) for v in value]
+        return value
+
+    config = strip(layer.get_config())
+    return repr((type(layer).__qualname__, config, spec, last))
+
+
+class Probe:
+    """One distinct layer at one batch size: its programs, inputs and collected times."""
+
+    def __init__(
+        self,
+        stage: StageReplica,
+        spec: TensorSpec,
+        out_spec: TensorSpec,
+        batch: int,
+        labels_shape: tuple[int, ...] | None,
+        labels_dtype: str,
+        chain: int,
+    ) -> None:
+        self.batch = batch
+        self.need_dx = tf.as_dtype(spec.dtype).is_floating
+        out_shape = (batch,) + tuple(int(d or 1) for d in out_spec.shape)
+        self.output_bytes = prod(out_shape) * tf.as_dtype(out_spec.dtype).size
+        with tf.device(stage.device):
+            self.x = tf.constant(spec.zeros(batch))
+            labels = None
+            if labels_shape is not None:
+                labels = tf.zeros((batch,) + labels_shape, labels_dtype)
+                self.dy = tf.constant(1.0 / batch)  # d(mean loss of the step) / d(this loss)
+            else:
+                self.dy = tf.ones(out_shape, out_spec.dtype)
+        self.programs = StagePrograms(stage, labels, self.need_dx, chain)
+        self.names = PROGRAMS if self.need_dx else PROGRAMS[:3]
+        self.times: dict[str, list[float]] = {name: [] for name in self.names}
+        self.memory: tuple[int | None, int | None] = (None, None)

@@ -1,0 +1,327 @@
+"""The search: every candidate configuration of N devices (mesh, micro-batches, schedule,
+virtual stages, remat), each judged by the cost model and ranked by predicted step time
+(:func:`plan`), and the launcher's ``--mesh=auto`` pick as Pipeline arguments
+(:func:`choose_mesh`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from hybrid.core import schedule as schedule_lib
+from hybrid.core.config import (
+    REMAT_MODES,
+    ConfigError,
+    RunConfig,
+    check_global_batch,
+    validate_run,
+)
+from hybrid.planning.cost_model import Prediction, evaluate
+from hybrid.planning.costs import CostProfile, profile_model
+from hybrid.planning.hardware import Hardware
+from hybrid.planning.report import Plan, Rejection, format_bytes
+
+__all__ = ["Choice", "candidates", "choose_mesh", "plan"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    devices: int,
+    global_batch: int,
+    num_layers: int,
+    schedules: Sequence[str],
+    remats: Sequence[str],
+    micro_batches: Sequence[int] | None,
+    max_micro_batches: int,
+    max_virtual_stages: int,
+    stages: Sequence[int] | None,
+) -> Iterator[RunConfig]:
+    """Every configuration :func:`plan` judges, with the global batch and layer count: each
+    S × R = devices (S in ``stages`` when given), each M in ``micro_batches`` (default: the
+    divisors of the per-replica batch up to ``max_micro_batches``, or 1), each schedule
+    (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode."""
+    for S in stages if stages is not None else _divisors(devices):
+        R = devices // S
+        per_replica = global_batch // R if global_batch % R == 0 else 0
+        if micro_batches is not None:
+            ms = list(micro_batches)
+        else:
+            ms = [m for m in _divisors(per_replica) if m <= max_micro_batches] or [1]
+        for name in schedules:
+            virtuals = range(2, max_virtual_stages + 1) if name == "interleaved" else [1]
+            for v in virtuals:
+                for M in ms:
+                    for remat in remats:
+                        yield RunConfig(S, R, M, name, remat, v, None, global_batch, num_layers)
+
+
+def plan(
+    model: Sequence[Any] | CostProfile,
+    *,
+    devices: int,
+    global_batch: int,
+    memory_per_device: float | None = None,
+    hardware: Hardware | None = None,
+    input_shape: Sequence[int] | None = None,
+    input_dtype: str = "float32",
+    loss: Any = None,
+    target_shape: Sequence[int] | None = None,
+    optimizer: Callable[[], Any] | None = None,
+    optimizer_slots: int = 2,
+    schedules: Sequence[str] | None = None,
+    remats: Sequence[str] | None = None,
+    micro_batches: Sequence[int] | None = None,
+    max_micro_batches: int = 32,
+    max_virtual_stages: int = 2,
+    stages: Sequence[int] | None = None,
+    device: str | None = None,
+) -> Plan:
+    """Ranks every way to train ``model`` on ``devices`` devices by predicted step time.
+
+    Candidates: see :func:`candidates`. Each runs through :func:`evaluate`; a candidate
+    :func:`hybrid.core.config.validate_run` refuses, or one that needs more than
+    ``memory_per_device``, is rejected with the reason.
+
+    Args:
+      model: a list of Keras layers (profiled on one device first, see
+        :func:`profile_model`; needs ``input_shape``) or a :class:`CostProfile`.
+      devices: N, the device budget.
+      global_batch: examples per step.
+      memory_per_device: bytes per device (overrides ``hardware.memory_per_device``).
+      hardware: links and overheads (default: free links, no overheads, no memory limit).
+      input_shape, input_dtype, loss, target_shape, optimizer, device: for profiling
+        layers (see :func:`profile_model`).
+      optimizer_slots: optimizer state per weight (Adam 2).
+      schedules: schedule names (default: all of ``hybrid.core.schedule.names()``).
+      remats: remat modes (default: all of :data:`REMAT_MODES`).
+
+    Raises:
+      ValueError: devices or global_batch below 1, an unknown schedule or remat mode, a
+        micro-batch count below 1, stages that do not divide devices, or layers without an
+        input shape.
+    """
+    schedules, remats = _checked_arguments(
+        devices, global_batch, schedules, remats, micro_batches, stages
+    )
+    hardware = hardware or Hardware()
+    if memory_per_device is not None:
+        hardware = dataclasses.replace(hardware, memory_per_device=memory_per_device)
+    if isinstance(model, CostProfile):
+        profile = model
+    else:
+        sizes = _profile_batches(devices, global_batch, micro_batches, max_micro_batches)
+        profile = _profile_layers(
+            model, input_shape, input_dtype, sizes, loss, target_shape, optimizer, device
+        )
+    ranked, rejected = [], []
+    for config in candidates(
+        devices,
+        global_batch,
+        profile.num_layers,
+        schedules,
+        remats,
+        micro_batches,
+        max_micro_batches,
+        max_virtual_stages,
+        stages,
+    ):
+        outcome = _judge(profile, config, global_batch, hardware, optimizer_slots)
+        if isinstance(outcome, Rejection):
+            rejected.append(outcome)
+        else:
+            ranked.append(outcome)
+    ranked.sort(key=_rank_key)
+    return Plan(devices, global_batch, hardware, tuple(ranked), tuple(rejected))
+
+
+def _checked_arguments(
+    devices: int,
+    global_batch: int,
+    schedules: Sequence[str] | None,
+    remats: Sequence[str] | None,
+    micro_batches: Sequence[int] | None,
+    stages: Sequence[int] | None,
+) -> tuple[list[str], list[str]]:
+    """The schedules and remat modes to search (default: all), after checking the
+    arguments; names and micro-batch counts by :func:`validate_run`'s rules, so every
+    candidate it rejects later is infeasible, never malformed."""
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    check_global_batch(RunConfig(1), global_batch)
+    schedules = list(schedules) if schedules is not None else schedule_lib.names()
+    remats = list(remats) if remats is not None else list(REMAT_MODES)
+    for name in schedules:
+        validate_run(RunConfig(1, schedule=name))
+    for mode in remats:
+        validate_run(RunConfig(1, remat=mode))
+    for M in micro_batches or []:
+        validate_run(RunConfig(1, micro_batches=M))
+    for S in stages or []:
+        if S < 1 or devices % S:
+            raise ValueError(f"stages={S} does not divide devices={devices}")
+    return schedules, remats
+
+
+def _judge(
+    profile: CostProfile,
+    config: RunConfig,
+    global_batch: int,
+    hardware: Hardware,
+    optimizer_slots: int,
+) -> Prediction | Rejection:
+    """The candidate's prediction when it can run and fits in memory; else why not."""
+    try:
+        prediction = evaluate(profile, config, global_batch, hardware, optimizer_slots)
+    except ConfigError as err:
+        return Rejection(config, err.kind, str(err))
+    limit = hardware.memory_per_device
+    if limit is not None and prediction.peak_memory > limit:
+        needs, has = format_bytes(prediction.peak_memory), format_bytes(limit)
+        reason = f"out of memory: needs {needs} per device, has {has}"
+        return Rejection(prediction.config, "out of memory", reason, prediction)
+    return prediction
+
+
+def _rank_key(p: Prediction) -> tuple[float, float, int, int, str, str]:
+    """Fastest first; then less memory, fewer stages, fewer micro-batches, by name."""
+    c = p.config
+    return (p.step_time, p.peak_memory, c.stages, c.micro_batches, c.schedule, c.remat)
+
+
+def _profile_batches(
+    devices: int, global_batch: int, micro_batches: Sequence[int] | None, cap: int
+) -> list[int]:
+    """The smallest and largest micro-batch any candidate runs (two points to interpolate)."""
+    sizes = set()
+    for R in _divisors(devices):
+        if global_batch % R:
+            continue
+        per = global_batch // R
+        for M in micro_batches or [m for m in _divisors(per) if m <= cap]:
+            if per % M == 0:
+                sizes.add(per // M)
+    if not sizes:
+        return [max(1, global_batch // devices)]
+    return sorted({min(sizes), max(sizes)})
+
+
+def _profile_layers(
+    layers: Sequence[Any],
+    input_shape: Sequence[int] | None,
+    input_dtype: str,
+    sizes: Sequence[int],
+    loss: Any,
+    target_shape: Sequence[int] | None,
+    optimizer: Callable[[], Any] | None,
+    device: str | None,
+) -> CostProfile:
+    """``layers``' cost profile at the micro-batch ``sizes``, measured on one device."""
+    if input_shape is None:
+        raise ValueError(
+            "plan() needs input_shape (without the batch dimension) to profile a list "
+            "of layers, or a CostProfile instead of layers"
+        )
+    return profile_model(
+        layers,
+        input_shape,
+        input_dtype,
+        sizes,
+        loss=loss,
+        target_shape=target_shape,
+        optimizer=optimizer,
+        device=device,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The configuration :func:`choose_mesh` picked, ready for ``hybrid.Pipeline``.
+
+    Attributes:
+      stages, replicas: the mesh; :attr:`mesh_spec` is its spec string.
+      micro_batches, schedule, remat, virtual_stages, balance: the Pipeline arguments.
+      step_time: predicted seconds per step.
+      memory_per_device: predicted peak bytes on the fullest device.
+    """
+
+    stages: int
+    replicas: int
+    micro_batches: int
+    schedule: str
+    remat: str
+    virtual_stages: int
+    balance: tuple[int, ...]
+    step_time: float
+    memory_per_device: float
+
+    @property
+    def mesh_spec(self) -> str:
+        """The mesh as ``hybrid.core.mesh.parse_spec`` reads it: ``"stage:S;replica:R"``."""
+        return RunConfig(self.stages, self.replicas).mesh_spec
+
+
+def choose_mesh(
+    layers: Sequence[Any] | CostProfile,
+    input_spec: tuple[Sequence[int], str] | None,
+    devices: int,
+    global_batch: int,
+    memory_per_device: float | None = None,
+    schedule: str | None = None,
+    remat: str | None = None,
+    *,
+    hardware: Hardware | None = None,
+    loss: Any = None,
+    optimizer: Callable[[], Any] | None = None,
+    optimizer_slots: int = 2,
+    micro_batches: int | None = None,
+    device: str | None = None,
+) -> Choice:
+    """The fastest configuration of ``devices`` devices that fits, as Pipeline arguments.
+
+    :func:`plan` over every mesh, with ``schedule``, ``remat`` and ``micro_batches``
+    fixed when given (None: the planner chooses).
+
+    Args:
+      layers: the model's layers (profiled on ``device``) or a :class:`CostProfile`.
+      input_spec: (input shape without the batch dimension, dtype), e.g. ((64,), "int32");
+        may be None with a CostProfile.
+
+    Raises:
+      ValueError: no configuration fits; the message gives the reasons.
+    """
+    shape, dtype = input_spec if input_spec is not None else (None, "float32")
+    result = plan(
+        layers,
+        devices=devices,
+        global_batch=global_batch,
+        memory_per_device=memory_per_device,
+        hardware=hardware,
+        input_shape=shape,
+        input_dtype=dtype,
+        loss=loss,
+        optimizer=optimizer,
+        optimizer_slots=optimizer_slots,
+        schedules=[schedule] if schedule else None,
+        remats=[remat] if remat else None,
+        micro_batches=[micro_batches] if micro_batches else None,
+        device=device,
+    )
+    best = result.best
+    c = best.config
+    assert isinstance(c.balance, tuple)  # evaluate() always fills in the layer counts
+    return Choice(
+        stages=c.stages,
+        replicas=c.replicas,
+        micro_batches=c.micro_batches,
+        schedule=c.schedule,
+        remat=c.remat,
+        virtual_stages=c.virtual_stages,
+        balance=c.balance,
+        step_time=best.step_time,
+        memory_per_device=best.peak_memory,
+    )

@@ -1,0 +1,138 @@
+"""What each model stage and each scheduled action costs: a stage's summed layer costs at
+one micro-batch size, the seconds of every F, B and W of a schedule under a remat mode, and
+the activation bytes a stage holds with some micro-batches in flight.
+
+Conventions: times in seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+from hybrid.core import schedule as schedule_lib
+from hybrid.planning.costs import CostProfile
+from hybrid.planning.hardware import Hardware
+
+__all__ = ["ActionCosts", "StageCost", "action_costs", "activation_bytes", "fused_pairs"]
+
+
+@functools.lru_cache(maxsize=512)
+def fused_pairs(sched: schedule_lib.Schedule) -> frozenset[schedule_lib.Action]:
+    """The F actions of ``sched`` that run with their whole backward as one program
+    (:func:`hybrid.core.schedule.pairs_to_fuse`), cached per schedule."""
+    return schedule_lib.pairs_to_fuse(sched)
+
+
+class StageCost:
+    """Summed costs of one model stage's layers at one micro-batch size."""
+
+    def __init__(
+        self, profile: CostProfile, first: int, count: int, batch: float, scale: float
+    ) -> None:
+        ids = range(first, first + count)
+
+        def total(name: str) -> float:
+            return sum(profile.value(i, name, batch) for i in ids)
+
+        self.forward = scale * total("forward")
+        self.backward = scale * total("backward")
+        self.recompute = scale * total("recompute_backward")
+        self.input_backward = scale * total("input_backward")
+        # The first layer's input gradient is B's job in a split backward; model stage 0
+        # never computes it (nothing upstream needs it).
+        self.first_dx = scale * profile.value(first, "input_backward", batch)
+        self.stored = total("stored_bytes")
+        working = [profile.value(i, "working_bytes", batch) for i in ids]
+        self.working, self.working_sum = max(working), sum(working)
+        self.output = profile.value(first + count - 1, "output_bytes", batch)
+        self.params = sum(profile.layers[i].param_bytes for i in ids)
+        self.tensors = sum(profile.layers[i].param_tensors for i in ids)
+        self.update = scale * sum(profile.layers[i].update for i in ids)
+        if first == 0:
+            self.input = profile.input_bytes * batch
+            self.needs_dx = False
+        else:
+            self.input = profile.value(first - 1, "output_bytes", batch)
+            self.needs_dx = True
+
+    def stored_fraction(self, part: float) -> float:
+        """``part`` of the recomputing backward as a share of the stored backward."""
+        return self.backward * part / self.recompute if self.recompute > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionCosts(schedule_lib.Costs):
+    """:class:`hybrid.core.schedule.Costs` with a time for every single action: a fused pair or
+    ``except_last`` makes one micro-batch's backward cost differ from the others'."""
+
+    table: Mapping[schedule_lib.Action, float] = dataclasses.field(default_factory=dict)
+
+    def of(self, action: schedule_lib.Action, split: bool) -> float:
+        return self.table[action]
+
+
+def action_costs(
+    sched: schedule_lib.Schedule, stages: Sequence[StageCost], remat: str, hardware: Hardware
+) -> dict[schedule_lib.Action, float]:
+    """Seconds of every action of ``sched``.
+
+    F costs ``action_overhead`` + the stage's forward. B recomputes the forward first when
+    remat says so; the last stage's B that directly follows its F runs in one program with
+    it (no second launch, no recomputation). With a split backward B is the input gradient
+    (nothing on model stage 0, which needs none) and W the weight gradients, which also
+    carry the input gradients of every layer but the first through the stage. The action
+    that makes the weight gradients pays ``tensor_overhead`` per weight array it
+    accumulates.
+    """
+    M = sched.num_microbatches
+    split = sched.splits_backward
+    fused = fused_pairs(sched)
+    launch = hardware.action_overhead
+    Op = schedule_lib.Op
+
+    def recomputes(m: int) -> bool:
+        return remat == "always" or (remat == "except_last" and m != M - 1)
+
+    def cost(action: schedule_lib.Action) -> float:
+        k, m = action.stage, action.microbatch
+        st = stages[k]
+        skip_dx = 0.0 if st.needs_dx else st.first_dx  # model stage 0: no input gradient
+        accumulate = hardware.tensor_overhead * st.tensors
+        if action.op is Op.F:
+            return launch + st.forward
+        if schedule_lib.Action(k, Op.F, m) in fused:  # B (and W) inside F's program
+            return st.recompute - skip_dx + accumulate if action.op is Op.B else 0.0
+        if not split:
+            if recomputes(m):
+                return launch + st.forward + st.recompute - skip_dx + accumulate
+            return launch + st.backward - st.stored_fraction(skip_dx) + accumulate
+        if action.op is Op.B:
+            if not st.needs_dx:
+                return 0.0
+            if recomputes(m):
+                return launch + st.forward + st.input_backward
+            return launch + st.stored_fraction(st.input_backward)
+        if recomputes(m):
+            return launch + st.forward + st.recompute - st.first_dx + accumulate
+        return launch + st.backward - st.stored_fraction(st.first_dx) + accumulate
+
+    return {a: cost(a) for row in sched.actions for a in row}
+
+
+def activation_bytes(st: StageCost, in_flight: int, remat: str, keeps_last: bool) -> float:
+    """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
+
+    never:        in_flight · (input + stored) + the largest layer's working set
+    always:       in_flight · input + Σ working sets (one recomputing program at a time:
+                  all its layers' intermediates, and their backward's temporaries)
+    except_last:  as always, + stored when the last micro-batch's activations are kept
+                  (``keeps_last``: its forward is not fused with its backward)
+    """
+    if in_flight == 0:
+        return 0.0
+    if remat == "never":
+        return in_flight * (st.input + st.stored) + st.working
+    extra = st.stored if remat == "except_last" and keeps_last else 0.0
+    return in_flight * st.input + st.working_sum + extra
