@@ -10,12 +10,18 @@ On a CPU host, ``--simulated_devices=N`` splits the CPU into N logical devices. 
 serves until SIGTERM or SIGINT (exit code 0) or until ``--lifetime_s`` has passed (exit code
 3, so a forgotten worker does not live forever); a server that cannot start (a bad spec, a
 port in use) exits with code 2 and says why.
+
+``hybrid.platforms.cluster`` speaks in its own terms (``start_server(cluster, job='worker',
+task_index=1)``, ``simulated_devices``, ``device_type``, ``order``); :func:`flag_terms` rewords
+its messages as the flags of this worker and of ``launch.train``, for the person at the
+command line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -30,8 +36,45 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 EXIT_LIFETIME = 3
 
+# The cluster library's wording -> the launchers' flags (launch.worker's; --mesh_order and
+# --platform are launch.train's). Applied in order.
+_FLAG_TERMS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"start_server\(cluster, job='([^']*)', task_index=(\d+)\)"),
+        r"python -m launch.worker --cluster=... --job_name=\1 --task_index=\2",
+    ),
+    (
+        re.compile(r"start_server\(\.\.\., simulated_devices=N\)"),
+        "launch.worker --simulated_devices=N",
+    ),
+    (re.compile(r"\(start_server's job\)"), "(launch.worker --job_name)"),
+    (re.compile(r"(?<![\w-])task_index\b"), "--task_index"),
+    (re.compile(r"pass one of those as job\b"), "pass one of those as --job_name"),
+    (re.compile(r"^no cluster given"), "no --cluster given"),
+    (re.compile(r"^cluster (?=')"), "--cluster="),
+    (re.compile(r"use the other order\b"), "use the other --mesh_order"),
+    (re.compile(r"pass another device_type\b"), "pass another --platform"),
+)
+
+
+def flag_terms(message: str) -> str:
+    """``message`` from ``hybrid.platforms.cluster`` with its calls and argument names
+    replaced by the launchers' flags.
+
+    ``start_server(cluster, job='worker', task_index=1)`` becomes ``python -m launch.worker
+    --cluster=... --job_name=worker --task_index=1``; ``task_index``, ``simulated_devices``,
+    the ``job`` to pass and an unset ``cluster`` become ``--task_index``,
+    ``--simulated_devices``, ``--job_name`` and ``--cluster``; the device ``order`` and
+    ``device_type`` become ``launch.train``'s ``--mesh_order`` and ``--platform``.
+    """
+    for pattern, replacement in _FLAG_TERMS:
+        message = pattern.sub(replacement, message)
+    return message
+
 
 def define_flags() -> None:
+    """Defines ``--cluster``, ``--job_name``, ``--task_index``, ``--simulated_devices`` and
+    ``--lifetime_s``."""
     flags.DEFINE_string(
         "cluster",
         None,
@@ -66,6 +109,11 @@ def _task_of(text: str | None) -> dict[str, Any]:
 
 
 def _resolve_task() -> tuple[str, int, str | None]:
+    """This task's job and index (flags first, then TF_CONFIG), and the cluster's JSON text.
+
+    Raises:
+      app.UsageError: neither a flag nor TF_CONFIG says which task this is.
+    """
     text = FLAGS.cluster if FLAGS.cluster is not None else os.environ.get("TF_CONFIG")
     task = _task_of(text)
     job = FLAGS.job_name or task.get("type") or "worker"
@@ -78,16 +126,19 @@ def _resolve_task() -> tuple[str, int, str | None]:
 
 
 def main(argv: list[str]) -> int:
+    """Serves this task until signalled (0) or ``--lifetime_s`` passes (3); 2 if the server
+    cannot start."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is a --flag")
     job, index, text = _resolve_task()
-    from hybrid.platforms import cluster  # after the flag checks: TensorFlow takes seconds to import
+    # After the flag checks: TensorFlow takes seconds to import.
+    from hybrid.platforms import cluster
 
     try:
         spec = cluster.cluster_spec(text)
         server = cluster.start_server(spec, job, index, FLAGS.simulated_devices)
     except (ValueError, cluster.ClusterError) as err:
-        print(f"worker: {err}", file=sys.stderr, flush=True)
+        print(f"worker: {flag_terms(str(err))}", file=sys.stderr, flush=True)
         return 2
     devices = FLAGS.simulated_devices or "all local"
     print(
@@ -95,10 +146,17 @@ def main(argv: list[str]) -> int:
         f"({server.target}, {devices} devices); stop with SIGTERM",
         flush=True,
     )
+    return _serve(server, f"{job}:{index}")
+
+
+def _serve(server: Any, task: str) -> int:
+    """Keeps ``server`` (a ``tf.distribute.Server``, which serves while referenced) until
+    SIGTERM or SIGINT (returns 0) or until ``--lifetime_s`` has passed (returns 3)."""
     stop = threading.Event()
     received: list[str] = []
 
     def on_signal(signum: int, frame: Any) -> None:
+        """Records the signal and ends the wait."""
         del frame
         received.append(signal.Signals(signum).name)
         stop.set()
@@ -109,9 +167,10 @@ def main(argv: list[str]) -> int:
     # The main thread waits in Python (not in server.join()) so the signal handlers run.
     while not stop.wait(0.5):
         if deadline is not None and time.monotonic() > deadline:
-            print(f"worker {job}:{index}: --lifetime_s={FLAGS.lifetime_s:g} passed", flush=True)
+            print(f"worker {task}: --lifetime_s={FLAGS.lifetime_s:g} passed", flush=True)
             return EXIT_LIFETIME
-    print(f"worker {job}:{index}: {received[0]}, shutting down", flush=True)
+    print(f"worker {task}: {received[0]}, shutting down", flush=True)
+    del server
     return 0
 
 

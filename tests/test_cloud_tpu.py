@@ -245,7 +245,8 @@ def test_a_node_that_stays_unhealthy_ends_with_a_clear_error(fake, node, clock, 
         message
     )
     assert f"last state {state}, health {health or '-'}; waited 90 s" in message
-    assert "gcloud compute tpus describe tpu-1" in message and "--tpu_wait_timeout" in message
+    assert "gcloud compute tpus describe tpu-1" in message
+    assert "raise SupervisorConfig.wait_timeout_s above 100 s" in message
     assert err.value.status == NodeStatus(state, health)
     assert err.value.waited_s == 90 and err.value.restarts == 0 and err.value.node == "tpu-1"
     assert isinstance(err.value.__cause__, tf.errors.UnavailableError)
@@ -314,7 +315,7 @@ def test_max_restarts_is_honoured(fake, node, clock, max_restarts):
         f"attempt {max_restarts} failed with UnavailableError: socket closed #{max_restarts} "
         f"and all {max_restarts} restart(s) are used up"
     ) in str(err.value)
-    assert "--tpu_max_restarts" in str(err.value)
+    assert f"raise SupervisorConfig.max_restarts above {max_restarts}" in str(err.value)
     assert sum("failure was transient" in line for line in run.lines) == max_restarts
 
 
@@ -322,7 +323,7 @@ def test_max_restarts_is_honoured(fake, node, clock, max_restarts):
     "error",
     [
         ConnectionResetError("peer reset"),
-        cloud_tpu.TPUConnectionError("could not connect to the Cloud TPU --tpu='tpu-1' ..."),
+        cloud_tpu.TPUConnectionError("could not connect to the Cloud TPU tpu='tpu-1', ..."),
         tf.errors.DeadlineExceededError(None, None, "barrier timed out"),
     ],
     ids=lambda e: type(e).__name__,
@@ -360,7 +361,8 @@ def test_an_unknown_node_gives_up_at_once(fake, clock):
     assert "giving up on TPU node 'no-such-tpu': the Cloud TPU API cannot describe it" in str(
         err.value
     )
-    assert "HttpError 404" in str(err.value) and "--gcp_project" in str(err.value)
+    assert "HttpError 404" in str(err.value)
+    assert "Check that tpu, zone and project name the node" in str(err.value)
     assert clock() == FakeClock()()
 
 
@@ -384,11 +386,11 @@ def test_an_api_outage_counts_as_not_ready_yet(fake, node, clock):
 @pytest.mark.parametrize(
     "tpu,zone,project,match",
     [
-        ("", "z", "p", "--tpu is empty"),
-        ("n", "", "p", "--tpu_zone is empty"),
-        ("n", "z", None, "--gcp_project is empty"),
-        ("grpc://10.0.0.2:8470", "z", "p", "names no Cloud TPU node"),
-        ("local", "z", "p", "names no Cloud TPU node"),
+        ("", "z", "p", "^tpu is empty"),
+        ("n", "", "p", "^zone is empty"),
+        ("n", "z", None, "^project is empty"),
+        ("grpc://10.0.0.2:8470", "z", "p", "^tpu='grpc://10.0.0.2:8470' names no Cloud TPU node"),
+        ("local", "z", "p", "^tpu='local' names no Cloud TPU node"),
     ],
 )
 def test_client_needs_a_named_node(tpu, zone, project, match):
@@ -397,7 +399,7 @@ def test_client_needs_a_named_node(tpu, zone, project, match):
 
 
 def test_resolve_needs_a_tpu():
-    with pytest.raises(ValueError, match="--tpu is empty"):
+    with pytest.raises(ValueError, match="^tpu is empty"):
         cloud_tpu.resolve("")
 
 
@@ -408,7 +410,7 @@ def test_resolve_needs_a_tpu():
         ("no-such-tpu", "Could not lookup TPU metadata from name 'no-such-tpu'"),
     ],
 )
-def test_resolve_names_the_flags_when_the_tpu_cannot_be_reached(fake, name, why):
+def test_resolve_names_the_node_when_the_tpu_cannot_be_reached(fake, name, why):
     # TPUClusterResolver asks the (fake) API for the node's endpoints and fails before
     # connecting, so this process's simulated CPU devices stay as they are.
     fake.set_node("PREEMPTED")
@@ -421,10 +423,10 @@ def test_resolve_names_the_flags_when_the_tpu_cannot_be_reached(fake, name, why)
             credentials=AnonymousCredentials(),
         )
     assert (
-        f"could not connect to the Cloud TPU --tpu={name!r} --tpu_zone='us-central1-b' "
-        f"--gcp_project='proj': "
+        f"could not connect to the Cloud TPU tpu={name!r}, zone='us-central1-b', project='proj': "
     ) in str(err.value)
     assert why in str(err.value) and "gcloud compute tpus list" in str(err.value)
+    assert "that tpu, zone and project name it" in str(err.value)
     assert len(tf.config.list_logical_devices("CPU")) == 8
 
 
@@ -486,6 +488,79 @@ def test_run_supervised_reads_the_flags():
     )
     assert lines[-1] == "restart 1 of at most 1: resuming from the last checkpoint"
     assert any("state PREEMPTED" in line for line in lines)
+
+
+def test_run_supervised_names_the_flags_when_it_gives_up():
+    # Real time: a node that stays preempted for a 0.05 s wait.
+    with FakeCloudTpu(project="proj", zone="zone", node="tpu") as api:
+        values = parsed_flags(
+            f"--tpu_discovery_url={api.discovery_url}",
+            "--tpu_anonymous_credentials",
+            "--tpu_poll_interval=0.01",
+            "--tpu_wait_timeout=0.05",
+        )
+        with pytest.raises(TPURecoveryError) as err:
+            launch_cloud_tpu().run_supervised(
+                preempt_first(api, [(0, "PREEMPTED", None)]),
+                "tpu",
+                "zone",
+                "proj",
+                lambda line: None,
+                flag_values=values,
+            )
+    message = str(err.value)
+    assert "did not become READY and HEALTHY within 0 s" in message
+    assert "raise --tpu_wait_timeout above 0.05 s" in message and "SupervisorConfig" not in message
+    assert "`gcloud compute tpus describe tpu --zone=ZONE --project=PROJECT`" in message
+    assert err.value.node == "tpu" and err.value.status == NodeStatus("PREEMPTED", None)
+    assert isinstance(err.value.__cause__, tf.errors.UnavailableError)
+
+
+def test_run_supervised_names_the_flags_when_resolve_keeps_failing():
+    # The launcher's attempt calls resolve(); the node is preempted, so it fails every time.
+    with FakeCloudTpu(project="proj", zone="zone", node="tpu") as api:
+        api.set_node("PREEMPTED")
+        values = parsed_flags(
+            f"--tpu_discovery_url={api.discovery_url}",
+            "--tpu_anonymous_credentials",
+            "--tpu_max_restarts=0",
+        )
+
+        def attempt(restart):
+            return cloud_tpu.resolve(
+                "tpu",
+                "zone",
+                "proj",
+                discovery_url=api.discovery_url,
+                credentials=AnonymousCredentials(),
+            )
+
+        lines = []
+        with pytest.raises(TPURecoveryError) as err:
+            launch_cloud_tpu().run_supervised(
+                attempt, "tpu", "zone", "proj", lines.append, flag_values=values
+            )
+    where = "the Cloud TPU --tpu='tpu', --tpu_zone='zone', --gcp_project='proj': "
+    assert where in lines[-1] and lines[-1].startswith("attempt 0 failed: TPUConnectionError")
+    message = str(err.value)
+    assert where in message and "raise --tpu_max_restarts above 0" in message
+    assert isinstance(err.value.__cause__, cloud_tpu.TPUConnectionError)
+    assert "tpu='tpu', zone='zone'" in str(err.value.__cause__)  # the library's own terms
+
+
+@pytest.mark.parametrize(
+    "tpu,zone,project,match",
+    [
+        ("", "z", "p", r"^--tpu is empty; .* projects/<--gcp_project>/locations/<--tpu_zone>/"),
+        ("n", "", "p", "^--tpu_zone is empty"),
+        ("local", "z", "p", "^--tpu='local' names no Cloud TPU node"),
+    ],
+)
+def test_run_supervised_names_the_flags_of_a_missing_node(tpu, zone, project, match):
+    with pytest.raises(ValueError, match=match):
+        launch_cloud_tpu().run_supervised(
+            lambda restart: None, tpu, zone, project, print, flag_values=parsed_flags()
+        )
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ a deadline and is killed at teardown at the latest.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -320,10 +321,14 @@ def test_connect_names_tasks_that_do_not_answer():
         cluster.connect(spec, timeout_s=1.0)
     assert time.monotonic() - start < 120  # a bound against hanging (plain TF waits forever)
     message = str(err.value)
+    worded = launch_worker().flag_terms(message)  # what the launchers print
     for i, port in enumerate(ports):
         assert f"worker task {i} (127.0.0.1:{port})" in message
-        assert f"--task_index={i}" in message
-    assert "did not answer within 1 s" in message
+        assert f"`start_server(cluster, job='worker', task_index={i})`" in message
+        assert f"`python -m launch.worker --cluster=... --job_name=worker --task_index={i}`" in (
+            worded
+        )
+    assert "did not answer within 1 s" in message and "--" not in message
     assert [t.index for t in err.value.tasks] == [0, 1]
 
 
@@ -362,6 +367,22 @@ def test_server_on_a_taken_port_says_so():
             cluster.start_server({"worker": [f"127.0.0.1:{port}"]}, "worker", 0)
 
 
+def test_connect_and_start_server_name_the_arguments_to_change():
+    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    with pytest.raises(ValueError) as err:
+        cluster.start_server(spec, "worker", 3)  # refused before any server starts
+    message = str(err.value)
+    assert "job 'worker' has tasks [0, 1], not task_index=3; pass one of those as task_index" in (
+        message
+    )
+    worded = launch_worker().flag_terms(message)
+    assert worded.endswith("not --task_index=3; pass one of those as --task_index")
+    with pytest.raises(ValueError) as err:
+        cluster.connect(spec, job="ps")  # refused before any probe
+    assert str(err.value).endswith("(its jobs: ['worker']); pass one of those as job")
+    assert launch_worker().flag_terms(str(err.value)).endswith("as --job_name")
+
+
 def test_worker_asks_which_task_it_is():
     env = {k: v for k, v in ENV.items() if k != "TF_CONFIG"}
     run = subprocess.run(
@@ -374,6 +395,13 @@ def test_worker_asks_which_task_it_is():
     )
     assert run.returncode == 1
     assert "pass --task_index (or set TF_CONFIG's task.index)" in run.stderr
+
+
+def launch_worker():
+    """``launch.worker``; ``launch`` is no installed package, so it is found from the root."""
+    if ROOT not in sys.path:
+        sys.path.append(ROOT)
+    return importlib.import_module("launch.worker")
 
 
 def cpus(task: int, count: int) -> list[str]:
@@ -425,7 +453,18 @@ def test_order_errors_name_the_values_and_the_fix(per_task, stages, replicas, or
     devices = [cpus(t, n) for t, n in enumerate(per_task)]
     with pytest.raises(ValueError) as err:
         cluster.order_devices(devices, stages, replicas, order)
-    assert message in str(err.value)
+    assert message in str(err.value) and "--" not in str(err.value)
+
+
+def test_launchers_word_order_errors_as_flags():
+    with pytest.raises(ValueError) as err:
+        cluster.order_devices([cpus(0, 2), cpus(1, 2)], 3, 2)
+    message = str(err.value)
+    assert "(start_server(..., simulated_devices=N) on CPU)" in message
+    assert "use the other order" in message
+    worded = launch_worker().flag_terms(message)
+    assert "(launch.worker --simulated_devices=N on CPU)" in worded
+    assert worded.endswith("use the other --mesh_order")
 
 
 def test_cluster_spec_forms(monkeypatch):

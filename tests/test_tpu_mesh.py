@@ -7,6 +7,8 @@ chips one apart along an axis, plus the wraparound links), not against the libra
 import collections
 import functools
 import itertools
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.platforms import tpu_mesh
+from hybrid.platforms import torus_placement, tpu_mesh
 from hybrid.platforms.tpu_mesh import Torus
 
 import runner
@@ -181,13 +183,27 @@ def test_bad_mesh_shapes(mesh_shape, wrap, match):
 
 @pytest.mark.parametrize("sizes", [(2,), (5,), (2, 2), (4, 2), (3, 4), (2, 3, 3), (2, 2, 2, 2)])
 def test_cycle_is_hamiltonian(sizes):
-    order = tpu_mesh._cycle(sizes)
+    order = torus_placement._cycle(sizes)
     assert sorted(order) == sorted(itertools.product(*(range(n) for n in sizes)))
     steps = list(zip(order, (*order[1:], order[0]), strict=True))
     gaps = [sum(abs(p - q) for p, q in zip(a, b, strict=True)) for a, b in steps]
     assert all(g == 1 for g in gaps[:-1])
     # A cycle needs ≥ 2 factors and an even count (or ≤ 2 points); else the snake stays open.
     assert (gaps[-1] == 1) == (len(order) <= 2 or (len(sizes) > 1 and len(order) % 2 == 0))
+
+
+def test_torus_math_imports_no_tensorflow():
+    # The placement search is plain Python: a fresh process imports it without TensorFlow.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys, hybrid.platforms.torus, hybrid.platforms.torus_placement; "
+        "assert 'tensorflow' not in sys.modules, sorted(m for m in sys.modules if 'tensor' in m)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert tpu_mesh.place is torus_placement.place and tpu_mesh.Torus is Torus
 
 
 # -- placements on hand-built topologies --------------------------------------------------------

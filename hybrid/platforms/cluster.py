@@ -11,11 +11,11 @@ places ops on ``/job:worker/replica:0/task:i/device:...`` and all-reduces across
               with cluster.guard():                               # clear error if a task dies
                   pipe.train_step(x, y)
 
-Device order (:func:`order_devices`): pipeline traffic is one activation per micro-batch per
-stage boundary, data-parallel traffic is a stage's whole gradient every step, so by default
-each replica group (the R copies of one stage) stays inside one host and the pipeline
-crosses hosts (``order="replica_groups_in_host"``); ``order="pipelines_in_host"`` keeps each
-replica's S stages inside one host instead.
+This module connects (:func:`connect`), guards and watches a connected :class:`Cluster`,
+lays meshes over its devices (:func:`mesh`, in the order of
+:func:`~hybrid.platforms.device_order.order_devices`) and serves tasks (:func:`start_server`).
+Specs, tasks and probes live in :mod:`hybrid.platforms.cluster_tasks`; their names are
+re-exported here.
 
 Why the connect probes first: TensorFlow's remote context creation waits without a deadline
 for every task to answer (neither ``operation_timeout_in_ms`` nor the init timeout of
@@ -28,17 +28,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
 from hybrid.core.mesh import DeviceMesh
+from hybrid.platforms.cluster_tasks import (
+    ClusterError,
+    ClusterLike,
+    Task,
+    UnreachableTaskError,
+    dropped_error,
+    job_tasks,
+    lost_error,
+    spec_from,
+    task_devices,
+    tasks_named_in,
+    unreachable,
+    unreachable_error,
+)
+from hybrid.platforms.device_order import ORDERS, check_mesh_shape, check_order, order_devices
 
 __all__ = [
     "ORDERS",
@@ -49,147 +60,26 @@ __all__ = [
     "UnreachableTaskError",
     "cluster_spec",
     "connect",
+    "mesh",
     "mesh_devices",
     "order_devices",
     "server_config",
     "start_server",
     "task_devices",
+    "unreachable",
 ]
-
-ORDERS = ("replica_groups_in_host", "pipelines_in_host")
-
-# A ClusterResolver, a tf.train.ClusterSpec, a {job: [address, ...]} mapping, a TF_CONFIG
-# shaped mapping ({"cluster": {...}, "task": {...}}), their JSON text, a connected Cluster,
-# or None for the TF_CONFIG environment variable.
-ClusterLike: TypeAlias = Any
-
-_TASK_NAME = re.compile(r"/job:([\w-]+)/replica:\d+/task:(\d+)")
-_PROBE_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
-]
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot be used as asked (a task is missing, the connection failed)."""
-
-
-class UnreachableTaskError(ClusterError):
-    """One or more tasks do not answer; ``tasks`` names them."""
-
-    def __init__(self, message: str, tasks: Sequence[Task]) -> None:
-        super().__init__(message)
-        self.tasks = tuple(tasks)
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """One task of the cluster: a ``tf.distribute.Server`` at ``address``."""
-
-    job: str
-    index: int
-    address: str
-
-    @property
-    def name(self) -> str:
-        """The device-name prefix of the task's devices."""
-        return f"/job:{self.job}/replica:0/task:{self.index}"
-
-    def __str__(self) -> str:
-        return f"{self.job} task {self.index} ({self.address})"
-
-
-# -- cluster specs -----------------------------------------------------------------------
 
 
 def cluster_spec(cluster: ClusterLike = None) -> tf.train.ClusterSpec:
-    """Normalises any :data:`ClusterLike` to a ``tf.train.ClusterSpec``.
+    """Normalises any :data:`ClusterLike`, a connected :class:`Cluster` included, to a
+    ``tf.train.ClusterSpec``.
 
     Raises:
       ValueError: the value (or TF_CONFIG) holds no usable cluster.
     """
     if isinstance(cluster, Cluster):
         return cluster.spec()
-    if isinstance(cluster, tf.train.ClusterSpec):
-        spec = cluster
-    elif isinstance(cluster, tf.distribute.cluster_resolver.ClusterResolver):
-        spec = cluster.cluster_spec()
-    else:
-        if cluster is None:
-            text = os.environ.get("TF_CONFIG")
-            if not text:
-                raise ValueError(
-                    "no cluster given and TF_CONFIG is not set; pass a ClusterSpec, a "
-                    'ClusterResolver or a mapping like {"worker": ["host0:2222", '
-                    '"host1:2222"]}, or set TF_CONFIG'
-                )
-            cluster = text
-        if isinstance(cluster, str):
-            try:
-                cluster = json.loads(cluster)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"cluster {cluster!r} is not valid JSON: {err}") from err
-        if not isinstance(cluster, Mapping):
-            raise ValueError(
-                f"cannot make a cluster spec from {type(cluster).__name__}; pass a ClusterSpec, "
-                'a ClusterResolver or a mapping like {"worker": ["host0:2222"]}'
-            )
-        jobs = cluster.get("cluster", cluster)  # a TF_CONFIG dict nests the cluster
-        spec = tf.train.ClusterSpec(dict(jobs))
-    if not spec.jobs:
-        raise ValueError(f"the cluster spec {spec.as_dict()} has no jobs")
-    return spec
-
-
-def _tasks(spec: tf.train.ClusterSpec, job: str) -> tuple[Task, ...]:
-    if job not in spec.jobs:
-        raise ValueError(
-            f"the cluster has no job {job!r} (its jobs: {sorted(spec.jobs)}); use one of those"
-        )
-    return tuple(Task(job, i, spec.task_address(job, i)) for i in spec.task_indices(job))
-
-
-# -- probing -----------------------------------------------------------------------------
-
-
-def unreachable(tasks: Sequence[Task], timeout_s: float) -> tuple[Task, ...]:
-    """The tasks whose gRPC server does not accept a connection within ``timeout_s``.
-
-    All tasks are probed at once, each until it answers or the deadline passes; a task that
-    starts within the deadline counts as reachable.
-    """
-    import grpc  # a TensorFlow dependency; only the probe needs it
-
-    channels = [grpc.insecure_channel(t.address, options=_PROBE_OPTIONS) for t in tasks]
-    futures = [grpc.channel_ready_future(c) for c in channels]
-    deadline = time.monotonic() + timeout_s
-    down = []
-    try:
-        for task, future in zip(tasks, futures, strict=True):
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError:
-                down.append(task)
-    finally:
-        for future in futures:
-            future.cancel()
-        for channel in channels:
-            channel.close()
-    return tuple(down)
-
-
-def _unreachable_error(down: Sequence[Task], timeout_s: float, what: str) -> UnreachableTaskError:
-    names = "; ".join(f"{t} [{t.name}]" for t in down)
-    starts = " and ".join(
-        f"`python -m launch.worker --cluster=... --job_name={t.job} --task_index={t.index}`"
-        for t in down
-    )
-    return UnreachableTaskError(
-        f"{what}: {names} did not answer within {timeout_s:g} s. Start {starts} on that host "
-        "(or check the address, port and firewall), then run the client again",
-        down,
-    )
+    return spec_from(cluster)
 
 
 # -- connecting --------------------------------------------------------------------------
@@ -215,6 +105,7 @@ class Cluster:
         return tuple(t for t in self.tasks if t.job == self.job)
 
     def spec(self) -> tf.train.ClusterSpec:
+        """The tasks (the client's job left out) as a ``tf.train.ClusterSpec``."""
         jobs: dict[str, dict[int, str]] = {}
         for t in self.tasks:
             jobs.setdefault(t.job, {})[t.index] = t.address
@@ -222,10 +113,9 @@ class Cluster:
 
     def task_of(self, device: str) -> Task:
         """The task that holds ``device`` (a full device name)."""
-        found = _TASK_NAME.search(device)
-        for t in self.tasks:
-            if found and (t.job, t.index) == (found.group(1), int(found.group(2))):
-                return t
+        named = tasks_named_in(self.tasks, device)
+        if named:
+            return named[0]
         raise ValueError(f"device {device!r} belongs to no task of {self}")
 
     def task_devices(self, device_type: str | None = None) -> tuple[tuple[str, ...], ...]:
@@ -240,7 +130,7 @@ class Cluster:
         """Raises :class:`UnreachableTaskError` naming every task that does not answer."""
         down = self.unreachable(timeout_s)
         if down:
-            raise _unreachable_error(down, timeout_s, "the cluster lost tasks")
+            raise unreachable_error(down, timeout_s, "the cluster lost tasks")
 
     def watch(
         self,
@@ -260,6 +150,7 @@ class Cluster:
         stop = threading.Event()
 
         def run() -> None:
+            """Probes until a task is lost (then reports it) or ``stop`` is set."""
             while not stop.wait(interval_s):
                 down = self.unreachable(probe_timeout_s)
                 if down and not stop.is_set():
@@ -283,46 +174,18 @@ class Cluster:
             yield
         except tf.errors.OpError as err:
             down = self.unreachable(probe_timeout_s)
-            what = f"({type(err).__name__}: {_summary(err)})"
             if down:
-                names = "; ".join(f"{t} [{t.name}]" for t in down)
-                raise UnreachableTaskError(
-                    f"lost {names} during the job {what}. This process cannot reconnect: "
-                    f"restart that worker (python -m launch.worker --task_index={down[0].index} "
-                    "...), then restart the client (from its last checkpoint)",
-                    down,
-                ) from err
+                raise lost_error(down, err) from err
             if not isinstance(err, tf.errors.UnavailableError):
                 raise
-            named = self._named_in(err.message)
-            raise UnreachableTaskError(
-                f"a connection to {', '.join(map(str, named)) or 'the cluster'} failed during "
-                f"the job {what}, though every task answers now: a task may have restarted "
-                "and lost its state. Restart the client (from its last checkpoint)",
-                named,
-            ) from err
-
-    def _named_in(self, message: str) -> list[Task]:
-        named = {(m.group(1), int(m.group(2))) for m in _TASK_NAME.finditer(message)}
-        return [t for t in self.tasks if (t.job, t.index) in named]
+            raise dropped_error(tasks_named_in(self.tasks, err.message), err) from err
 
     def __str__(self) -> str:
         return f"Cluster({', '.join(str(t) for t in self.tasks)})"
 
 
-_ROOT_ERROR = re.compile(r"^\s*(?:\(\d+\)\s*)?([A-Z_]+):\s*(.+)$", re.MULTILINE)
-
-
-def _summary(err: tf.errors.OpError) -> str:
-    """The first root error of a TensorFlow error message, on one line."""
-    found = _ROOT_ERROR.search(err.message)
-    if found:
-        return f"{found.group(1)}: {found.group(2).strip()}"
-    lines = err.message.strip().splitlines()
-    return lines[0] if lines else err.__class__.__name__
-
-
 def _connected_tasks() -> set[tuple[str, int, str]] | None:
+    """(job, index, address) of every task this process is connected to; None: none yet."""
     from tensorflow.python.eager import context
 
     server_def = context.get_server_def()
@@ -361,9 +224,9 @@ def connect(
       ValueError: the spec has no job ``job``.
     """
     spec = cluster_spec(cluster)
-    _tasks(spec, job)  # the job must exist
+    job_tasks(spec, job)  # the job must exist
     in_spec = client_job in spec.jobs
-    tasks = tuple(t for j in sorted(spec.jobs) if j != client_job for t in _tasks(spec, j))
+    tasks = tuple(t for j in sorted(spec.jobs) if j != client_job for t in job_tasks(spec, j))
     connected = Cluster(tasks, job, client_job if in_spec else "localhost")
     wanted = {(t.job, t.index, t.address) for t in tasks}
     current = _connected_tasks()
@@ -377,7 +240,7 @@ def connect(
     deadline = time.monotonic() + timeout_s
     down = unreachable(tasks, timeout_s)
     if down:
-        raise _unreachable_error(down, timeout_s, "cannot connect to the cluster")
+        raise unreachable_error(down, timeout_s, "cannot connect to the cluster")
     _bounded(
         lambda: _connect_now(spec, client_job if in_spec else "localhost"),
         max(1.0, deadline - time.monotonic()),
@@ -387,15 +250,17 @@ def connect(
 
 
 def _connect_now(spec: tf.train.ClusterSpec, client_job: str) -> None:
+    """Connects to ``spec`` as ``client_job`` and waits until every remote context exists."""
     tf.config.experimental_connect_to_cluster(spec, job_name=client_job)
     tf.config.list_logical_devices()  # creates the remote contexts: this is where it waits
 
 
-def _bounded(fn: Any, timeout_s: float, what: str) -> None:
+def _bounded(fn: Callable[[], None], timeout_s: float, what: str) -> None:
     """Runs ``fn`` in a helper thread and waits at most ``timeout_s`` for it."""
     errors: list[BaseException] = []
 
     def run() -> None:
+        """Runs ``fn``, keeping what it raises for the caller's thread."""
         try:
             fn()
         except BaseException as err:  # handed to the caller's thread
@@ -414,115 +279,7 @@ def _bounded(fn: Any, timeout_s: float, what: str) -> None:
         raise ClusterError(f"{what} failed: {errors[0]}") from errors[0]
 
 
-# -- devices and their order -------------------------------------------------------------
-
-
-def _device_index(name: str) -> int:
-    return int(tf.DeviceSpec.from_string(name).device_index or 0)
-
-
-def task_devices(
-    tasks: Sequence[Task], device_type: str | None = None
-) -> tuple[tuple[str, ...], ...]:
-    """Per task: the names of its logical devices of ``device_type``, by device index.
-
-    With no type: GPU if any task has one, else CPU. Needs a connection (:func:`connect`).
-
-    Raises:
-      ValueError: a task shows no device of the type.
-    """
-    names = [d.name for d in tf.config.list_logical_devices()]
-
-    def of(kind: str) -> list[list[str]]:
-        found = []
-        for t in tasks:
-            prefix = f"{t.name}/device:{kind}:"
-            found.append(sorted((n for n in names if n.startswith(prefix)), key=_device_index))
-        return found
-
-    kind = device_type.upper() if device_type else ("GPU" if any(of("GPU")) else "CPU")
-    per_task = of(kind)
-    missing = [t for t, devs in zip(tasks, per_task, strict=True) if not devs]
-    if missing:
-        seen = sorted({n.rsplit("/device:", 1)[0] for n in names})
-        raise ValueError(
-            f"{', '.join(str(t) for t in missing)} show(s) no {kind} device (this process sees "
-            f"tasks {seen}); start every worker before the client and check --job_name, or "
-            "pass another device_type"
-        )
-    return tuple(tuple(devs) for devs in per_task)
-
-
-def _groups(per_task: Sequence[Sequence[str]], size: int, count: int, what: str) -> list[list[str]]:
-    """``count`` groups of ``size`` devices, each inside one task where ``size`` fits.
-
-    Tasks are filled in order, each with as many whole groups as it holds (a task smaller
-    than a group holds none), so neighbouring groups share a task. A group larger than every
-    task spans whole tasks (all tasks must then have the same number of devices, dividing
-    ``size``).
-    """
-    counts = [len(devs) for devs in per_task]
-    if any(size <= n for n in counts):
-        groups = [
-            list(devs[i : i + size])
-            for devs in per_task
-            for i in range(0, len(devs) - size + 1, size)
-        ]
-        if len(groups) >= count:
-            return groups[:count]
-        raise ValueError(
-            f"the mesh needs {count} {what} of {size} devices, each inside one task, but the "
-            f"tasks' devices {counts} hold only {len(groups)}; add workers or devices per worker "
-            "(--simulated_devices on CPU), shrink the mesh, or use the other order"
-        )
-    per = counts[0]
-    if len(set(counts)) != 1 or size % per:
-        raise ValueError(
-            f"{what} of {size} devices do not fit inside one task (tasks have {counts} "
-            f"devices), and spanning tasks needs every task to have the same number of devices "
-            f"dividing {size}; use {size} devices per worker or a multiple-of-{per} size"
-        )
-    flat = [d for devs in per_task for d in devs]
-    if count * size > len(flat):
-        raise ValueError(
-            f"the mesh needs {count} {what} of {size} devices = {count * size} but the cluster "
-            f"has {len(flat)} ({counts} per task); add workers or shrink the mesh"
-        )
-    return [flat[i * size : (i + 1) * size] for i in range(count)]
-
-
-def order_devices(
-    per_task: Sequence[Sequence[str]],
-    stages: int,
-    replicas: int,
-    order: str = "replica_groups_in_host",
-) -> tuple[tuple[str, ...], ...]:
-    """Lays the tasks' devices out as ``rows[stage][replica]``.
-
-    ``"replica_groups_in_host"`` (the default): stage s's R copies are one group of
-    neighbouring devices inside one task; groups fill task 0 first, so the pipeline crosses
-    to the next task only when a task is full::
-
-        2 tasks × 2 devices, mesh 2×2:   stage 0 -> task 0 [d0 d1]   stage 1 -> task 1 [d0 d1]
-
-    ``"pipelines_in_host"``: replica r's S stages are one group inside one task, and each
-    replica group spans tasks::
-
-        2 tasks × 2 devices, mesh 2×2:   replica 0 -> task 0 [d0 d1]  replica 1 -> task 1 [d0 d1]
-
-    Raises:
-      ValueError: unknown order, or the mesh does not fit the tasks' devices that way.
-    """
-    if order not in ORDERS:
-        raise ValueError(f"unknown device order {order!r}; choose one of {list(ORDERS)}")
-    for name, value in (("stages", stages), ("replicas", replicas)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if order == "replica_groups_in_host":
-        rows = _groups(per_task, replicas, stages, "replica groups")
-        return tuple(tuple(row) for row in rows)
-    pipes = _groups(per_task, stages, replicas, "pipelines")
-    return tuple(tuple(pipes[r][s] for r in range(replicas)) for s in range(stages))
+# -- devices and the mesh ----------------------------------------------------------------
 
 
 def mesh_devices(
@@ -538,8 +295,7 @@ def mesh_devices(
 
     Backs :func:`mesh`; see :func:`order_devices` for the order.
     """
-    if order not in ORDERS:
-        raise ValueError(f"unknown device order {order!r}; choose one of {list(ORDERS)}")
+    check_order(order)
     if not isinstance(cluster, Cluster):
         cluster = connect(cluster, timeout_s=timeout_s, job=job)
     per_task = cluster.task_devices(device_type)
@@ -570,12 +326,8 @@ def mesh(
       device_type: "GPU", "CPU", ...; default GPU if any task has one, else CPU.
       job: the job whose tasks hold the mesh.
     """
-    for name, value in (("stages", stages), ("replicas", replicas)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return DeviceMesh(
-        mesh_devices(cluster, stages, replicas, order, device_type, job, timeout_s)
-    )
+    check_mesh_shape(stages, replicas)
+    return DeviceMesh(mesh_devices(cluster, stages, replicas, order, device_type, job, timeout_s))
 
 
 # -- the worker side ---------------------------------------------------------------------
@@ -609,11 +361,11 @@ def start_server(
       ClusterError: the server could not start (usually: its port is taken).
     """
     spec = cluster_spec(cluster)
-    tasks = _tasks(spec, job)
+    tasks = job_tasks(spec, job)
     if task_index not in {t.index for t in tasks}:
         raise ValueError(
-            f"job {job!r} has tasks {[t.index for t in tasks]}, not task {task_index}; use one "
-            "of those as the task index"
+            f"job {job!r} has tasks {[t.index for t in tasks]}, not task_index={task_index}; "
+            "pass one of those as task_index"
         )
     address = spec.task_address(job, task_index)
     try:
