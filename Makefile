@@ -23,14 +23,14 @@ install: $(VENV)/.installed
 
 # A byte-level Transformer LM on the Python manual (ships with CPython), 2×2 simulated mesh.
 demo: install
-	$(PY) -m launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=60 \
+	$(PY) -m hybrid.launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=60 \
 		--model_dir=/tmp/hybrid-demo-$$$$
 
 lint: install
-	$(PY) -m ruff check hybrid launch tests benchmarks tools
+	$(PY) -m ruff check hybrid tests benchmarks tools
 
 typecheck: install
-	$(PY) -m mypy hybrid launch
+	$(PY) -m mypy hybrid
 
 unit: install
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider tests

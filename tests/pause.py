@@ -1,12 +1,12 @@
 """Drives a launcher run by events: it pauses after a chosen step until the test releases it.
 
     env = {**os.environ, **pause.env(step=5, directory=d)}
-    process = subprocess.Popen([... "-m", "launch.train", ...], env=env)
+    process = subprocess.Popen([... "-m", "hybrid.launch.train", ...], env=env)
     pause.wait_until_paused(d, 5, process)    # step 5 and its checkpoint are written
     ...inject the fault (kill a worker, SIGKILL the run)...
     pause.release(d)                          # the run continues (or is already dead)
 
-``launch.train`` implements the other side (``PAUSE_ENV``). The timeout is a bound against a
+``hybrid.launch.train`` implements the other side (``PAUSE_ENV``). The timeout is a bound against a
 hang, never what decides whether a healthy run passes.
 """
 

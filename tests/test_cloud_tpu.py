@@ -10,7 +10,6 @@ import dataclasses
 import datetime
 import importlib
 import inspect
-import os
 import socket
 import sys
 import urllib.request
@@ -448,11 +447,8 @@ def test_supervisor_config_is_checked(kwargs, match):
 
 
 def launch_cloud_tpu():
-    """``launch.cloud_tpu``; ``launch`` is no installed package, so it is found from the root."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.append(root)
-    return importlib.import_module("launch.cloud_tpu")
+    """``hybrid.launch.cloud_tpu`` (imported when asked: it defines absl flags)."""
+    return importlib.import_module("hybrid.launch.cloud_tpu")
 
 
 def parsed_flags(*argv):

@@ -40,7 +40,7 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 
 
 def command(model_dir):
-    return [sys.executable, "-m", "launch.train", *FLAGS, f"--model_dir={model_dir}"]
+    return [sys.executable, "-m", "hybrid.launch.train", *FLAGS, f"--model_dir={model_dir}"]
 
 
 def run_to_end(model_dir):

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def launch(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "launch.train", *flags],
+        [sys.executable, "-m", "hybrid.launch.train", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -88,9 +88,7 @@ def test_the_check_can_fail():
     assert floor("hybrid.engine.pipeline") > floor("hybrid.core.probe")
 
 
-@pytest.mark.parametrize(
-    "module,path", [(m, p) for m, p in MODULES if m.startswith("hybrid.core")]
-)
+@pytest.mark.parametrize("module,path", [(m, p) for m, p in MODULES if m.startswith("hybrid.core")])
 def test_core_has_no_tensorflow_at_import_time(module, path):
     tree = ast.parse(open(path).read())
     top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]

@@ -1,6 +1,6 @@
 """Meshes over several tasks of TensorFlow's gRPC runtime, on loopback, with real processes.
 
-Two worker processes (``launch/worker.py``, 2 simulated CPUs each) and one client process
+Two worker processes (``hybrid/launch/worker.py``, 2 simulated CPUs each) and one client process
 (``tests/multihost_client.py``: a connection to a cluster cannot be undone, and this process
 already has its 8 local devices) train the reference MLP on a 2×2 mesh with each replica
 group inside one task. Losses and weights must equal the same run on this process's local
@@ -80,7 +80,7 @@ class Job:
                 [
                     sys.executable,
                     "-m",
-                    "launch.worker",
+                    "hybrid.launch.worker",
                     f"--cluster={self.spec}",
                     f"--task_index={index}",
                     "--simulated_devices=2",
@@ -242,7 +242,7 @@ LAUNCH_FLAGS = [
 
 def launcher(model_dir: str, steps: int, *flags: str) -> list[str]:
     return [
-        sys.executable, "-m", "launch.train", *LAUNCH_FLAGS, f"--model_dir={model_dir}",
+        sys.executable, "-m", "hybrid.launch.train", *LAUNCH_FLAGS, f"--model_dir={model_dir}",
         f"--train_steps={steps}", *flags,
     ]  # fmt: skip
 
@@ -325,8 +325,9 @@ def test_connect_names_tasks_that_do_not_answer():
     for i, port in enumerate(ports):
         assert f"worker task {i} (127.0.0.1:{port})" in message
         assert f"`start_server(cluster, job='worker', task_index={i})`" in message
-        assert f"`python -m launch.worker --cluster=... --job_name=worker --task_index={i}`" in (
-            worded
+        assert (
+            f"`python -m hybrid.launch.worker --cluster=... --job_name=worker --task_index={i}`"
+            in (worded)
         )
     assert "did not answer within 1 s" in message and "--" not in message
     assert [t.index for t in err.value.tasks] == [0, 1]
@@ -386,7 +387,7 @@ def test_connect_and_start_server_name_the_arguments_to_change():
 def test_worker_asks_which_task_it_is():
     env = {k: v for k, v in ENV.items() if k != "TF_CONFIG"}
     run = subprocess.run(
-        [sys.executable, "-m", "launch.worker", '--cluster={"worker": ["127.0.0.1:1"]}'],
+        [sys.executable, "-m", "hybrid.launch.worker", '--cluster={"worker": ["127.0.0.1:1"]}'],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -398,10 +399,8 @@ def test_worker_asks_which_task_it_is():
 
 
 def launch_worker():
-    """``launch.worker``; ``launch`` is no installed package, so it is found from the root."""
-    if ROOT not in sys.path:
-        sys.path.append(ROOT)
-    return importlib.import_module("launch.worker")
+    """``hybrid.launch.worker`` (imported when asked: it defines absl flags)."""
+    return importlib.import_module("hybrid.launch.worker")
 
 
 def cpus(task: int, count: int) -> list[str]:
@@ -463,7 +462,7 @@ def test_launchers_word_order_errors_as_flags():
     assert "(start_server(..., simulated_devices=N) on CPU)" in message
     assert "use the other order" in message
     worded = launch_worker().flag_terms(message)
-    assert "(launch.worker --simulated_devices=N on CPU)" in worded
+    assert "(hybrid-worker --simulated_devices=N on CPU)" in worded
     assert worded.endswith("use the other --mesh_order")
 
 

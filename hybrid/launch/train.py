@@ -1,10 +1,10 @@
 """Trains a reference model with hybrid on a device mesh.
 
-    python -m launch.train                                   # Transformer on text, 2×2 CPU mesh
-    python -m launch.train --mesh="stage:4;replica:2" --schedule=1f1b --micro_batches=8 \\
+    hybrid-train                                   # Transformer on text, 2×2 CPU mesh
+    hybrid-train --mesh="stage:4;replica:2" --schedule=1f1b --micro_batches=8 \\
         --model_dir=/tmp/run --checkpoint_every=50           # killed? the same command resumes
-    python -m launch.train --platform=gpu --mesh="stage:2;replica:4" ...
-    python -m launch.train --platform=tpu --tpu=my-node --tpu_zone=us-central2-b \\
+    hybrid-train --platform=gpu --mesh="stage:2;replica:4" ...
+    hybrid-train --platform=tpu --tpu=my-node --tpu_zone=us-central2-b \\
         --gcp_project=my-project --model_dir=gs://bucket/run ...
 
 Every flag combination is checked before any work; ``main`` freezes the flags into a
@@ -23,7 +23,8 @@ from typing import Any  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from launch import cloud_tpu  # noqa: E402
+from hybrid.launch import cloud_tpu, show_in_help  # noqa: E402
+from hybrid.launch.train_flags import define_flags, parse_balance, parse_profile_steps  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -34,297 +35,13 @@ FLAGS = flags.FLAGS
 PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
 
 
-def define_flags() -> None:
-    """Defines the launcher's flags and their cross-flag validators."""
-    from hybrid.core import schedule  # no TensorFlow: safe before the device count is set
-    from hybrid.models import catalog
-
-    flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu", "tpu"], "Device type of the mesh.")
-    flags.DEFINE_string(
-        "mesh",
-        "stage:2;replica:2",
-        "Mesh spec 'stage:S;replica:R', or 'auto': the planner profiles the model and picks the "
-        "fastest mesh, micro-batches, schedule and remat that fit (--simulated_devices or the "
-        "local GPUs give the device count; flags given explicitly stay fixed).",
-    )
-    flags.DEFINE_float(
-        "memory_per_device_gib",
-        None,
-        "--mesh=auto: memory per device the plan must fit in (default: unlimited).",
-        lower_bound=0.0,
-    )
-    flags.DEFINE_integer("micro_batches", 4, "Micro-batches per replica per step.", lower_bound=1)
-    flags.DEFINE_enum("schedule", "gpipe", schedule.names(), "Pipeline schedule.")
-    flags.DEFINE_integer(
-        "virtual_stages", 1, "Model stages per device (--schedule=interleaved).", lower_bound=1
-    )
-    flags.DEFINE_enum("remat", "except_last", ["never", "except_last", "always"], "Recompute mode.")
-    flags.DEFINE_string(
-        "balance", "params", "Layers per stage: 'params', 'time' (profiled) or counts '3,2'."
-    )
-    flags.DEFINE_enum("model", "transformer", list(catalog.MODEL_NAMES), "Reference model.")
-    flags.DEFINE_string(
-        "data",
-        "text:python-docs",
-        "'synthetic', 'text:PATH' (byte-level LM on a text file) or 'text:python-docs' (the "
-        "Python manual shipped with CPython).",
-    )
-    flags.DEFINE_integer("width", 64, "d_model / channels / units of the model.", lower_bound=1)
-    flags.DEFINE_integer("depth", 2, "Blocks of the model.", lower_bound=1)
-    flags.DEFINE_integer("seq_len", 64, "Transformer context length (tokens).", lower_bound=2)
-    flags.DEFINE_integer("num_heads", 4, "Transformer attention heads.", lower_bound=1)
-    flags.DEFINE_float(
-        "dropout", 0.0, "Transformer dropout rate.", lower_bound=0.0, upper_bound=0.9
-    )
-    flags.DEFINE_integer("global_batch_size", 32, "Examples per step, all replicas.", lower_bound=1)
-    flags.DEFINE_integer("train_steps", 60, "Train up to this step.", lower_bound=1)
-    flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.", lower_bound=0.0)
-    flags.DEFINE_integer("seed", 0, "Seed for weights, data order and random layers.")
-    flags.DEFINE_bool("jit_compile", True, "XLA-compile the stage programs.")
-    flags.DEFINE_integer("log_every", 10, "Log and write summaries every N steps.", lower_bound=1)
-    flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard events (resumes from it).")
-    flags.DEFINE_integer(
-        "checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0
-    )
-    flags.DEFINE_integer("keep_checkpoints", 3, "Recent checkpoints kept.", lower_bound=1)
-    flags.DEFINE_string(
-        "profile_steps", None, "'FIRST,LAST': capture a TF profiler trace into --model_dir."
-    )
-    flags.DEFINE_integer(
-        "simulated_devices", None, "CPU only: logical devices to simulate (default: mesh size)."
-    )
-    flags.DEFINE_string("tpu", None, "--platform=tpu: Cloud TPU node name (or grpc:// address).")
-    flags.DEFINE_string("tpu_zone", None, "--platform=tpu: the node's zone.")
-    flags.DEFINE_string("gcp_project", None, "--platform=tpu: the node's GCP project.")
-    flags.DEFINE_string(
-        "cluster",
-        None,
-        'Multi-host: the cluster spec as JSON (\'{"worker": ["host0:2222", ...]}\') or '
-        "'TF_CONFIG' to read that variable; start each task with `python -m launch.worker`.",
-    )
-    flags.DEFINE_float(
-        "cluster_timeout", 60.0, "Multi-host: seconds to wait for every task.", lower_bound=1.0
-    )
-    flags.DEFINE_enum(
-        "mesh_order",
-        "replica_groups_in_host",
-        ["replica_groups_in_host", "pipelines_in_host"],
-        "Multi-host: keep each stage's replica group inside a host (all-reduce on local links, "
-        "activations cross hosts) or each replica's pipeline.",
-    )
-    cloud_tpu.define_flags()
-
-    flags.register_multi_flags_validator(
-        [
-            "mesh", "micro_batches", "global_batch_size", "schedule", "remat", "virtual_stages",
-            "balance", "model", "depth", "simulated_devices", "platform",
-        ],
-        _check_run_config,
-    )  # fmt: skip
-    flags.register_multi_flags_validator(
-        ["model", "data", "width", "num_heads"], _check_model_and_data
-    )
-    flags.register_multi_flags_validator(
-        ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
-    )
-    flags.register_multi_flags_validator(
-        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices", "cluster", "mesh"],
-        _check_platform,
-    )
-
-
-# RunConfig field -> the flags that set it, to name them when hybrid.core.config refuses.
-_FLAGS_OF_FIELD = {
-    "stages": ("mesh",),
-    "replicas": ("mesh",),
-    "micro_batches": ("micro_batches",),
-    "schedule": ("schedule",),
-    "remat": ("remat",),
-    "virtual_stages": ("virtual_stages",),
-    "balance": ("balance",),
-    "global_batch": ("global_batch_size",),
-    "num_layers": ("model", "depth"),
-}
-
-
-def _mesh_of(values: dict[str, Any]) -> tuple[int, int] | None:
-    """The mesh flag's (S, R); None for --mesh=auto (the planner checks its own choice)."""
-    from hybrid.core.mesh import parse_spec
-
-    if values["mesh"] == "auto":
-        return None
-    try:
-        return parse_spec(values["mesh"])
-    except ValueError as err:
-        raise flags.ValidationError(f"--mesh: {err}") from err
-
-
-def parse_balance(text: str) -> str | tuple[int, ...]:
-    """``"params"``/``"time"`` or ``"3,2"`` -> the Pipeline's ``balance`` argument."""
-    from hybrid.core.config import BALANCE_MODES
-
-    if text in BALANCE_MODES:
-        return text
-    try:
-        return tuple(int(c) for c in text.split(","))
-    except ValueError:
-        raise flags.ValidationError(
-            f"--balance={text} must be one of {list(BALANCE_MODES)} or layer counts per stage "
-            "like '3,2'"
-        ) from None
-
-
-def _check_run_config(values: dict[str, Any]) -> bool:
-    """The run the flags describe, checked by the rule the library itself applies
-    (``hybrid.core.config.validate_run``); its error is reported with the flags to change."""
-    from hybrid.core.config import ConfigError, RunConfig, validate_run
-    from hybrid.models import catalog
-
-    mesh = _mesh_of(values)
-    if mesh is None:
-        return True
-    stages, replicas = mesh
-    config = RunConfig(
-        stages=stages,
-        replicas=replicas,
-        micro_batches=values["micro_batches"],
-        schedule=values["schedule"],
-        remat=values["remat"],
-        virtual_stages=values["virtual_stages"],
-        balance=parse_balance(values["balance"]),
-        global_batch=values["global_batch_size"],
-        num_layers=catalog.num_layers(values["model"], values["depth"]),
-    )
-    try:
-        validate_run(config)
-    except ConfigError as err:
-        named = dict.fromkeys(f for a in err.arguments for f in _FLAGS_OF_FIELD.get(a, ()))
-        given = " ".join(f"--{name}={values[name]}" for name in named)
-        raise flags.ValidationError(f"{given}: {err}") from None
-    devices = values["simulated_devices"]
-    if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
-        raise flags.ValidationError(
-            f"--mesh={values['mesh']} needs {stages * replicas} devices but "
-            f"--simulated_devices={devices}; raise --simulated_devices or shrink --mesh"
-        )
-    return True
-
-
-def _check_model_and_data(values: dict[str, Any]) -> bool:
-    from hybrid.data_sources import check_source
-
-    try:
-        check_source(values["data"], values["model"])
-    except ValueError as err:
-        raise flags.ValidationError(
-            f"--data={values['data']} --model={values['model']}: {err}"
-        ) from None
-    if values["model"] == "transformer" and values["width"] % values["num_heads"]:
-        raise flags.ValidationError(
-            f"--width={values['width']} must be divisible by --num_heads={values['num_heads']}"
-        )
-    return True
-
-
-def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    try:
-        first, last = (int(v) for v in text.split(","))
-    except ValueError:
-        raise flags.ValidationError(
-            f"--profile_steps={text} must be 'FIRST,LAST', e.g. '10,12'"
-        ) from None
-    return first, last
-
-
-def _check_run(values: dict[str, Any]) -> bool:
-    if values["checkpoint_every"] and not values["model_dir"]:
-        raise flags.ValidationError(
-            f"--checkpoint_every={values['checkpoint_every']} needs --model_dir to write to"
-        )
-    steps = parse_profile_steps(values["profile_steps"])
-    if steps is not None:
-        first, last = steps
-        if not 1 <= first <= last <= values["train_steps"]:
-            raise flags.ValidationError(
-                f"--profile_steps={values['profile_steps']} must satisfy 1 <= FIRST <= LAST <= "
-                f"--train_steps ({values['train_steps']})"
-            )
-        if not values["model_dir"]:
-            raise flags.ValidationError("--profile_steps needs --model_dir to write the trace to")
-    return True
-
-
-def _check_platform(values: dict[str, Any]) -> bool:
-    platform = values["platform"]
-    missing = [f"--{n}" for n in ("tpu", "tpu_zone", "gcp_project") if not values[n]]
-    if platform == "tpu" and missing:
-        raise flags.ValidationError(
-            f"--platform=tpu needs {', '.join(missing)}: the Cloud TPU node's name, zone and "
-            "project (the supervisor asks the Cloud TPU API about that node)"
-        )
-    if platform != "tpu":
-        given = [f"--{n}" for n in ("tpu", "tpu_zone", "gcp_project") if values[n]]
-        if given:
-            raise flags.ValidationError(
-                f"{', '.join(given)} only apply with --platform=tpu (got --platform={platform})"
-            )
-    if values["mesh"] == "auto":
-        if platform == "tpu" or values["cluster"] is not None:
-            raise flags.ValidationError(
-                "--mesh=auto plans for the local devices; give --mesh explicitly with "
-                "--platform=tpu or --cluster"
-            )
-        if platform == "cpu" and values["simulated_devices"] is None:
-            raise flags.ValidationError(
-                "--mesh=auto on --platform=cpu needs --simulated_devices=N (the device budget)"
-            )
-    if values["cluster"] is not None:
-        if platform == "tpu":
-            raise flags.ValidationError(
-                "--cluster is for CPU/GPU tasks started with launch.worker; with --platform=tpu "
-                "the TPU resolver finds the hosts"
-            )
-        if values["simulated_devices"] is not None:
-            raise flags.ValidationError(
-                "--simulated_devices does not apply with --cluster: each worker simulates its "
-                "own devices (python -m launch.worker --simulated_devices=N)"
-            )
-        _check_cluster_spec(values["cluster"])
-    if platform != "cpu" and values["simulated_devices"] is not None:
-        raise flags.ValidationError(
-            f"--simulated_devices only applies with --platform=cpu (got --platform={platform})"
-        )
-    return True
-
-
-def _check_cluster_spec(text: str) -> None:
-    import json
-
-    if text == "TF_CONFIG":
-        if not os.environ.get("TF_CONFIG"):
-            raise flags.ValidationError("--cluster=TF_CONFIG but the TF_CONFIG variable is unset")
-        return
-    try:
-        spec = json.loads(text)
-    except ValueError as err:
-        raise flags.ValidationError(
-            f"--cluster={text} is not JSON ({err}); e.g. "
-            '--cluster=\'{"worker": ["host0:2222", "host1:2222"]}\' or --cluster=TF_CONFIG'
-        ) from None
-    if not isinstance(spec, dict) or not spec.get("worker"):
-        raise flags.ValidationError(
-            f"--cluster={text} needs a 'worker' job listing the task addresses"
-        )
-
-
 def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
     """Connects to the workers, lays the mesh over their devices and trains from the client.
 
     Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
     """
     from hybrid.core.mesh import parse_spec
+    from hybrid.launch.worker import flag_terms  # the cluster library's words -> flags
     from hybrid.platforms import cluster as cluster_lib
     from hybrid.trainer import train
 
@@ -332,9 +49,12 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
     stages, replicas = parse_spec(config.mesh)
     try:
         job = cluster_lib.connect(spec, timeout_s=FLAGS.cluster_timeout)
-        mesh = cluster_lib.mesh(
-            job, stages, replicas, order=FLAGS.mesh_order, device_type=config.platform.upper()
-        )
+        try:
+            mesh = cluster_lib.mesh(
+                job, stages, replicas, order=FLAGS.mesh_order, device_type=config.platform.upper()
+            )
+        except ValueError as err:  # main() prints it (exit 1), in flag terms
+            raise ValueError(flag_terms(str(err))) from err
         with job.guard():
             return train(
                 config,
@@ -343,7 +63,7 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
                 step_callback=step_callback,
             )
     except cluster_lib.ClusterError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {flag_terms(str(err))}", file=sys.stderr)
         sys.exit(3)
 
 
@@ -512,6 +232,12 @@ def main(argv: list[str]) -> None:
         print(f"done: already trained to step {config.train_steps} ({result.checkpoint})")
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``hybrid-train`` command: defines the flags, parses argv and runs :func:`main`."""
     define_flags()
+    show_in_help("hybrid.launch.train_flags", "hybrid.launch.cloud_tpu")
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -2,8 +2,8 @@
 
 Start one per task (host), then the client with the same cluster spec:
 
-    python -m launch.worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=0
-    python -m launch.worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=1
+    hybrid-worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=0
+    hybrid-worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=1
 
 or with TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' and no flags.
 On a CPU host, ``--simulated_devices=N`` splits the CPU into N logical devices. The worker
@@ -13,7 +13,7 @@ port in use) exits with code 2 and says why.
 
 ``hybrid.platforms.cluster`` speaks in its own terms (``start_server(cluster, job='worker',
 task_index=1)``, ``simulated_devices``, ``device_type``, ``order``); :func:`flag_terms` rewords
-its messages as the flags of this worker and of ``launch.train``, for the person at the
+its messages as the flags of this worker and of ``hybrid.launch.train``, for the person at the
 command line.
 """
 
@@ -33,21 +33,23 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags  # noqa: E402
 
+from hybrid.launch import show_in_help  # noqa: E402
+
 FLAGS = flags.FLAGS
 EXIT_LIFETIME = 3
 
-# The cluster library's wording -> the launchers' flags (launch.worker's; --mesh_order and
-# --platform are launch.train's). Applied in order.
+# The cluster library's wording -> the launchers' flags (the worker's; --mesh_order and
+# --platform are hybrid-train's). Applied in order.
 _FLAG_TERMS: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"start_server\(cluster, job='([^']*)', task_index=(\d+)\)"),
-        r"python -m launch.worker --cluster=... --job_name=\1 --task_index=\2",
+        r"python -m hybrid.launch.worker --cluster=... --job_name=\1 --task_index=\2",
     ),
     (
         re.compile(r"start_server\(\.\.\., simulated_devices=N\)"),
-        "launch.worker --simulated_devices=N",
+        "hybrid-worker --simulated_devices=N",
     ),
-    (re.compile(r"\(start_server's job\)"), "(launch.worker --job_name)"),
+    (re.compile(r"\(start_server's job\)"), "(hybrid-worker --job_name)"),
     (re.compile(r"(?<![\w-])task_index\b"), "--task_index"),
     (re.compile(r"pass one of those as job\b"), "pass one of those as --job_name"),
     (re.compile(r"^no cluster given"), "no --cluster given"),
@@ -61,11 +63,11 @@ def flag_terms(message: str) -> str:
     """``message`` from ``hybrid.platforms.cluster`` with its calls and argument names
     replaced by the launchers' flags.
 
-    ``start_server(cluster, job='worker', task_index=1)`` becomes ``python -m launch.worker
+    ``start_server(cluster, job='worker', task_index=1)`` becomes ``python -m hybrid.launch.worker
     --cluster=... --job_name=worker --task_index=1``; ``task_index``, ``simulated_devices``,
     the ``job`` to pass and an unset ``cluster`` become ``--task_index``,
     ``--simulated_devices``, ``--job_name`` and ``--cluster``; the device ``order`` and
-    ``device_type`` become ``launch.train``'s ``--mesh_order`` and ``--platform``.
+    ``device_type`` become ``hybrid.launch.train``'s ``--mesh_order`` and ``--platform``.
     """
     for pattern, replacement in _FLAG_TERMS:
         message = pattern.sub(replacement, message)
@@ -174,6 +176,12 @@ def _serve(server: Any, task: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``hybrid-worker`` command: defines the flags, parses argv and runs :func:`main`."""
     define_flags()
+    show_in_help(__name__)
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()
