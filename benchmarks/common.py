@@ -4,6 +4,10 @@ Every benchmark is a named experiment: synthetic data, warm-up excluded, candida
 in alternation within one process (the machine is shared and noisy, so only ratios measured
 side by side mean anything), results written as JSON and PNG under ``benchmarks/results/``,
 and one parseable summary line at the end.
+
+Every benchmark imports this module before anything else: importing it sets TensorFlow's
+environment defaults (quiet C++ logs, no oneDNN rewrites) before TensorFlow loads, and puts
+the source tree first on ``sys.path`` so that ``hybrid`` is this checkout's.
 """
 
 from __future__ import annotations
@@ -13,17 +17,27 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 # `bazel run` executes from the runfiles tree and names the source tree in this variable.
 RESULTS = os.path.join(
-    os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-    or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    os.environ.get("BUILD_WORKSPACE_DIRECTORY") or ROOT,
     "benchmarks",
     "results",
 )
+
+# Flags defined here, by name, for ``config`` dicts and for passing on to child processes.
+TIMING_FLAGS = ("rounds", "steps_per_round")
+MODEL_FLAGS = ("width", "depth", "batch")
+REFERENCE_MODEL_FLAGS = ("model", "width", "depth", "batch", "seq_len", "num_heads", "image_size")
 
 
 def environment() -> dict[str, Any]:
@@ -44,6 +58,17 @@ def print_header(name: str, env: Mapping[str, Any]) -> None:
     print(f"== {name} ==")
     for key, value in env.items():
         print(f"  {key}: {value}")
+
+
+def start(name: str, devices: int) -> dict[str, Any]:
+    """Simulates ``devices`` CPU devices (before TensorFlow starts), then prints the
+    environment header of the experiment ``name`` and returns it."""
+    import hybrid
+
+    hybrid.simulate_cpu_devices(devices)
+    env = environment()
+    print_header(name, env)
+    return env
 
 
 def time_alternating(
@@ -68,6 +93,46 @@ def time_alternating(
     return samples
 
 
+def time_steps(
+    candidates: Mapping[str, Callable[[], Any]], warmup: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """:func:`time_alternating` with --rounds and --steps_per_round: the samples (seconds per
+    step) of each candidate and their medians in milliseconds."""
+    from absl import flags
+
+    samples = time_alternating(
+        candidates,
+        rounds=flags.FLAGS.rounds,
+        steps_per_round=flags.FLAGS.steps_per_round,
+        warmup=warmup,
+    )
+    return samples, {name: 1e3 * median(v) for name, v in samples.items()}
+
+
+def print_ms(ms: Mapping[str, float], width: int) -> None:
+    """One line per candidate: its median milliseconds per step (names padded to ``width``)."""
+    from absl import flags
+
+    for name, value in ms.items():
+        print(f"  {name:{width}s} {value:8.2f} ms/step (median of {flags.FLAGS.rounds} rounds)")
+
+
+def train_step(pipe: Any, x: Any, y: Any) -> Callable[[], Any]:
+    """A candidate for :func:`time_alternating`: one training step of ``pipe`` on (x, y)."""
+    return lambda: pipe.train_step(x, y)
+
+
+def instrumented_step(
+    pipe: Any, x: Any, y: Any
+) -> tuple[list[Any], list[tuple[Any, float, float]]]:
+    """The events of one instrumented step of ``pipe`` (after two that trace and warm it), and
+    the same as (action, start, end) triples, the measured timeline ``hybrid.timeline`` takes."""
+    for _ in range(2):
+        pipe.timed_train_step(x, y)
+    _, events = pipe.timed_train_step(x, y)
+    return events, [(e.action, e.start, e.end) for e in events]
+
+
 def define_model_flags(depth: int = 4, batch: int = 256, width: int = 1024) -> None:
     """The absl flags every benchmark shares: the model (--width, --depth) and --batch."""
     from absl import flags
@@ -85,6 +150,18 @@ def define_timing_flags(rounds: int, steps_per_round: int) -> None:
     flags.DEFINE_integer("steps_per_round", steps_per_round, "Steps per round.")
 
 
+def flag_values(*names: str) -> dict[str, Any]:
+    """The values of the flags ``names``, by name (a result file's ``config``)."""
+    from absl import flags
+
+    return {name: getattr(flags.FLAGS, name) for name in names}
+
+
+def flag_args(*names: str) -> list[str]:
+    """``--name=value`` for each flag in ``names``: this process's values, for a child."""
+    return [f"--{name}={value}" for name, value in flag_values(*names).items()]
+
+
 def dense_stack(width: int, depth: int, classes: int = 10, seed: int = 0) -> list[Any]:
     """The benchmark model: ``depth`` × Dense(width, relu), then Dense(classes); fixed seed."""
     import keras
@@ -92,6 +169,50 @@ def dense_stack(width: int, depth: int, classes: int = 10, seed: int = 0) -> lis
     keras.utils.set_random_seed(seed)
     hidden = [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
     return hidden + [keras.layers.Dense(classes)]
+
+
+def dense_pipeline(
+    width: int, depth: int, mesh: Any, optimizer: Any, loss: Any = None, **options: Any
+) -> Any:
+    """A built ``hybrid.Pipeline`` of :func:`dense_stack` on ``mesh``.
+
+    ``loss`` defaults to a fresh sparse categorical cross-entropy on logits; ``options`` are
+    the Pipeline's other arguments (micro_batches, schedule, remat, ...).
+    """
+    import keras
+
+    import hybrid
+
+    if loss is None:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    pipe = hybrid.Pipeline(
+        dense_stack(width, depth), mesh=mesh, loss=loss, optimizer=optimizer, **options
+    )
+    pipe.build((None, width))
+    return pipe
+
+
+def schedule_pipeline(
+    schedule: str, remat: str, micro_batches: int, learning_rate: float, **options: Any
+) -> Any:
+    """A built :func:`dense_pipeline` of --width and --depth on a 2-stage × 1-replica mesh,
+    trained by SGD with ``schedule`` (interleaved: 2 virtual stages per device)."""
+    import keras
+    from absl import flags
+
+    import hybrid
+
+    return dense_pipeline(
+        flags.FLAGS.width,
+        flags.FLAGS.depth,
+        hybrid.DeviceMesh.create(2, 1),
+        keras.optimizers.SGD(learning_rate),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        remat=remat,
+        virtual_stages=2 if schedule == "interleaved" else 1,
+        **options,
+    )
 
 
 def synthetic_batch(batch: int, width: int, classes: int = 10, seed: int = 0) -> tuple[Any, Any]:
@@ -139,7 +260,26 @@ def bar_chart(name: str, values: Mapping[str, float], ylabel: str, title: str) -
     return path
 
 
-def write_csv(name: str, rows: list[Mapping[str, Any]]) -> str:
+def write_timed(
+    name: str,
+    env: Mapping[str, Any],
+    config: Mapping[str, Any],
+    samples: Mapping[str, list[float]],
+    ms: Mapping[str, float],
+    title: str,
+    **results: Any,
+) -> str:
+    """The result files of a benchmark timed with :func:`time_steps`: ``<name>.json`` (the
+    environment, config, ``ms_per_step``, ``samples_s`` and ``results``) and a bar chart of
+    the milliseconds per step, ``<name>.png``. Prints and returns the JSON's path."""
+    payload = {"environment": env, "config": config, "ms_per_step": ms, "samples_s": samples}
+    path = write_json(name, {**payload, **results})
+    bar_chart(name, ms, "ms / step", title)
+    print(f"  wrote {path}")
+    return path
+
+
+def write_csv(name: str, rows: Sequence[Mapping[str, Any]]) -> str:
     """``rows`` as ``benchmarks/results/<name>.csv`` (columns: the union of their keys, in
     first-seen order; lists and dicts are written as JSON)."""
     import csv
@@ -228,13 +368,39 @@ def reference_model(
       resnet       ``depth`` residual blocks of ``width`` channels on 3-channel images
     """
     import keras
-    import numpy as np
     import tensorflow as tf
+
+    keras.utils.set_random_seed(seed)
+    layers, shape, dtype, x, y = _reference_layers_and_batch(
+        model, batch, width, depth, seq_len, num_heads, image_size, seed
+    )
+    return {
+        "layers": layers,
+        "input_shape": shape,
+        "input_dtype": dtype,
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "x": tf.constant(x),
+        "y": tf.constant(y),
+    }
+
+
+def _reference_layers_and_batch(
+    model: str,
+    batch: int,
+    width: int,
+    depth: int,
+    seq_len: int,
+    num_heads: int,
+    image_size: int,
+    seed: int,
+) -> tuple[list[Any], tuple[int, ...], str, Any, Any]:
+    """:func:`reference_model`'s layers, input shape and dtype, and batch (numpy x, y)."""
+    import numpy as np
 
     from hybrid import models
 
-    keras.utils.set_random_seed(seed)
     rng = np.random.default_rng(seed)
+    shape: tuple[int, ...]
     if model == "transformer":
         layers = models.transformer(256, seq_len, width, num_heads, depth, seed=seed)
         shape, dtype = (seq_len,), "int32"
@@ -252,11 +418,4 @@ def reference_model(
         y = rng.integers(0, 10, size=(batch,)).astype("int32")
     else:
         raise ValueError(f"unknown model {model!r}; choose transformer, mlp or resnet")
-    return {
-        "layers": layers,
-        "input_shape": shape,
-        "input_dtype": dtype,
-        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        "x": tf.constant(x),
-        "y": tf.constant(y),
-    }
+    return layers, shape, dtype, x, y

@@ -17,16 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-import common  # noqa: E402
+import common
 
 common.define_model_flags(depth=8, batch=4096)
 flags.DEFINE_integer("micro_batches", 16, "Micro-batches M.")
@@ -44,23 +39,12 @@ def measure(schedule: str, remat: str) -> dict:
     import hybrid
 
     hybrid.simulate_cpu_devices(2)
-    import keras
     import tensorflow as tf
 
     x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
-    layers = common.dense_stack(FLAGS.width, FLAGS.depth)
-    pipe = hybrid.Pipeline(
-        layers,
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        optimizer=keras.optimizers.SGD(1e-4),
-        micro_batches=FLAGS.micro_batches,
-        schedule=schedule,
-        remat=remat,
-        virtual_stages=2 if schedule == "interleaved" else 1,
-        jit_compile=FLAGS.jit_compile,
+    pipe = common.schedule_pipeline(
+        schedule, remat, FLAGS.micro_batches, 1e-4, jit_compile=FLAGS.jit_compile
     )
-    pipe.build((None, FLAGS.width))
     inputs = x.numpy().nbytes + y.numpy().nbytes  # the batch itself is not the step's memory
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"] - inputs
     for _ in range(2):
@@ -75,45 +59,26 @@ def measure(schedule: str, remat: str) -> dict:
     }
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    if FLAGS.child:
-        schedule, remat = FLAGS.child.split(",")
-        print("RESULT " + json.dumps(measure(schedule, remat)))
-        return
-    import hybrid
+def measure_in_child(schedule: str, remat: str) -> dict[str, Any]:
+    """:func:`measure` in a fresh process, with the allocator that keeps statistics."""
+    results = common.run_child(
+        [os.path.abspath(__file__), f"--child={schedule},{remat}"]
+        + common.flag_args(*common.MODEL_FLAGS, "micro_batches", "jit_compile"),
+        # TensorFlow's default CPU allocator keeps no statistics; its BFC allocator does.
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+        timeout=600,
+    )
+    row = results[-1]
+    print(
+        f"  {schedule:12s} {remat:12s} peak activations "
+        f"{row['peak_activation_mib']:8.1f} MiB   (resident {row['resident_mib']:.1f} MiB,"
+        f" in flight per device {row['simulated_peak_in_flight']})"
+    )
+    return row
 
-    hybrid.simulate_cpu_devices(2)  # as in every child, for the environment header
-    env = common.environment()
-    common.print_header("memory", env)
-    activation_mb = FLAGS.batch // FLAGS.micro_batches * FLAGS.width * 4 / MB
-    print(f"  one layer's output for one micro-batch: {activation_mb:.2f} MiB")
 
-    rows = []
-    for schedule in FLAGS.schedules:
-        for remat in FLAGS.remats:
-            child = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), f"--child={schedule},{remat}"]
-                + [
-                    f"--{k}={getattr(FLAGS, k)}"
-                    for k in ("width", "depth", "batch", "micro_batches", "jit_compile")
-                ],
-                capture_output=True,
-                # TensorFlow's default CPU allocator keeps no statistics; its BFC allocator does.
-                env={**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true"},
-                text=True,
-                timeout=600,
-            )
-            lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
-            if child.returncode or not lines:
-                raise RuntimeError(f"{schedule}/{remat} failed:\n{child.stderr[-3000:]}")
-            row = json.loads(lines[-1][len("RESULT ") :])
-            rows.append(row)
-            print(
-                f"  {schedule:12s} {remat:12s} peak activations "
-                f"{row['peak_activation_mib']:8.1f} MiB   (resident {row['resident_mib']:.1f} MiB,"
-                f" in flight per device {row['simulated_peak_in_flight']})"
-            )
+def ratios(rows: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
+    """1F1B / GPipe peak activations (remat never), and always / never for each schedule."""
 
     def peak(schedule: str, remat: str) -> float:
         for row in rows:
@@ -122,31 +87,18 @@ def main(argv: list[str]) -> None:
         return float("nan")
 
     ratio = peak("1f1b", "never") / peak("gpipe", "never")
-    always_vs_never = {s: peak(s, "always") / peak(s, "never") for s in FLAGS.schedules}
-    print(f"  1F1B / GPipe peak activations (remat never): {ratio:.3f} (target <= 0.6)")
-    for s, r in always_vs_never.items():
-        print(f"  {s:12s} always / never: {r:.3f} (target < 1)")
-    config = {
-        k: getattr(FLAGS, k)
-        for k in ("width", "depth", "batch", "micro_batches", "schedules", "remats", "jit_compile")
-    }
-    path = common.write_json(
-        "memory",
-        {
-            "environment": env,
-            "config": config,
-            "rows": rows,
-            "ratio_1f1b_vs_gpipe": ratio,
-            "always_vs_never": always_vs_never,
-        },
-    )
-    import csv
+    return ratio, {s: peak(s, "always") / peak(s, "never") for s in FLAGS.schedules}
 
-    csv_path = os.path.join(common.RESULTS, "memory.csv")
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+
+def write_results(env: dict[str, Any], rows: list[dict[str, Any]], **figures: Any) -> None:
+    """memory.json (environment, config, rows, ``figures``), memory.csv and memory.png."""
+    config = common.flag_values(
+        *common.MODEL_FLAGS, "micro_batches", "schedules", "remats", "jit_compile"
+    )
+    path = common.write_json(
+        "memory", {"environment": env, "config": config, "rows": rows, **figures}
+    )
+    csv_path = common.write_csv("memory", rows)
     common.bar_chart(
         "memory",
         {f"{r['schedule']}\n{r['remat']}": r["peak_activation_mib"] for r in rows},
@@ -154,6 +106,23 @@ def main(argv: list[str]) -> None:
         f"2 stages, M={FLAGS.micro_batches}, batch {FLAGS.batch}",
     )
     print(f"  wrote {path} and {csv_path}")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.child:
+        schedule, remat = FLAGS.child.split(",")
+        print("RESULT " + json.dumps(measure(schedule, remat)))
+        return
+    env = common.start("memory", devices=2)  # as in every child, for the environment header
+    activation_mb = FLAGS.batch // FLAGS.micro_batches * FLAGS.width * 4 / MB
+    print(f"  one layer's output for one micro-batch: {activation_mb:.2f} MiB")
+    rows = [measure_in_child(s, r) for s in FLAGS.schedules for r in FLAGS.remats]
+    ratio, always_vs_never = ratios(rows)
+    print(f"  1F1B / GPipe peak activations (remat never): {ratio:.3f} (target <= 0.6)")
+    for s, r in always_vs_never.items():
+        print(f"  {s:12s} always / never: {r:.3f} (target < 1)")
+    write_results(env, rows, ratio_1f1b_vs_gpipe=ratio, always_vs_never=always_vs_never)
     print(
         f"SUMMARY memory ratio_1f1b_vs_gpipe={ratio:.3f} "
         + " ".join(f"always_vs_never_{s}={r:.3f}" for s, r in always_vs_never.items())

@@ -33,16 +33,14 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+import common  # first: it sets TensorFlow's environment and puts the source tree on sys.path
 
-from hybrid.core import schedule as sched  # noqa: E402
-
-import common  # noqa: E402
+# isort: split
+from hybrid.core import schedule as sched
 
 common.define_timing_flags(rounds=5, steps_per_round=3)
 common.define_reference_model_flags()
@@ -61,7 +59,6 @@ flags.DEFINE_string("child", None, "Internal: run these configurations (JSON) he
 FLAGS = flags.FLAGS
 
 MIB = float(1 << 20)
-_MODEL_FLAGS = ("model", "width", "depth", "batch", "seq_len", "num_heads", "image_size")
 
 
 def _divisors(n: int) -> list[int]:
@@ -108,98 +105,119 @@ def _label(c: dict) -> str:
     return f"{c['stages']}x{c['replicas']} M={c['micro_batches']} {c['schedule']}{v} {c['remat']}"
 
 
-def run_child(configs: list[dict], devices: int) -> None:
+def _optimizer() -> Any:
+    """A fresh optimizer of --optimizer (the Pipeline makes one per stage replica)."""
+    import keras
+
+    if FLAGS.optimizer == "adam":
+        return keras.optimizers.Adam(1e-4)
+    return keras.optimizers.SGD(1e-3)
+
+
+def _memory() -> dict:
+    import tensorflow as tf
+
+    return tf.config.experimental.get_memory_info("CPU:0")
+
+
+def build(c: dict, data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The configuration ``c`` built and its first step run (traced, compiled): the pipeline
+    and its row so far (balance, first step seconds, resident bytes)."""
+    import hybrid
+
+    before = _memory()["current"]
+    start = time.perf_counter()
+    pipe = hybrid.Pipeline(
+        common.reference_model(**common.flag_values(*common.REFERENCE_MODEL_FLAGS))["layers"],
+        mesh=hybrid.DeviceMesh.create(c["stages"], c["replicas"]),
+        loss=data["loss"],
+        optimizer=_optimizer,
+        micro_batches=c["micro_batches"],
+        schedule=c["schedule"],
+        remat=c["remat"],
+        virtual_stages=c["virtual_stages"],
+        jit_compile=FLAGS.jit_compile,
+    )
+    pipe.build((None, *data["input_shape"]), data["input_dtype"])
+    pipe.train_step(data["x"], data["y"])
+    first = time.perf_counter() - start
+    row = {
+        **c,
+        "balance": list(pipe.balance),
+        "first_step_s": first,
+        "resident_bytes": _memory()["current"] - before,
+    }
+    print(f"  built {_label(c)}: first step {first:.1f} s", file=sys.stderr, flush=True)
+    return pipe, row
+
+
+def measure(
+    pipe: Any, row: dict[str, Any], samples: list[float], data: dict[str, Any], devices: int
+) -> None:
+    """Completes ``row`` (run in a process of ``devices`` devices) from its timed steps
+    (``samples``, seconds), one step after resetting the allocator's peak, the simulated
+    schedule and (--timeline) one instrumented step."""
+    import tensorflow as tf
+
+    step = common.median(samples)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = _memory()["current"]
+    pipe.train_step(data["x"], data["y"])
+    transient = _memory()["peak"] - before
+    total = row["resident_bytes"] + transient
+    s = pipe.schedule
+    row.update(
+        step_ms=1e3 * step,
+        step_ms_samples=[1e3 * v for v in samples],
+        examples_per_s=FLAGS.batch / step,
+        compile_s=max(0.0, row["first_step_s"] - step),
+        micro_batch_size=FLAGS.batch // (row["replicas"] * row["micro_batches"]),
+        transient_bytes=transient,
+        peak_mib_total=total / MIB,
+        peak_mib_per_device=total / MIB / row["devices"],
+        uniform_bubble=float(sched.simulate(s).bubble_fraction),
+        peak_in_flight=list(sched.simulate(s).peak_in_flight),
+        measured_bubble=0.0,
+        action_ms={},
+        process_devices=devices,
+        status="ok",
+    )
+    if FLAGS.timeline and row["stages"] > 1:
+        row.update(measured_timeline(pipe, data))
+
+
+def measured_timeline(pipe: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """The bubble of one instrumented step and the mean milliseconds of each action."""
+    from hybrid import timeline
+
+    events, measured = common.instrumented_step(pipe, data["x"], data["y"])
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        spans.setdefault(f"{e.action.op}{e.action.stage}", []).append(e.end - e.start)
+    return {
+        "measured_bubble": timeline.bubble_fraction(pipe.schedule, measured),
+        "action_ms": {k: 1e3 * sum(v) / len(v) for k, v in sorted(spans.items())},
+    }
+
+
+def run_configurations(configs: list[dict], devices: int) -> None:
     """In this process: build, time and measure every configuration; print RESULT lines."""
     import hybrid
 
     hybrid.simulate_cpu_devices(devices)
-    import keras
     import tensorflow as tf
 
-    from hybrid import timeline
-
     tf.get_logger().setLevel("ERROR")  # one tf.function per pipeline: retracing notes
-    model_args = {k: getattr(FLAGS, k) for k in _MODEL_FLAGS}
-    data = common.reference_model(**model_args)
-    x, y = data["x"], data["y"]
-
-    def optimizer() -> keras.optimizers.Optimizer:
-        if FLAGS.optimizer == "adam":
-            return keras.optimizers.Adam(1e-4)
-        return keras.optimizers.SGD(1e-3)
-
-    def memory() -> dict:
-        return tf.config.experimental.get_memory_info("CPU:0")
-
+    data = common.reference_model(**common.flag_values(*common.REFERENCE_MODEL_FLAGS))
     pipes, rows = {}, {}
     for c in configs:
-        label = _label(c)
-        before = memory()["current"]
-        start = time.perf_counter()
-        pipe = hybrid.Pipeline(
-            common.reference_model(**model_args)["layers"],
-            mesh=hybrid.DeviceMesh.create(c["stages"], c["replicas"]),
-            loss=data["loss"],
-            optimizer=optimizer,
-            micro_batches=c["micro_batches"],
-            schedule=c["schedule"],
-            remat=c["remat"],
-            virtual_stages=c["virtual_stages"],
-            jit_compile=FLAGS.jit_compile,
-        )
-        pipe.build((None, *data["input_shape"]), data["input_dtype"])
-        pipe.train_step(x, y)
-        first = time.perf_counter() - start
-        pipes[label] = pipe
-        rows[label] = {
-            **c,
-            "balance": list(pipe.balance),
-            "first_step_s": first,
-            "resident_bytes": memory()["current"] - before,
-        }
-        print(f"  built {label}: first step {first:.1f} s", file=sys.stderr, flush=True)
-
-    samples = common.time_alternating(
-        {label: (lambda p=p: p.train_step(x, y)) for label, p in pipes.items()},
-        rounds=FLAGS.rounds,
-        steps_per_round=FLAGS.steps_per_round,
+        pipes[_label(c)], rows[_label(c)] = build(c, data)
+    samples, _ = common.time_steps(
+        {label: common.train_step(p, data["x"], data["y"]) for label, p in pipes.items()},
         warmup=2,
     )
     for label, pipe in pipes.items():
-        row = rows[label]
-        step = common.median(samples[label])
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = memory()["current"]
-        pipe.train_step(x, y)
-        transient = memory()["peak"] - before
-        total = row["resident_bytes"] + transient
-        s = pipe.schedule
-        row.update(
-            step_ms=1e3 * step,
-            step_ms_samples=[1e3 * v for v in samples[label]],
-            examples_per_s=FLAGS.batch / step,
-            compile_s=max(0.0, row["first_step_s"] - step),
-            micro_batch_size=FLAGS.batch // (row["replicas"] * row["micro_batches"]),
-            transient_bytes=transient,
-            peak_mib_total=total / MIB,
-            peak_mib_per_device=total / MIB / row["devices"],
-            uniform_bubble=float(sched.simulate(s).bubble_fraction),
-            peak_in_flight=list(sched.simulate(s).peak_in_flight),
-            measured_bubble=0.0,
-            action_ms={},
-            process_devices=devices,
-            status="ok",
-        )
-        if FLAGS.timeline and row["stages"] > 1:
-            for _ in range(2):
-                pipe.timed_train_step(x, y)  # trace and warm the instrumented step
-            _, events = pipe.timed_train_step(x, y)
-            measured = [(e.action, e.start, e.end) for e in events]
-            row["measured_bubble"] = timeline.bubble_fraction(s, measured)
-            spans: dict[str, list[float]] = {}
-            for e in events:
-                spans.setdefault(f"{e.action.op}{e.action.stage}", []).append(e.end - e.start)
-            row["action_ms"] = {k: 1e3 * sum(v) / len(v) for k, v in sorted(spans.items())}
+        measure(pipe, rows[label], samples[label], data, devices)
     for label in pipes:
         print("RESULT " + json.dumps(rows[label]))
     env = common.environment()
@@ -220,31 +238,26 @@ def _rank_and_derive(rows: list[dict]) -> None:
         r["efficiency"] = r["speedup"] / r["devices"] if base else float("nan")
 
 
-def plot(name: str, rows: list[dict], title: str) -> str:
-    """Two panels: throughput per mesh shape (best M per schedule), efficiency vs M."""
-    import matplotlib
+def _of(rows: list[dict], S: int, R: int, schedule: str) -> list[dict]:
+    """The rows of mesh S × R and ``schedule``, by micro-batch count."""
+    mine = [r for r in rows if (r["stages"], r["replicas"], r["schedule"]) == (S, R, schedule)]
+    return sorted(mine, key=lambda r: r["micro_batches"])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _throughput_panel(
+    ax: Any, rows: list[dict], meshes: list[tuple[int, int]], colors: dict[str, str]
+) -> None:
+    """Examples per second of each mesh shape, a bar per schedule at its best M."""
     from matplotlib.patches import Patch
 
-    meshes = sorted({(r["stages"], r["replicas"]) for r in rows}, key=lambda t: (t[0] * t[1], t))
-    schedules = sorted({r["schedule"] for r in rows})
-    colors = {s: f"C{i}" for i, s in enumerate(schedules)}
-
-    def of(S: int, R: int, schedule: str) -> list[dict]:
-        mine = [r for r in rows if (r["stages"], r["replicas"], r["schedule"]) == (S, R, schedule)]
-        return sorted(mine, key=lambda r: r["micro_batches"])
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (S, R) in enumerate(meshes):
-        present = [s for s in schedules if of(S, R, s)]
+        present = [s for s in colors if _of(rows, S, R, s)]
         width = 0.8 / len(present)
         for j, schedule in enumerate(present):
-            best = max(of(S, R, schedule), key=lambda r: r["examples_per_s"])
+            best = max(_of(rows, S, R, schedule), key=lambda r: r["examples_per_s"])
             x = i + (j - (len(present) - 1) / 2) * width
-            left.bar(x, best["examples_per_s"], width, color=colors[schedule])
-            left.text(
+            ax.bar(x, best["examples_per_s"], width, color=colors[schedule])
+            ax.text(
                 x,
                 best["examples_per_s"],
                 f"M={best['micro_batches']}",
@@ -252,19 +265,25 @@ def plot(name: str, rows: list[dict], title: str) -> str:
                 va="bottom",
                 fontsize=6,
             )
-    left.set_xticks(range(len(meshes)))
-    left.set_xticklabels([f"{S}×{R}" for S, R in meshes])
-    left.set_xlabel("mesh S × R (best M of each schedule)")
-    left.set_ylabel("examples / s")
-    left.set_title("throughput vs mesh shape", fontsize=10)
-    left.legend(
+    ax.set_xticks(range(len(meshes)))
+    ax.set_xticklabels([f"{S}×{R}" for S, R in meshes])
+    ax.set_xlabel("mesh S × R (best M of each schedule)")
+    ax.set_ylabel("examples / s")
+    ax.set_title("throughput vs mesh shape", fontsize=10)
+    ax.legend(
         handles=[Patch(color=c, label=s) for s, c in colors.items()], fontsize=7, loc="lower left"
     )
+
+
+def _efficiency_panel(
+    ax: Any, rows: list[dict], meshes: list[tuple[int, int]], colors: dict[str, str]
+) -> None:
+    """Efficiency against M, a line per multi-device mesh shape and schedule."""
     for S, R in meshes:
-        for schedule in schedules:
-            mine = of(S, R, schedule)
+        for schedule in colors:
+            mine = _of(rows, S, R, schedule)
             if mine and S * R > 1:
-                right.plot(
+                ax.plot(
                     [r["micro_batches"] for r in mine],
                     [r["efficiency"] for r in mine],
                     marker="o" if R > 1 else "s",
@@ -273,14 +292,29 @@ def plot(name: str, rows: list[dict], title: str) -> str:
                     label=f"{S}×{R} {schedule}",
                 )
     ms = sorted({r["micro_batches"] for r in rows})
-    right.set_xscale("log", base=2)
-    right.set_xticks(ms)
-    right.set_xticklabels([str(m) for m in ms])
-    right.set_xlabel("micro-batches M")
-    right.set_ylabel("efficiency: speedup over 1×1 ÷ N")
-    right.set_ylim(0, max(1.05, max((r["efficiency"] for r in rows), default=1) * 1.1))
-    right.legend(fontsize=7, ncol=2)
-    right.set_title("efficiency vs micro-batches", fontsize=10)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms)
+    ax.set_xticklabels([str(m) for m in ms])
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("efficiency: speedup over 1×1 ÷ N")
+    ax.set_ylim(0, max(1.05, max((r["efficiency"] for r in rows), default=1) * 1.1))
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("efficiency vs micro-batches", fontsize=10)
+
+
+def plot(name: str, rows: list[dict], title: str) -> str:
+    """Two panels: throughput per mesh shape (best M per schedule), efficiency vs M."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meshes = sorted({(r["stages"], r["replicas"]) for r in rows}, key=lambda t: (t[0] * t[1], t))
+    schedules = sorted({r["schedule"] for r in rows})
+    colors = {s: f"C{i}" for i, s in enumerate(schedules)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    _throughput_panel(left, rows, meshes, colors)
+    _efficiency_panel(right, rows, meshes, colors)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     os.makedirs(common.RESULTS, exist_ok=True)
@@ -290,32 +324,20 @@ def plot(name: str, rows: list[dict], title: str) -> str:
     return path
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    if FLAGS.child:
-        spec = json.loads(FLAGS.child)
-        run_child(spec["configs"], spec["devices"])
-        return
-    from hybrid.models import num_layers
-
-    layers = num_layers(FLAGS.model, FLAGS.depth)
-    budgets = sorted({int(n) for n in FLAGS.devices})
+def run_budgets(budgets: list[int], layers: int) -> tuple[list[dict], list[dict], dict]:
+    """Every budget's runnable configurations in a child process of its own: the rows, the
+    skipped configurations and each child's environment."""
     rows: list[dict] = []
     skipped: list[dict] = []
     environments = {}
-    started = time.perf_counter()
+    passed = common.flag_args(
+        *common.REFERENCE_MODEL_FLAGS, *common.TIMING_FLAGS, "optimizer", "timeline", "jit_compile"
+    )
     for n in budgets:
         runnable, skip = configurations(n, layers)
         skipped += skip
         if not runnable:
             continue
-        passed = [f"--{k}={getattr(FLAGS, k)}" for k in _MODEL_FLAGS]
-        passed += [f"--{k}={getattr(FLAGS, k)}" for k in ("rounds", "steps_per_round")]
-        passed += [
-            f"--optimizer={FLAGS.optimizer}",
-            f"--timeline={FLAGS.timeline}",
-            f"--jit_compile={FLAGS.jit_compile}",
-        ]
         child = json.dumps({"devices": n, "configs": runnable})
         results = common.run_child(
             [os.path.abspath(__file__), f"--child={child}", *passed],
@@ -324,20 +346,15 @@ def main(argv: list[str]) -> None:
         )
         environments[n] = results[-1]["environment"]
         rows += results[:-1]
-    _rank_and_derive(rows)
-    env = dict(next(iter(environments.values()), {}))
-    env["devices"] = {n: e["devices"] for n, e in environments.items()}
-    common.print_header(FLAGS.name, env)
-    model = {k: getattr(FLAGS, k) for k in _MODEL_FLAGS}
-    print(f"  model: {model}, {layers} layers; optimizer {FLAGS.optimizer}")
-    print(f"  {len(rows)} configurations measured, {len(skipped)} skipped")
-    rows.sort(key=lambda r: -r["examples_per_s"])
-    head = (
+    return rows, skipped, environments
+
+
+def print_table(rows: list[dict], skipped: list[dict]) -> None:
+    print(
         f"  {'#':>3} {'N':>2} {'mesh':>5} {'M':>3} {'schedule':<16} {'remat':<12} "
         f"{'ms/step':>8} {'ex/s':>8} {'speedup':>7} {'eff':>5} {'bubble':>6} "
         f"{'MiB/dev':>8} {'compile s':>9}"
     )
-    print(head)
     for i, r in enumerate(rows, 1):
         sched_name = r["schedule"] + (
             f"(v={r['virtual_stages']})" if r["virtual_stages"] > 1 else ""
@@ -351,26 +368,26 @@ def main(argv: list[str]) -> None:
         )
     for r in skipped:
         print(f"      skipped {_label(r)}: {r['status'][len('skipped: ') :]}")
-    config = {
-        **model,
-        **{
-            k: getattr(FLAGS, k)
-            for k in (
-                "devices",
-                "micro_batches",
-                "schedules",
-                "single_stage_schedule",
-                "remats",
-                "virtual_stages",
-                "optimizer",
-                "baseline",
-                "timeline",
-                "jit_compile",
-                "rounds",
-                "steps_per_round",
-            )
-        },
-    }
+
+
+def write_results(
+    env: dict, budgets: list[int], rows: list[dict], skipped: list[dict]
+) -> tuple[str, str, str]:
+    """<name>.json, <name>.csv (rows, then the skipped) and <name>.png; their paths."""
+    config = common.flag_values(
+        *common.REFERENCE_MODEL_FLAGS,
+        "devices",
+        "micro_batches",
+        "schedules",
+        "single_stage_schedule",
+        "remats",
+        "virtual_stages",
+        "optimizer",
+        "baseline",
+        "timeline",
+        "jit_compile",
+        *common.TIMING_FLAGS,
+    )
     path = common.write_json(
         FLAGS.name, {"environment": env, "config": config, "rows": rows, "skipped": skipped}
     )
@@ -379,8 +396,11 @@ def main(argv: list[str]) -> None:
         f"{FLAGS.model} (width {FLAGS.width}, depth {FLAGS.depth}), batch {FLAGS.batch}, "
         f"N = {', '.join(map(str, budgets))} simulated CPU devices ({os.cpu_count()} cores)"
     )
-    png = plot(FLAGS.name, rows, title)
-    print(f"  wrote {path}, {csv_path} and {png} in {time.perf_counter() - started:.0f} s")
+    return path, csv_path, plot(FLAGS.name, rows, title)
+
+
+def print_summary(budgets: list[int], rows: list[dict], skipped: list[dict]) -> None:
+    """The SUMMARY line: counts, and the fastest multi-device configuration."""
     pipelined = [r for r in rows if r["devices"] > 1]
     best = pipelined[0] if pipelined else rows[0]
     print(
@@ -390,6 +410,32 @@ def main(argv: list[str]) -> None:
         f"{best['examples_per_s']:.1f} best_speedup={best['speedup']:.3f} "
         f"best_efficiency={best['efficiency']:.3f}"
     )
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.child:
+        spec = json.loads(FLAGS.child)
+        run_configurations(spec["configs"], spec["devices"])
+        return
+    from hybrid.models import num_layers
+
+    layers = num_layers(FLAGS.model, FLAGS.depth)
+    budgets = sorted({int(n) for n in FLAGS.devices})
+    started = time.perf_counter()
+    rows, skipped, environments = run_budgets(budgets, layers)
+    _rank_and_derive(rows)
+    env = dict(next(iter(environments.values()), {}))
+    env["devices"] = {n: e["devices"] for n, e in environments.items()}
+    common.print_header(FLAGS.name, env)
+    model = common.flag_values(*common.REFERENCE_MODEL_FLAGS)
+    print(f"  model: {model}, {layers} layers; optimizer {FLAGS.optimizer}")
+    print(f"  {len(rows)} configurations measured, {len(skipped)} skipped")
+    rows.sort(key=lambda r: -r["examples_per_s"])
+    print_table(rows, skipped)
+    path, csv_path, png = write_results(env, budgets, rows, skipped)
+    print(f"  wrote {path}, {csv_path} and {png} in {time.perf_counter() - started:.0f} s")
+    print_summary(budgets, rows, skipped)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Multi-host step time: a 2×2 mesh over 2 worker processes (loopback gRPC) vs one process.
 
-Starts 2 workers (``launch/worker.py``, 2 simulated CPUs each) on free 127.0.0.1 ports and
-a client process that simulates 4 CPUs of its own, connects to the workers, and times side
-by side, in alternation, the same model (4 × Dense(512) + a head, batch 256, M = 4, SGD) on
-three 2×2 meshes:
+Starts 2 workers (``hybrid/launch/worker.py``, 2 simulated CPUs each) on free 127.0.0.1
+ports and a client process that simulates 4 CPUs of its own, connects to the workers, and
+times side by side, in alternation, the same model (4 × Dense(512) + a head, batch 256,
+M = 4, SGD) on three 2×2 meshes:
 
     local                    the 4 devices of this process (no RPC at all)
     cluster                  replica groups inside a task, the pipeline crosses tasks (default)
@@ -25,16 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-import common  # noqa: E402
+import common
 
 common.define_timing_flags(rounds=12, steps_per_round=4)
 common.define_model_flags(depth=4, batch=256, width=512)
@@ -42,15 +38,6 @@ flags.DEFINE_integer("micro_batches", 4, "Micro-batches M per replica.")
 flags.DEFINE_integer("connect_timeout_s", 120, "Deadline for the workers to answer.")
 flags.DEFINE_string("client_of", None, "Internal: run as the client of this cluster spec.")
 FLAGS = flags.FLAGS
-_FORWARDED = (
-    "rounds",
-    "steps_per_round",
-    "width",
-    "depth",
-    "batch",
-    "micro_batches",
-    "connect_timeout_s",
-)
 
 
 def _free_ports(count: int) -> list[int]:
@@ -73,13 +60,13 @@ def _start_workers(spec: str, logs: str) -> list[subprocess.Popen]:
                     [
                         sys.executable,
                         "-m",
-                        "launch.worker",
+                        "hybrid.launch.worker",
                         f"--cluster={spec}",
                         f"--task_index={i}",
                         "--simulated_devices=2",
                         "--lifetime_s=1800",
                     ],
-                    cwd=ROOT,
+                    cwd=common.ROOT,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -112,11 +99,13 @@ def main(argv: list[str]) -> int:
     spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in _free_ports(2)]})
     logs = tempfile.mkdtemp(prefix="hybrid-multihost-")
     workers = _start_workers(spec, logs)
-    forwarded = [f"--{name}={getattr(FLAGS, name)}" for name in _FORWARDED]
+    forwarded = common.flag_args(
+        *common.TIMING_FLAGS, *common.MODEL_FLAGS, "micro_batches", "connect_timeout_s"
+    )
     try:
         client = subprocess.run(
             [sys.executable, os.path.abspath(__file__), f"--client_of={spec}", *forwarded],
-            cwd=ROOT,
+            cwd=common.ROOT,
             timeout=1500,
         )
     finally:
@@ -126,75 +115,86 @@ def main(argv: list[str]) -> int:
     return client.returncode
 
 
-def run(spec: str) -> None:
+def connect(spec: str) -> tuple[Any, dict[str, Any]]:
+    """Simulates this process's 4 CPUs, connects to the workers, prints the environment."""
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # not the session config the connect logs
     import hybrid
 
     hybrid.simulate_cpu_devices(4)
-    import keras
-
     from hybrid.platforms import cluster
 
     job = cluster.connect(spec, timeout_s=FLAGS.connect_timeout_s)
     env = common.environment()
     env["workers"] = [str(t) for t in job.workers]
     common.print_header("multihost", env)
-    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    return job, env
+
+
+def meshes(job: Any) -> dict[str, Any]:
+    """The three 2×2 meshes: this process's devices, and the cluster's in either order."""
+    import hybrid
+    from hybrid.platforms import cluster
+
     # After connecting, the device list holds every task's devices: take this process's.
     local = [d for d in hybrid.local_devices("CPU") if "/job:worker/" not in d]
-    meshes = {
+    out = {
         "local": hybrid.DeviceMesh.from_devices(local, 2, 2),
         "cluster": cluster.mesh(job, 2, 2),
         "cluster_pipelines": cluster.mesh(job, 2, 2, order="pipelines_in_host"),
     }
+    for name, mesh in out.items():
+        print(f"  {name:18s} {[list(row) for row in mesh.devices]}")
+    return out
 
-    def make(mesh: hybrid.DeviceMesh) -> Any:
-        pipe = hybrid.Pipeline(
-            common.dense_stack(FLAGS.width, FLAGS.depth),
-            mesh=mesh,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.SGD(1e-3),
+
+def candidates(meshes: dict[str, Any], x: Any, y: Any) -> dict[str, Callable[[], Any]]:
+    """One training step of the same model on each mesh."""
+    import keras
+
+    steps = {}
+    for name, mesh in meshes.items():
+        pipe = common.dense_pipeline(
+            FLAGS.width,
+            FLAGS.depth,
+            mesh,
+            keras.optimizers.SGD(1e-3),
             micro_batches=FLAGS.micro_batches,
         )
-        pipe.build((None, FLAGS.width))
-        return lambda: pipe.train_step(x, y)
+        steps[name] = common.train_step(pipe, x, y)
+    return steps
 
-    for name, mesh in meshes.items():
-        print(f"  {name:18s} {[list(row) for row in mesh.devices]}")
+
+def ratios(ms: dict[str, float]) -> tuple[float, float]:
+    """The step time on each cluster mesh over the local one (printed): the default device
+    order's, then pipelines_in_host's."""
+    ratio = {}
+    for name in ("cluster", "cluster_pipelines"):
+        ratio[name] = ms[name] / ms["local"]
+        print(f"  {f'ratio {name} / local:':34s}{ratio[name]:.3f}")
+    return ratio["cluster"], ratio["cluster_pipelines"]
+
+
+def run(spec: str) -> None:
+    job, env = connect(spec)
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    by_name = meshes(job)
     with job.guard():
-        samples = common.time_alternating(
-            {name: make(mesh) for name, mesh in meshes.items()},
-            rounds=FLAGS.rounds,
-            steps_per_round=FLAGS.steps_per_round,
-            warmup=2,
-        )
-    ms = {name: 1e3 * common.median(v) for name, v in samples.items()}
-    ratio = ms["cluster"] / ms["local"]
-    ratio_pipelines = ms["cluster_pipelines"] / ms["local"]
-    for name, value in ms.items():
-        print(f"  {name:18s} {value:8.2f} ms/step (median of {FLAGS.rounds} rounds)")
-    print(f"  ratio cluster / local:            {ratio:.3f}")
-    print(f"  ratio cluster_pipelines / local:  {ratio_pipelines:.3f}")
-    config = {
-        k: getattr(FLAGS, k)
-        for k in ("rounds", "steps_per_round", "width", "depth", "batch", "micro_batches")
-    }
-    path = common.write_json(
+        samples, ms = common.time_steps(candidates(by_name, x, y), warmup=2)
+    common.print_ms(ms, width=18)
+    ratio, ratio_pipelines = ratios(ms)
+    common.write_timed(
         "multihost",
-        {
-            "environment": env,
-            "config": config,
-            "meshes": {name: [list(row) for row in m.devices] for name, m in meshes.items()},
-            "ms_per_step": ms,
-            "samples_s": samples,
-            "ratio": ratio,
-            "ratio_pipelines": ratio_pipelines,
-        },
+        env,
+        common.flag_values(*common.TIMING_FLAGS, *common.MODEL_FLAGS, "micro_batches"),
+        samples,
+        ms,
+        "2×2 mesh: one process vs 2 gRPC tasks",
+        meshes={name: [list(row) for row in m.devices] for name, m in by_name.items()},
+        ratio=ratio,
+        ratio_pipelines=ratio_pipelines,
     )
-    common.bar_chart("multihost", ms, "ms / step", "2×2 mesh: one process vs 2 gRPC tasks")
-    print(f"  wrote {path}")
     print(
         f"SUMMARY multihost local_ms={ms['local']:.2f} cluster_ms={ms['cluster']:.2f} "
         f"cluster_pipelines_ms={ms['cluster_pipelines']:.2f} ratio={ratio:.3f} "

@@ -10,95 +10,90 @@ its stage programs with XLA). Target: pipeline / hand-written XLA ≤ 1.05.
 
 from __future__ import annotations
 
-import os
-import sys
+from collections.abc import Callable
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-import common  # noqa: E402
+import common
 
 common.define_timing_flags(rounds=10, steps_per_round=5)
 common.define_model_flags(depth=4, batch=256)
 FLAGS = flags.FLAGS
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    import hybrid
-
-    hybrid.simulate_cpu_devices(1)
+def handwritten_step(x: Any, y: Any, loss: Any, jit: bool) -> Callable[[], float]:
+    """One training step of the same model as a hand-written ``tf.function`` (GradientTape,
+    Adam), XLA-compiled when ``jit``."""
     import keras
     import tensorflow as tf
 
-    env = common.environment()
-    common.print_header("overhead", env)
+    model = keras.Sequential(
+        [keras.Input((FLAGS.width,))] + common.dense_stack(FLAGS.width, FLAGS.depth)
+    )
+    optimizer = keras.optimizers.Adam(1e-4)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function(jit_compile=jit)
+    def step(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return value
+
+    return lambda: float(step(x, y))
+
+
+def candidates() -> dict[str, Callable[[], Any]]:
+    """The 1×1 pipeline and the hand-written step with and without XLA, on one fixed batch."""
+    import keras
+
+    import hybrid
+
     x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    pipe = hybrid.Pipeline(
-        common.dense_stack(FLAGS.width, FLAGS.depth),
-        mesh=hybrid.DeviceMesh.create(1, 1),
+    pipe = common.dense_pipeline(
+        FLAGS.width,
+        FLAGS.depth,
+        hybrid.DeviceMesh.create(1, 1),
+        keras.optimizers.Adam(1e-4),
         loss=loss,
-        optimizer=keras.optimizers.Adam(1e-4),
         micro_batches=1,
         remat="never",
     )
-    pipe.build((None, FLAGS.width))
+    return {
+        "pipeline_1x1": common.train_step(pipe, x, y),
+        "keras_tf_function_xla": handwritten_step(x, y, loss, jit=True),
+        "keras_tf_function": handwritten_step(x, y, loss, jit=False),
+    }
 
-    def handwritten(jit: bool):
-        model = keras.Sequential(
-            [keras.Input((FLAGS.width,))] + common.dense_stack(FLAGS.width, FLAGS.depth)
-        )
-        optimizer = keras.optimizers.Adam(1e-4)
-        optimizer.build(model.trainable_variables)
 
-        @tf.function(jit_compile=jit)
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                value = loss(y, model(x, training=True))
-            grads = tape.gradient(value, model.trainable_variables)
-            optimizer.apply(grads, model.trainable_variables)
-            return value
-
-        return lambda: float(step(x, y))
-
-    samples = common.time_alternating(
-        {
-            "pipeline_1x1": lambda: pipe.train_step(x, y),
-            "keras_tf_function_xla": handwritten(True),
-            "keras_tf_function": handwritten(False),
-        },
-        rounds=FLAGS.rounds,
-        steps_per_round=FLAGS.steps_per_round,
-        warmup=3,
-    )
-    ms = {name: 1e3 * common.median(v) for name, v in samples.items()}
+def ratios(ms: dict[str, float]) -> tuple[float, float]:
+    """The pipeline's step time over the hand-written one's, with and without XLA; printed."""
     ratio_xla = ms["pipeline_1x1"] / ms["keras_tf_function_xla"]
     ratio_plain = ms["pipeline_1x1"] / ms["keras_tf_function"]
-    for name, value in ms.items():
-        print(f"  {name:24s} {value:8.2f} ms/step (median of {FLAGS.rounds} rounds)")
     print(f"  ratio pipeline / hand-written XLA step:   {ratio_xla:.3f}  (target <= 1.05)")
     print(f"  ratio pipeline / hand-written plain step: {ratio_plain:.3f}")
-    config = {
-        k: getattr(FLAGS, k) for k in ("rounds", "steps_per_round", "width", "depth", "batch")
-    }
-    path = common.write_json(
+    return ratio_xla, ratio_plain
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    env = common.start("overhead", devices=1)
+    samples, ms = common.time_steps(candidates(), warmup=3)
+    common.print_ms(ms, width=24)
+    ratio_xla, ratio_plain = ratios(ms)
+    common.write_timed(
         "overhead",
-        {
-            "environment": env,
-            "config": config,
-            "ms_per_step": ms,
-            "samples_s": samples,
-            "ratio_vs_xla": ratio_xla,
-            "ratio_vs_plain": ratio_plain,
-        },
+        env,
+        common.flag_values(*common.TIMING_FLAGS, *common.MODEL_FLAGS),
+        samples,
+        ms,
+        "1×1 pipeline vs hand-written Keras step",
+        ratio_vs_xla=ratio_xla,
+        ratio_vs_plain=ratio_plain,
     )
-    common.bar_chart("overhead", ms, "ms / step", "1×1 pipeline vs hand-written Keras step")
-    print(f"  wrote {path}")
     print(f"SUMMARY overhead ratio_vs_xla={ratio_xla:.3f} ratio_vs_plain={ratio_plain:.3f}")
 
 

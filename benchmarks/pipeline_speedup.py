@@ -10,16 +10,12 @@ Target: efficiency ≥ 0.85 with the default remat mode ("except_last"); each mo
 
 from __future__ import annotations
 
-import os
-import sys
+from collections.abc import Callable
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-import common  # noqa: E402
+import common
 
 common.define_timing_flags(rounds=10, steps_per_round=3)
 common.define_model_flags(depth=4, batch=256)
@@ -29,82 +25,65 @@ flags.DEFINE_list("remats", ["except_last", "never", "always"], "Remat modes to 
 FLAGS = flags.FLAGS
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    import hybrid
-
-    hybrid.simulate_cpu_devices(2)
+def candidates() -> dict[str, Callable[[], Any]]:
+    """For each remat mode: the model on 1 stage and on 2 stages, on one fixed batch."""
     import keras
 
-    env = common.environment()
-    common.print_header("pipeline_speedup", env)
+    import hybrid
+
     x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
-
-    def make(stages: int, remat: str) -> hybrid.Pipeline:
-        layers = common.dense_stack(FLAGS.width, FLAGS.depth)
-        pipe = hybrid.Pipeline(
-            layers,
-            mesh=hybrid.DeviceMesh.create(stages, 1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.SGD(1e-3),
-            micro_batches=FLAGS.micro_batches,
-            schedule=FLAGS.schedule,
-            remat=remat,
-        )
-        pipe.build((None, FLAGS.width))
-        print(f"  {stages} stage(s), remat={remat}: balance {pipe.balance}")
-        return pipe
-
-    candidates = {}
+    steps = {}
     for remat in FLAGS.remats:
         for stages in (1, 2):
-            pipe = make(stages, remat)
-            candidates[f"{stages}_stage_{remat}"] = lambda pipe=pipe: pipe.train_step(x, y)
-    samples = common.time_alternating(
-        candidates, rounds=FLAGS.rounds, steps_per_round=FLAGS.steps_per_round, warmup=3
-    )
-    ms = {name: 1e3 * common.median(v) for name, v in samples.items()}
+            pipe = common.dense_pipeline(
+                FLAGS.width,
+                FLAGS.depth,
+                hybrid.DeviceMesh.create(stages, 1),
+                keras.optimizers.SGD(1e-3),
+                micro_batches=FLAGS.micro_batches,
+                schedule=FLAGS.schedule,
+                remat=remat,
+            )
+            print(f"  {stages} stage(s), remat={remat}: balance {pipe.balance}")
+            steps[f"{stages}_stage_{remat}"] = common.train_step(pipe, x, y)
+    return steps
+
+
+def speedups(ms: dict[str, float]) -> tuple[float, dict[str, float], dict[str, float]]:
+    """GPipe's ideal speedup on 2 stages, and each remat mode's speedup and efficiency."""
     M, S = FLAGS.micro_batches, 2
     ideal = S * M / (M + S - 1)
-    speedups = {r: ms[f"1_stage_{r}"] / ms[f"2_stage_{r}"] for r in FLAGS.remats}
-    efficiencies = {r: v / ideal for r, v in speedups.items()}
-    for name, value in ms.items():
-        print(f"  {name:22s} {value:8.2f} ms/step (median of {FLAGS.rounds} rounds)")
+    measured = {r: ms[f"1_stage_{r}"] / ms[f"2_stage_{r}"] for r in FLAGS.remats}
+    return ideal, measured, {r: v / ideal for r, v in measured.items()}
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    env = common.start("pipeline_speedup", devices=2)
+    samples, ms = common.time_steps(candidates(), warmup=3)
+    ideal, speedup_of, efficiency_of = speedups(ms)
+    common.print_ms(ms, width=22)
     for r in FLAGS.remats:
         print(
-            f"  remat={r:12s} speedup {speedups[r]:.3f}  ideal {ideal:.3f}  "
-            f"efficiency {efficiencies[r]:.3f}"
+            f"  remat={r:12s} speedup {speedup_of[r]:.3f}  ideal {ideal:.3f}  "
+            f"efficiency {efficiency_of[r]:.3f}"
         )
     primary = FLAGS.remats[0]
-    speedup, efficiency = speedups[primary], efficiencies[primary]
+    speedup, efficiency = speedup_of[primary], efficiency_of[primary]
     print(f"  target: efficiency >= 0.85 with remat={primary}: {efficiency:.3f}")
-    config = {
-        k: getattr(FLAGS, k)
-        for k in (
-            "rounds",
-            "steps_per_round",
-            "width",
-            "depth",
-            "batch",
-            "micro_batches",
-            "schedule",
-            "remats",
-        )
-    }
-    path = common.write_json(
+    common.write_timed(
         "pipeline_speedup",
-        {
-            "environment": env,
-            "config": config,
-            "ms_per_step": ms,
-            "samples_s": samples,
-            "speedup": speedups,
-            "ideal": ideal,
-            "efficiency": efficiencies,
-        },
+        env,
+        common.flag_values(
+            *common.TIMING_FLAGS, *common.MODEL_FLAGS, "micro_batches", "schedule", "remats"
+        ),
+        samples,
+        ms,
+        f"1 vs 2 stages, M={FLAGS.micro_batches}",
+        speedup=speedup_of,
+        ideal=ideal,
+        efficiency=efficiency_of,
     )
-    common.bar_chart("pipeline_speedup", ms, "ms / step", f"1 vs 2 stages, M={M}")
-    print(f"  wrote {path}")
     print(
         f"SUMMARY pipeline_speedup remat={primary} speedup={speedup:.3f} "
         f"efficiency={efficiency:.3f}"

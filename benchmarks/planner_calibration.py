@@ -35,17 +35,15 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+import common  # first: it sets TensorFlow's environment and puts the source tree on sys.path
 
-from hybrid.planning import planner  # noqa: E402
-from hybrid.planning.planner import Config, CostProfile, Hardware, LayerCost, Link  # noqa: E402
-
-import common  # noqa: E402
+# isort: split
+from hybrid.planning import planner
+from hybrid.planning.planner import Config, CostProfile, Hardware, LayerCost, Link
 
 flags.DEFINE_string("sweep", "mesh_scaling", "Name of the sweep's results (benchmarks/results).")
 flags.DEFINE_bool("run_sweep", False, "Run mesh_scaling.py first even if its JSON exists.")
@@ -60,7 +58,6 @@ FLAGS = flags.FLAGS
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
-_MODEL_KEYS = ("model", "width", "depth", "batch", "seq_len", "num_heads", "image_size")
 
 
 # ---------------------------------------------------------------------------
@@ -114,25 +111,28 @@ def profile_child(spec: dict) -> None:
     cost = CostProfile.from_measurement(
         measurement, input_is_float=tf.as_dtype(data["input_dtype"]).is_floating
     )
-    devices = ["/device:CPU:0", "/device:CPU:1"]
-    sizes = [4 << 10, 1 << 20, 4 << 20]
-    links = {
-        "sizes": sizes,
-        "all_reduce_s": profile.measure_all_reduce(devices, sizes, repeats=spec["repeats"]),
-        "transfer_s": profile.measure_transfer(*devices, sizes, repeats=spec["repeats"]),
+    result = {
+        "profile": cost.to_dict(),
+        "launch_overhead_s": measurement.launch_overhead,
+        "profile_seconds": seconds,
+        "links": measure_links(spec["repeats"]),
+        "environment": common.environment(),
     }
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "profile": cost.to_dict(),
-                "launch_overhead_s": measurement.launch_overhead,
-                "profile_seconds": seconds,
-                "links": links,
-                "environment": common.environment(),
-            }
-        )
-    )
+    print("RESULT " + json.dumps(result))
+
+
+def measure_links(repeats: int) -> dict[str, list]:
+    """Seconds of the all-reduce between the two devices and of a hand-over from the first
+    to the second, at a few sizes (bytes)."""
+    from hybrid.planning import profile
+
+    source, target = "/device:CPU:0", "/device:CPU:1"
+    sizes = [4 << 10, 1 << 20, 4 << 20]
+    return {
+        "sizes": sizes,
+        "all_reduce_s": profile.measure_all_reduce([source, target], sizes, repeats=repeats),
+        "transfer_s": profile.measure_transfer(source, target, sizes, repeats=repeats),
+    }
 
 
 def previous_profile(spec: dict) -> dict | None:
@@ -187,7 +187,7 @@ def fit_linear(
         a = np.stack([columns[name] for name in free], axis=1) / measured[:, None]
         deltas, *_ = np.linalg.lstsq(a, (measured - base) / measured, rcond=None)
         values = {name: getattr(hw, name) + float(d) for name, d in zip(free, deltas, strict=True)}
-        lowest = min(values, key=values.get)
+        lowest = min(values, key=lambda name: values[name])
         if values[lowest] > 0:
             return dataclasses.replace(hw, **values)
         free.remove(lowest)
@@ -222,6 +222,8 @@ FIT_SCHEDULE = "1f1b"
 
 
 def calibrate(sweep: dict, child: dict) -> tuple[Hardware, list[dict], dict]:
+    """The machine constants fitted to the sweep's rows (see the module's step 3), every row
+    predicted with them beside its measurement, and the fitted constants as a dict."""
     profile = CostProfile.from_dict(child["profile"])
     rows = [dict(r, batch=sweep["config"]["batch"]) for r in sweep["rows"]]
     slots = 2 if sweep["config"]["optimizer"] == "adam" else 0
@@ -232,63 +234,13 @@ def calibrate(sweep: dict, child: dict) -> tuple[Hardware, list[dict], dict]:
     pipeline = Link.fit(links["sizes"], links["transfer_s"])
     # Launching one program inside the step costs what the profile's identity layer cost.
     hw = Hardware(pipeline=pipeline, replica=replica, action_overhead=child["launch_overhead_s"])
-    roles = {id(r): _role(r) for r in rows}
-
-    def having(role: str) -> list[dict]:
-        return [r for r in rows if roles[id(r)] == role]
-
-    hw = fit_linear(
-        profile, having("fit: 1×1"), hw, slots, {"compute_scale": 1.0, "tensor_overhead": 1e-5}
-    )
-    # Replicas: the cores the simulated devices really get, and the cross-device latency of
-    # the all-reduce (on a loaded host, waking the other device's thread).
+    roles = [_role(r) for r in rows]
+    by_role: dict[str, list[dict]] = {}
+    for r, role in zip(rows, roles, strict=True):
+        by_role.setdefault(role, []).append(r)
     cores = int(sweep["environment"].get("cores") or 2)
-    hw = fit_grid(
-        profile,
-        having("fit: replicas"),
-        slots,
-        [
-            dataclasses.replace(
-                hw,
-                host_cores=1.0 + (cores - 1.0) * i / 20,
-                replica=Link(replica.bandwidth, replica.latency + 5e-5 * j),
-            )
-            for i in range(21)
-            for j in range(41)
-        ],
-    )
-    # Pipelines: the latency of handing an activation or a gradient to the next device.
-    hw = fit_grid(
-        profile,
-        having("fit: pipeline"),
-        slots,
-        [
-            dataclasses.replace(hw, pipeline=Link(pipeline.bandwidth, pipeline.latency + 5e-5 * j))
-            for j in range(61)
-        ],
-    )
-    table = []
-    for r in rows:
-        p = planner.evaluate(profile, config_of(r), r["batch"], hw, slots)
-        measured = r["step_ms"] / 1e3
-        table.append(
-            {
-                "mesh": f"{r['stages']}x{r['replicas']}",
-                "micro_batches": r["micro_batches"],
-                "schedule": r["schedule"],
-                "virtual_stages": r["virtual_stages"],
-                "remat": r["remat"],
-                "balance": r["balance"],
-                "role": roles[id(r)],
-                "measured_ms": 1e3 * measured,
-                "predicted_ms": 1e3 * p.step_time,
-                "error": p.step_time / measured - 1,
-                "measured_bubble": r["measured_bubble"],
-                "predicted_bubble": p.bubble,
-                "measured_mib_total": r["peak_mib_total"],
-                "predicted_mib_total": p.total_memory / MiB,
-            }
-        )
+    hw = fit_hardware(profile, by_role, hw, slots, cores)
+    table = [compare(profile, r, role, hw, slots) for r, role in zip(rows, roles, strict=True)]
     fitted = {
         "compute_scale": hw.compute_scale,
         "tensor_overhead_s": hw.tensor_overhead,
@@ -301,6 +253,71 @@ def calibrate(sweep: dict, child: dict) -> tuple[Hardware, list[dict], dict]:
         "optimizer_slots": slots,
     }
     return hw, table, fitted
+
+
+def fit_hardware(
+    profile: CostProfile, having: dict[str, list[dict]], hw: Hardware, slots: int, cores: int
+) -> Hardware:
+    """``hw`` with its constants fitted in turn, each on the rows of its role (``having``):
+    the single-device overheads, the replicas' cores and latency, the pipeline latency (the
+    grids start from the links in ``hw``, the measured ones)."""
+    hw = fit_linear(
+        profile,
+        having.get("fit: 1×1", []),
+        hw,
+        slots,
+        {"compute_scale": 1.0, "tensor_overhead": 1e-5},
+    )
+    # Replicas: the cores the simulated devices really get, and the cross-device latency of
+    # the all-reduce (on a loaded host, waking the other device's thread).
+    replica = hw.replica
+    hw = fit_grid(
+        profile,
+        having.get("fit: replicas", []),
+        slots,
+        [
+            dataclasses.replace(
+                hw,
+                host_cores=1.0 + (cores - 1.0) * i / 20,
+                replica=Link(replica.bandwidth, replica.latency + 5e-5 * j),
+            )
+            for i in range(21)
+            for j in range(41)
+        ],
+    )
+    # Pipelines: the latency of handing an activation or a gradient to the next device.
+    pipeline = hw.pipeline
+    return fit_grid(
+        profile,
+        having.get("fit: pipeline", []),
+        slots,
+        [
+            dataclasses.replace(hw, pipeline=Link(pipeline.bandwidth, pipeline.latency + 5e-5 * j))
+            for j in range(61)
+        ],
+    )
+
+
+def compare(profile: CostProfile, r: dict, role: str, hw: Hardware, slots: int) -> dict:
+    """One sweep row's measurements beside the planner's predictions for it."""
+    p = planner.evaluate(profile, config_of(r), r["batch"], hw, slots)
+    measured = r["step_ms"] / 1e3
+    return {
+        "mesh": f"{r['stages']}x{r['replicas']}",
+        "micro_batches": r["micro_batches"],
+        "schedule": r["schedule"],
+        "virtual_stages": r["virtual_stages"],
+        "remat": r["remat"],
+        "balance": r["balance"],
+        "role": role,
+        "measured_ms": 1e3 * measured,
+        "predicted_ms": 1e3 * p.step_time,
+        "error": p.step_time / measured - 1,
+        "measured_bubble": r["measured_bubble"],
+        "predicted_bubble": p.bubble,
+        "measured_mib_total": r["peak_mib_total"],
+        "predicted_mib_total": p.total_memory / MiB,
+    }
 
 
 def scatter(name: str, table: list[dict]) -> str:
@@ -405,15 +422,21 @@ def transformer_profile(
     return CostProfile(tuple(layers), (1, 1024), 4.0 * seq, input_is_float=False, source="analytic")
 
 
+def _hardware(memory_gib: float, pipeline: Link, replica: Link, action_overhead: float) -> Hardware:
+    """Stated hardware: memory per device (GiB), the stage and replica links, the fixed cost
+    of one scheduled action (seconds)."""
+    return Hardware(
+        memory_per_device=memory_gib * GiB,
+        pipeline=pipeline,
+        replica=replica,
+        action_overhead=action_overhead,
+    )
+
+
 # TPU v3-like core: 123 TFLOP/s bf16 per chip / 2 cores at ~50 % utilisation; ~5 µs per
 # kernel; chip-to-chip links ~70 GB/s.
 TPU_V3 = Accelerator(flops=30e12, kernel=5e-6)
-TPU_V3_LINKS = Hardware(
-    memory_per_device=16 * GiB,
-    pipeline=Link(70e9, 5e-6),
-    replica=Link(70e9, 5e-6),
-    action_overhead=10e-6,
-)
+TPU_V3_LINKS = _hardware(16, Link(70e9, 5e-6), Link(70e9, 5e-6), action_overhead=10e-6)
 # GPipe (Huang et al. 2019), Table 3, Transformer on TPU: T(K, M) / T(2, 1). The M = 32 row
 # is the target; the M = 1 and M = 4 rows changed the batch per configuration to fit memory.
 PUBLISHED_GPIPE = {
@@ -473,20 +496,15 @@ def gpipe_reproduction() -> tuple[list[dict], dict]:
 # GPU node (8 × H100-class, NVLink inside a node, 400 Gb/s between nodes): ~400 TFLOP/s
 # sustained bf16, ~4 µs per kernel.
 GPU = Accelerator(flops=400e12, kernel=4e-6)
-GPU_CLUSTER = Hardware(
-    memory_per_device=80 * GiB,
+GPU_CLUSTER = _hardware(
+    80,
     pipeline=Link(50e9, 10e-6),  # between nodes
     replica=Link(200e9, 5e-6),  # NVLink ring inside a node
     action_overhead=20e-6,
 )
 # TPU v4-class pod: ~200 TFLOP/s sustained bf16 per chip, 32 GiB HBM, ~45 GB/s per ICI link.
 TPU_V4 = Accelerator(flops=200e12, kernel=5e-6)
-TPU_POD = Hardware(
-    memory_per_device=32 * GiB,
-    pipeline=Link(45e9, 5e-6),
-    replica=Link(45e9, 5e-6),
-    action_overhead=10e-6,
-)
+TPU_POD = _hardware(32, Link(45e9, 5e-6), Link(45e9, 5e-6), action_overhead=10e-6)
 
 
 def large_mesh_plans() -> tuple[list[dict], list[str]]:
@@ -525,42 +543,41 @@ def large_mesh_plans() -> tuple[list[dict], list[str]]:
             f"{title}: {profile.num_layers} layers, {params / 1e9:.1f} B parameters, global batch "
             f"{batch} ({seconds:.0f} s to plan)\n" + result.table(top=8, rejected=3)
         )
-        for rank, p in enumerate(result.ranked[:8], 1):
-            c = p.config
-            out.append(
-                {
-                    "case": title,
-                    "rank": rank,
-                    "mesh": f"{c.stages}x{c.replicas}",
-                    "micro_batches": c.micro_batches,
-                    "schedule": c.schedule,
-                    "virtual_stages": c.virtual_stages,
-                    "remat": c.remat,
-                    "step_s": p.step_time,
-                    "examples_per_s": p.throughput,
-                    "bubble": p.bubble,
-                    "memory_gib": p.peak_memory / GiB,
-                }
-            )
+        out += [plan_row(title, rank, p) for rank, p in enumerate(result.ranked[:8], 1)]
     return out, tables
+
+
+def plan_row(case: str, rank: int, p: Any) -> dict:
+    """One ranked plan of a case as a row of planner_projection.csv."""
+    c = p.config
+    return {
+        "case": case,
+        "rank": rank,
+        "mesh": f"{c.stages}x{c.replicas}",
+        "micro_batches": c.micro_batches,
+        "schedule": c.schedule,
+        "virtual_stages": c.virtual_stages,
+        "remat": c.remat,
+        "step_s": p.step_time,
+        "examples_per_s": p.throughput,
+        "bubble": p.bubble,
+        "memory_gib": p.peak_memory / GiB,
+    }
 
 
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    if FLAGS.child:
-        profile_child(json.loads(FLAGS.child))
-        return
-    started = time.perf_counter()
+def sweep_and_profile() -> tuple[dict, dict]:
+    """The sweep's results, and the profile child's (run now, or reused with
+    --reuse_profile), with the ``spec`` it profiled."""
     sweep = load_sweep()
     config = sweep["config"]
     batches = sorted({int(b) for b in FLAGS.profile_batches}) or sorted(
         {r["micro_batch_size"] for r in sweep["rows"]}
     )
     spec = {
-        "model": {k: config[k] for k in _MODEL_KEYS},
+        "model": {k: config[k] for k in common.REFERENCE_MODEL_FLAGS},
         "optimizer": config["optimizer"],
         "batches": batches,
         "repeats": FLAGS.profile_repeats,
@@ -572,12 +589,12 @@ def main(argv: list[str]) -> None:
             env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
         )
         child["spec"] = spec
-    common.print_header(FLAGS.name, child["environment"])
-    print(
-        f"  sweep: {FLAGS.sweep}.json ({sweep['environment'].get('date')}), model {spec['model']}"
-    )
-    print(f"  profile: batches {batches}, {child['profile_seconds']:.0f} s")
-    hw, table, fitted = calibrate(sweep, child)
+    return sweep, child
+
+
+def print_calibration(fitted: dict, table: list[dict]) -> tuple[list[float], list[float], int]:
+    """Prints the fitted constants and every row, predicted beside measured; returns the
+    absolute relative errors, those of the held-out rows, and how many are within 15 %."""
     print(
         f"  action_overhead {1e3 * fitted['action_overhead_s']:.3f} ms (profiled); fitted on "
         f"the single-stage rows: compute_scale {fitted['compute_scale']:.3f}, "
@@ -605,9 +622,11 @@ def main(argv: list[str]) -> None:
         f"median {statistics.median(held) if held else math.nan:.1%}, max "
         f"{max(held) if held else math.nan:.1%}; {within}/{len(errors)} within 15 %"
     )
+    return errors, held, within
 
-    gpipe, gpipe_setup = gpipe_reproduction()
-    print(f"  GPipe projection ({gpipe_setup['model']}, batch {gpipe_setup['global_batch']}):")
+
+def print_projections(gpipe: list[dict], setup: dict, tables: list[str]) -> None:
+    print(f"  GPipe projection ({setup['model']}, batch {setup['global_batch']}):")
     print(f"    {'M':>3} {'K':>2} {'predicted':>9} {'published':>9} {'K·M/(M+K-1)':>12}")
     for g in gpipe:
         pub = f"{g['published']:.1f}" if g["published"] else "-"
@@ -615,14 +634,37 @@ def main(argv: list[str]) -> None:
             f"    {g['M']:>3} {g['K']:>2} {g['normalized_throughput']:>9.2f} {pub:>9} "
             f"{g['bubble_formula_bound']:>12.2f}"
         )
-    large, tables = large_mesh_plans()
     for text in tables:
         print("  " + text.replace("\n", "\n  "))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.child:
+        profile_child(json.loads(FLAGS.child))
+        return
+    started = time.perf_counter()
+    sweep, child = sweep_and_profile()
+    spec = child["spec"]
+    common.print_header(FLAGS.name, child["environment"])
+    print(
+        f"  sweep: {FLAGS.sweep}.json ({sweep['environment'].get('date')}), model {spec['model']}"
+    )
+    print(f"  profile: batches {spec['batches']}, {child['profile_seconds']:.0f} s")
+    hw, table, fitted = calibrate(sweep, child)
+    errors, held, within = print_calibration(fitted, table)
+    gpipe, gpipe_setup = gpipe_reproduction()
+    large, tables = large_mesh_plans()
+    print_projections(gpipe, gpipe_setup, tables)
     path = common.write_json(
         FLAGS.name,
         {
             "environment": child["environment"],
-            "sweep": {"name": FLAGS.sweep, "environment": sweep["environment"], "config": config},
+            "sweep": {
+                "name": FLAGS.sweep,
+                "environment": sweep["environment"],
+                "config": sweep["config"],
+            },
             "profile_run": child,
             "fitted": fitted,
             "predicted_vs_measured": table,
