@@ -50,7 +50,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    import hybrid
 
     import reference as ref
 
@@ -58,17 +57,15 @@ def main() -> int:
     mesh = cluster.mesh(job, stages=2, replicas=2, order=args.order)
     with open(os.path.join(args.out, "mesh.json"), "w") as f:
         json.dump({"devices": mesh.devices}, f)
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(seed=99),
+    init = np.load(args.init)
+    pipe = ref.pipeline(
         mesh=mesh,
-        loss=ref.loss_fn(),
-        optimizer=ref.OPTIMIZERS[args.optimizer](),
+        layers=ref.mlp_layers(seed=99),
+        optimizer=args.optimizer,
         micro_batches=MICRO_BATCHES,
         jit_compile=not args.no_jit,
+        weights=[init[f"w{i}"] for i in range(len(init.files))],
     )
-    pipe.build((None, ref.IN_FEATURES))
-    init = np.load(args.init)
-    pipe.set_weights([init[f"w{i}"] for i in range(len(init.files))])
 
     def lost(tasks: tuple[cluster.Task, ...]) -> None:  # a hung task: the step never returns
         names = ", ".join(map(str, tasks))

@@ -60,6 +60,7 @@ def pipeline(
     replicas: int = 1,
     *,
     layers: list[keras.layers.Layer] | None = None,
+    mesh: hybrid.DeviceMesh | None = None,
     optimizer: str | Any = "sgd_momentum",
     micro_batches: int = 2,
     schedule: str = "gpipe",
@@ -70,6 +71,7 @@ def pipeline(
     """The test MLP (or ``layers``) as a Pipeline on an S × R mesh of this process.
 
     Args:
+      mesh: another mesh (a cluster's) instead of this process's first S × R devices.
       optimizer: a name in :data:`OPTIMIZERS`, or anything ``Pipeline`` takes.
       schedule: interleaved gets 2 virtual stages unless ``virtual_stages`` is given.
       weights: set on every replica (the pipeline is built first).
@@ -79,7 +81,7 @@ def pipeline(
     kwargs.setdefault("virtual_stages", 2 if schedule == "interleaved" else 1)
     pipe = hybrid.Pipeline(
         layers if layers is not None else mlp_layers(),
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        mesh=mesh or hybrid.DeviceMesh.create(stages, replicas),
         loss=loss_fn(),
         optimizer=OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer,
         micro_batches=micro_batches,

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import hybrid
 from hybrid.platforms import cluster
 
 import pause
@@ -149,15 +148,7 @@ def local_run(init: str) -> tuple[list[float], list[np.ndarray], list[float], li
     start = [weights[f"w{i}"] for i in range(len(weights.files))]
     reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS[OPTIMIZER]())
     reference.model.set_weights(start)
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(seed=99),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=ref.loss_fn(),
-        optimizer=ref.OPTIMIZERS[OPTIMIZER](),
-        micro_batches=2,
-    )
-    pipe.build((None, ref.IN_FEATURES))
-    pipe.set_weights(start)
+    pipe = ref.pipeline(2, 2, layers=ref.mlp_layers(seed=99), optimizer=OPTIMIZER, weights=start)
     pipe_losses, ref_losses = [], []
     for step in range(STEPS):
         x, y = ref.batch(64, seed=step + 1)
@@ -193,14 +184,7 @@ def test_two_tasks_train_like_one_process(job, tmp_path):
     # The checkpoint the client wrote restores on one process, onto another mesh.
     from hybrid import checkpoint
 
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(seed=7),
-        mesh=hybrid.DeviceMesh.create(1, 2),
-        loss=ref.loss_fn(),
-        optimizer=ref.OPTIMIZERS[OPTIMIZER](),
-        micro_batches=2,
-    )
-    pipe.build((None, ref.IN_FEATURES))
+    pipe = ref.pipeline(1, 2, layers=ref.mlp_layers(seed=7), optimizer=OPTIMIZER, build=True)
     restored = checkpoint.Checkpointer(pipe, checkpoints).restore_latest()
     assert restored is not None and restored.step == STEPS
     ref.assert_weights_close(pipe.get_weights(), weights, rtol=0, atol=0)

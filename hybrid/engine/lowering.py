@@ -46,6 +46,87 @@ class ReplicaStep:
     events: list[tuple[int, Action, tf.Tensor, tf.Tensor]]
 
 
+Outputs = tuple[list[tf.Tensor], list[tf.Tensor]]  # (what the action computed, the chain tail)
+
+
+class _TrainingLowering:
+    """One replica's lowering state: what each action leaves for the actions after it.
+
+    Attributes:
+      grads: ``grads[k]``: model stage k's gradients summed so far.
+      tails: ``tails[d]``: the newest outputs of device d (its next action waits on them).
+      outputs: F results waiting for stage k + 1, by (k, m).
+      saved: what a forward kept for its backward, by (k, m).
+      upstream: the gradient flowing into stage k, by (k, m).
+    """
+
+    def __init__(self, schedule: Schedule, stages: Sequence[StageReplica]) -> None:
+        self.schedule, self.stages = schedule, stages
+        self.split = schedule.splits_backward
+        # d(mean over micro-batches) / d(loss of one micro-batch)
+        self.loss_scale = tf.constant(1.0 / schedule.num_microbatches)
+        self.grads: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
+        self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
+        self.losses: list[tf.Tensor] = []
+        self.outputs: dict[tuple[int, int], tf.Tensor] = {}
+        self.saved: dict[tuple[int, int], Saved] = {}
+        self.upstream: dict[tuple[int, int], tf.Tensor] = {}
+
+    def accumulate(self, k: int, dw: list[tf.Tensor]) -> None:
+        if dw:
+            acc = self.grads[k]
+            self.grads[k] = dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
+
+    def output_gradient(self, k: int, m: int, keep: bool) -> tf.Tensor:
+        """The gradient arriving at stage k's output for micro-batch m."""
+        if self.stages[k].is_last:
+            return self.loss_scale
+        return self.upstream[(k, m)] if keep else self.upstream.pop((k, m))
+
+    def pass_down(self, k: int, m: int, dx: tf.Tensor | None) -> list[tf.Tensor]:
+        if dx is None:
+            return []
+        self.upstream[(k - 1, m)] = dx
+        return [dx]
+
+    def fused(self, k: int, m: int, x: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor) -> Outputs:
+        loss, dx, dw = self.stages[k].forward_backward(x, labels, seed, self.loss_scale, k > 0)
+        self.losses.append(loss)
+        self.accumulate(k, dw)
+        sent = self.pass_down(k, m, dx)
+        return [loss] + sent + dw, [loss] + sent + self.grads[k]
+
+    def forward(
+        self, k: int, m: int, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, remat: bool
+    ) -> Outputs:
+        record = self.stages[k].forward(x, labels, seed, remat, self.split)
+        self.saved[(k, m)] = record
+        if self.stages[k].is_last:
+            self.losses.append(record.output)
+        else:
+            self.outputs[(k, m)] = record.output
+        return [record.output], [record.output]
+
+    def backward(self, k: int, m: int, dy: tf.Tensor) -> Outputs:
+        keep = self.saved[(k, m)] if self.split else self.saved.pop((k, m))
+        dx, dw = self.stages[k].backward(keep, dy, need_dx=k > 0, need_dw=not self.split)
+        self.accumulate(k, dw)
+        sent = self.pass_down(k, m, dx)
+        if not self.split:
+            self.upstream.pop((k, m), None)
+        direct, done = sent + dw, sent + self.grads[k]
+        if not done:  # stage 0's first B in a split schedule computes nothing
+            tail = self.tails[self.schedule.device_of(k)]
+            return tail, tail
+        return direct, done
+
+    def weight(self, k: int, m: int) -> Outputs:
+        dy = self.output_gradient(k, m, keep=False)
+        _, dw = self.stages[k].backward(self.saved.pop((k, m)), dy, need_dx=False, need_dw=True)
+        self.accumulate(k, dw)
+        return dw, self.grads[k]
+
+
 def lower_training(
     schedule: Schedule,
     order: Sequence[Action],
@@ -68,78 +149,37 @@ def lower_training(
       remat: micro-batch -> whether its forward keeps no activations.
       clocks: one per pipeline device: record start and end of every action.
     """
-    K, M = schedule.num_model_stages, schedule.num_microbatches
-    split = schedule.splits_backward
-    loss_scale = tf.constant(1.0 / M)  # d(mean over micro-batches) / d(loss of one)
-    grads: list[list[tf.Tensor]] = [[] for _ in range(K)]
-    tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
-    losses: list[tf.Tensor] = []
-    outputs: dict[tuple[int, int], tf.Tensor] = {}  # F results consumed by stage k+1
-    saved: dict[tuple[int, int], Saved] = {}
-    upstream: dict[tuple[int, int], tf.Tensor] = {}  # gradient flowing into stage k
+    state = _TrainingLowering(schedule, stages)
     recorder = Recorder(clocks)
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
-
-    def accumulate(k: int, dw: list[tf.Tensor]) -> None:
-        if dw:
-            grads[k] = dw if not grads[k] else [a + g for a, g in zip(grads[k], dw, strict=True)]
-
     for action in order:
         if action in skipped:
             continue  # already run together with its forward
-        k, m = action.stage, action.microbatch
-        d = schedule.device_of(k)
-        stage = stages[k]
-        labels = ys[m] if stage.is_last else None
-        with tf.device(stage.device):
+        k, m, d = action.stage, action.microbatch, schedule.device_of(action.stage)
+        labels = ys[m] if stages[k].is_last else None
+        with tf.device(stages[k].device):
+            # What the action waits for besides its device's previous action.
             if action.op is Op.F:
-                inputs = xs[m] if k == 0 else outputs.pop((k - 1, m))
-                waits = tails[d] + [inputs]
+                x = xs[m] if k == 0 else state.outputs.pop((k - 1, m))
+                inputs = [x]
             elif action.op is Op.B:
-                dy = loss_scale if stage.is_last else upstream[(k, m)]
-                waits = tails[d] + [dy]
+                dy = state.output_gradient(k, m, keep=True)
+                inputs = [dy]
             else:
-                waits = tails[d]
-            start = recorder.start(d, waits)
-            with tf.control_dependencies(tails[d] + start):
+                inputs = []
+            start = recorder.start(d, state.tails[d] + inputs)
+            with tf.control_dependencies(state.tails[d] + start):
                 if action in fused:
-                    loss, dx, dw = stage.forward_backward(
-                        inputs, labels, seed(m), loss_scale, k > 0
-                    )
-                    losses.append(loss)
-                    accumulate(k, dw)
-                    if dx is not None:
-                        upstream[(k - 1, m)] = dx
-                    direct = [loss] + ([dx] if dx is not None else []) + dw
-                    done = [loss] + ([dx] if dx is not None else []) + grads[k]
+                    direct, done = state.fused(k, m, x, labels, seed(m))
                 elif action.op is Op.F:
-                    record_ = stage.forward(inputs, labels, seed(m), remat(m), split)
-                    saved[(k, m)] = record_
-                    if stage.is_last:
-                        losses.append(record_.output)
-                    else:
-                        outputs[(k, m)] = record_.output
-                    direct = done = [record_.output]
+                    direct, done = state.forward(k, m, x, labels, seed(m), remat(m))
                 elif action.op is Op.B:
-                    keep = saved[(k, m)] if split else saved.pop((k, m))
-                    dx, dw = stage.backward(keep, dy, need_dx=k > 0, need_dw=not split)
-                    accumulate(k, dw)
-                    if dx is not None:
-                        upstream[(k - 1, m)] = dx
-                    if not split:
-                        upstream.pop((k, m), None)
-                    direct = ([dx] if dx is not None else []) + dw
-                    done = ([dx] if dx is not None else []) + grads[k]
-                    if not done:  # stage 0's B in a split schedule computes nothing
-                        direct = done = tails[d]
+                    direct, done = state.backward(k, m, dy)
                 else:
-                    dy = loss_scale if stage.is_last else upstream.pop((k, m))
-                    _, dw = stage.backward(saved.pop((k, m)), dy, need_dx=False, need_dw=True)
-                    accumulate(k, dw)
-                    direct, done = dw, grads[k]
+                    direct, done = state.weight(k, m)
             recorder.end(d, action, start, direct)
-            tails[d] = list(done)
-    return ReplicaStep(losses, grads, tails, recorder.events)
+            state.tails[d] = list(done)
+    return ReplicaStep(state.losses, state.grads, state.tails, recorder.events)
 
 
 def lower_inference(

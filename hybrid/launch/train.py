@@ -171,51 +171,54 @@ def pause_hook(value: str | None = None) -> Any:
     return pause
 
 
+def _run_on_tpu(config: Any, step_callback: Any) -> Any:
+    """Trains on the Cloud TPU node the flags name, through preemptions (the supervisor)."""
+    from hybrid.platforms import cloud_tpu as tpu_lib
+    from hybrid.trainer import train
+
+    def attempt(restart: int) -> Any:
+        # After a preemption the TPU system must be connected and initialised again.
+        system = tpu_lib.resolve(
+            FLAGS.tpu, FLAGS.tpu_zone, FLAGS.gcp_project, discovery_url=FLAGS.tpu_discovery_url
+        )
+        return train(config, devices=system.devices, step_callback=step_callback)
+
+    return cloud_tpu.run_supervised(
+        attempt, FLAGS.tpu, FLAGS.tpu_zone, FLAGS.gcp_project, log=print
+    )
+
+
+def _run(config: Any, step_callback: Any) -> Any:
+    """Trains where the flags say: a cluster, a Cloud TPU, or this host's devices."""
+    import hybrid
+    from hybrid.core.mesh import parse_spec
+    from hybrid.trainer import train
+
+    if config.mesh == "auto":
+        if config.platform == "cpu":
+            hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
+        config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
+    if FLAGS.cluster is not None:
+        return config, _run_on_cluster(config, step_callback)
+    if config.platform == "tpu":
+        return config, _run_on_tpu(config, step_callback)
+    if config.platform == "cpu":
+        stages, replicas = parse_spec(config.mesh)
+        hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
+    return config, train(config, step_callback=step_callback)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import logging
 
-    import hybrid
     from hybrid.checkpoint import CheckpointError
-    from hybrid.core.mesh import parse_spec
-    from hybrid.trainer import NonFiniteLossError, train
+    from hybrid.trainer import NonFiniteLossError
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
-    config = config_from_flags()
-    pause = pause_hook()
     try:
-        if config.mesh == "auto":
-            if config.platform == "cpu":
-                hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
-            config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
-        stages, replicas = parse_spec(config.mesh)
-        if FLAGS.cluster is not None:
-            result = _run_on_cluster(config, pause)
-        elif config.platform == "tpu":
-            from hybrid.platforms import cloud_tpu as tpu_lib
-
-            def attempt(restart: int) -> Any:
-                # After a preemption the TPU system must be connected and initialised again.
-                system = tpu_lib.resolve(
-                    FLAGS.tpu,
-                    FLAGS.tpu_zone,
-                    FLAGS.gcp_project,
-                    discovery_url=FLAGS.tpu_discovery_url,
-                )
-                return train(config, devices=system.devices, step_callback=pause)
-
-            result = cloud_tpu.run_supervised(
-                attempt,
-                FLAGS.tpu,
-                FLAGS.tpu_zone,
-                FLAGS.gcp_project,
-                log=print,
-            )
-        else:
-            if config.platform == "cpu":
-                hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-            result = train(config, step_callback=pause)
+        config, result = _run(config_from_flags(), pause_hook())
     except NonFiniteLossError as err:
         print(f"error: {err} (--learning_rate)", file=sys.stderr)
         sys.exit(1)
