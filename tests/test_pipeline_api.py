@@ -122,7 +122,7 @@ def test_batch_not_divisible():
 def test_labels_batch_mismatch():
     pipe = make()
     x, y = ref.batch(8)
-    with pytest.raises(ValueError, match="x has 8 examples but y has 4"):
+    with pytest.raises(ValueError, match=r"x has 8 examples but y has shape \(4,\)"):
         pipe.train_step(x, y[:4])
 
 

@@ -48,7 +48,17 @@ class ReplicaGroup:
         return len(self.devices)
 
     def all_reduce_mean(self, per_device: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-        """Element-wise mean of ``per_device[i]`` over the group, returned on every device.
+        """Element-wise mean of ``per_device[i]`` over the group, returned on every device."""
+        return self._all_reduce(per_device, "Div")
+
+    def all_reduce_sum(self, per_device: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
+        """Element-wise sum of ``per_device[i]`` over the group, returned on every device."""
+        return self._all_reduce(per_device, "Id")
+
+    def _all_reduce(
+        self, per_device: Sequence[Sequence[tf.Tensor]], final_op: str
+    ) -> list[list[tf.Tensor]]:
+        """Reduces over the group with ``merge_op="Add"`` then ``final_op``.
 
         Must be called while tracing a ``tf.function``. One collective per call: the tensors
         of each device are flattened into one vector first.
@@ -70,7 +80,7 @@ class ReplicaGroup:
                     group_key=self.group_key,
                     instance_key=instance_key,
                     merge_op="Add",
-                    final_op="Div",
+                    final_op=final_op,
                     ordering_token=token.handle,
                 )
                 parts = tf.split(mean, sizes)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from hybrid.core.schedule import Action, Op, Schedule
-from hybrid.engine.stage import Saved, StageReplica
+from hybrid.engine.stage import Labels, Saved, StageReplica
 from hybrid.engine.timing import DeviceClock, Recorder
 
 __all__ = ["ReplicaStep", "lower_inference", "lower_training"]
@@ -34,7 +34,7 @@ class ReplicaStep:
     """The tensors one replica's lowered step produces.
 
     Attributes:
-      losses: each micro-batch's mean loss, in completion order.
+      losses: each micro-batch's loss [numerator, denominator], in completion order.
       grads: ``grads[k]``: model stage k's gradients summed over micro-batches.
       tails: ``tails[d]``: the last outputs of device d's chain (the all-reduce waits on them).
       events: (device, action, start, end) timestamps when recording, else empty.
@@ -63,8 +63,10 @@ class _TrainingLowering:
     def __init__(self, schedule: Schedule, stages: Sequence[StageReplica]) -> None:
         self.schedule, self.stages = schedule, stages
         self.split = schedule.splits_backward
-        # d(mean over micro-batches) / d(loss of one micro-batch)
-        self.loss_scale = tf.constant(1.0 / schedule.num_microbatches)
+        # The last stage outputs [numerator, denominator] of its micro-batch's loss; the
+        # backward starts from d(numerator) = 1 (the engine divides the summed gradients by
+        # the global denominator once, as the loss itself is divided).
+        self.loss_scale = tf.constant([1.0, 0.0])
         self.grads: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
         self.losses: list[tf.Tensor] = []
@@ -89,7 +91,7 @@ class _TrainingLowering:
         self.upstream[(k - 1, m)] = dx
         return [dx]
 
-    def fused(self, k: int, m: int, x: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor) -> Outputs:
+    def fused(self, k: int, m: int, x: tf.Tensor, labels: Labels, seed: tf.Tensor) -> Outputs:
         loss, dx, dw = self.stages[k].forward_backward(x, labels, seed, self.loss_scale, k > 0)
         self.losses.append(loss)
         self.accumulate(k, dw)
@@ -97,7 +99,7 @@ class _TrainingLowering:
         return [loss] + sent + dw, [loss] + sent + self.grads[k]
 
     def forward(
-        self, k: int, m: int, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, remat: bool
+        self, k: int, m: int, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor, remat: bool
     ) -> Outputs:
         record = self.stages[k].forward(x, labels, seed, remat, self.split)
         self.saved[(k, m)] = record
@@ -133,7 +135,7 @@ def lower_training(
     fused: frozenset[Action],
     stages: Sequence[StageReplica],
     xs: Sequence[tf.Tensor],
-    ys: Sequence[tf.Tensor],
+    ys: Sequence[Labels],
     seed: Callable[[int], tf.Tensor],
     remat: Callable[[int], bool],
     clocks: Sequence[DeviceClock] | None = None,
@@ -144,7 +146,7 @@ def lower_training(
       schedule: the validated schedule; ``order`` is its execution order.
       fused: last-stage F actions whose backward directly follows: run as one program.
       stages: this replica's copy of every model stage, indexed by model stage.
-      xs, ys: this replica's micro-batches of inputs and labels.
+      xs, ys: this replica's micro-batches of inputs and of (labels, sample weights).
       seed: micro-batch -> the (step, unit) seed its random layers use.
       remat: micro-batch -> whether its forward keeps no activations.
       clocks: one per pipeline device: record start and end of every action.
@@ -170,6 +172,7 @@ def lower_training(
             start = recorder.start(d, state.tails[d] + inputs)
             with tf.control_dependencies(state.tails[d] + start):
                 if action in fused:
+                    assert labels is not None  # only the last stage's forwards fuse
                     direct, done = state.fused(k, m, x, labels, seed(m))
                 elif action.op is Op.F:
                     direct, done = state.forward(k, m, x, labels, seed(m), remat(m))
@@ -187,11 +190,11 @@ def lower_inference(
     order: Sequence[Action],
     stages: Sequence[StageReplica],
     xs: Sequence[tf.Tensor],
-    ys: Sequence[tf.Tensor] | None,
+    ys: Sequence[Labels] | None,
     seed: Callable[[int], tf.Tensor],
 ) -> list[tf.Tensor]:
     """Issues a forward-only schedule; returns the last stage's output per micro-batch
-    (its loss when ``ys`` is given)."""
+    (its loss's [numerator, denominator] when ``ys`` is given)."""
     K = schedule.num_model_stages
     outputs: dict[tuple[int, int], tf.Tensor] = {}
     tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]

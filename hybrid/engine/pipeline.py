@@ -30,12 +30,13 @@ import tensorflow as tf
 
 from hybrid.core import partition
 from hybrid.core import schedule as schedule_lib
-from hybrid.core.config import REMAT_MODES, RunConfig, check_global_batch, validate_run
+from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine import layer_costs, lowering, timing
+from hybrid.engine import batches, layer_costs, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
-from hybrid.engine.stage import LossFn, StageReplica, TensorSpec
-from hybrid.engine.template import OptimizerLike, layers_of, optimizer_factory
+from hybrid.engine.losses import LossLike, as_keras_loss
+from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.template import OptimizerLike, check_layer, layers_of, optimizer_copies
 from hybrid.engine.timing import TimedAction
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
@@ -53,9 +54,12 @@ class Pipeline:
     Args:
       model: a ``keras.Sequential`` or a list of Keras layers, applied in order.
       mesh: the S × R device mesh.
-      loss: ``keras.losses.Loss`` or ``callable(y_true, y_pred)``; per-example values are
-        averaged, so the loss of a batch is the mean over its examples.
-      optimizer: a Keras optimizer (its configuration is cloned onto every device) or a
+      loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch), a
+        loss name, or ``callable(y_true, y_pred)`` returning per-example values (reduced as
+        ``compile`` reduces them: the mean over the batch).
+      optimizer: a Keras optimizer, used as one optimizer over the whole model: each device
+        holds a copy for its variables (same class, configuration and weight-decay
+        exclusions) and ``global_clipnorm`` clips by the norm over every stage; or a
         zero-argument factory returning a new one.
       micro_batches: M, the micro-batches each replica's shard of the batch is split into.
       balance: layers per stage: None or "params" (balance parameter counts), "time"
@@ -70,7 +74,7 @@ class Pipeline:
         self,
         model: keras.Model | Sequence[keras.layers.Layer],
         mesh: DeviceMesh,
-        loss: LossFn,
+        loss: LossLike,
         optimizer: OptimizerLike,
         micro_batches: int = 1,
         balance: str | Sequence[int] | None = None,
@@ -81,8 +85,8 @@ class Pipeline:
     ) -> None:
         self._layers = layers_of(model)
         self.mesh = mesh
-        if not callable(loss):
-            raise TypeError(f"loss must be callable(y_true, y_pred), got {type(loss).__name__}")
+        self._loss = as_keras_loss(loss)
+        self._optimizers = optimizer_copies(optimizer)
         counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
         self.config = validate_run(
             RunConfig(
@@ -106,8 +110,6 @@ class Pipeline:
         self._fused = schedule_lib.pairs_to_fuse(self.schedule)
         self._inference = schedule_lib.forward_only(mesh.num_stages, micro_batches, virtual_stages)
         self._inference_order = schedule_lib.execution_order(self._inference)
-        self._loss = loss
-        self._optimizer_factory = optimizer_factory(optimizer)
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
@@ -169,6 +171,7 @@ class Pipeline:
             for layer in self._layers:
                 samples.append(y)
                 y = layer(y)
+                check_layer(layer, samples[-1], y)
                 boundaries.append(TensorSpec(tuple(y.shape[1:]), y.dtype.name))
         if self._balance is None:
             if self._balance_mode == "time":
@@ -189,7 +192,7 @@ class Pipeline:
                         self._layers[starts[k] : starts[k + 1]],
                         self.mesh.device(device_row, r),
                         boundaries[starts[k]],
-                        self._optimizer_factory,
+                        self._optimizers,
                         self._loss if k == K - 1 else None,
                         self.jit_compile,
                     )
@@ -199,26 +202,21 @@ class Pipeline:
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
 
-    def _prepare(self, x: Any, y: Any = None) -> tuple[tf.Tensor, tf.Tensor | None]:
-        x = tf.convert_to_tensor(x)
-        if not self.built:
-            self.build((None,) + tuple(x.shape[1:]), x.dtype.name)
-        batch = int(x.shape[0])
-        check_global_batch(self.config, batch)
-        if y is not None:
-            y = tf.convert_to_tensor(y)
-            if int(y.shape[0]) != batch:
-                raise ValueError(f"x has {batch} examples but y has {int(y.shape[0])}")
-        return x, y
-
     # -- public steps ----------------------------------------------------------------------
 
-    def train_step(self, x: Any, y: Any) -> dict[str, float]:
-        """One training step on the global batch (x, y); returns its mean loss."""
-        x, y = self._prepare(x, y)
-        return {"loss": float(self._train(x, y))}
+    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, float]:
+        """One training step on the global batch; returns its loss, as Keras reduces it.
 
-    def timed_train_step(self, x: Any, y: Any) -> tuple[dict[str, float], list[TimedAction]]:
+        Args:
+          x, y: the global batch of inputs and labels.
+          sample_weight: per-example (or per-timestep) weights, as in
+            ``keras.Model.train_on_batch``; None weighs every example 1.
+        """
+        return {"loss": float(self._train(*self._batch(x, y, sample_weight)))}
+
+    def timed_train_step(
+        self, x: Any, y: Any, sample_weight: Any = None
+    ) -> tuple[dict[str, float], list[TimedAction]]:
         """A training step that also records when each of replica 0's actions ran.
 
         Every action is bracketed by timestamps taken on its device: the start once the
@@ -228,31 +226,37 @@ class Pipeline:
         step itself is a real one (weights update), traced separately from
         :meth:`train_step`.
         """
-        x, y = self._prepare(x, y)
-        loss, stamps = self._timed(x, y)
+        loss, stamps = self._timed(*self._batch(x, y, sample_weight))
         return {"loss": float(loss)}, timing.timeline(
             self._event_keys, stamps, self.mesh.num_stages
         )
 
-    def gradients(self, x: Any, y: Any) -> list[np.ndarray]:
-        """The all-reduced gradients of the mean loss on (x, y), without updating anything.
+    def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
+        """The gradients of the batch's loss, without updating anything.
 
         In the order of ``keras.Sequential(layers).trainable_variables``; runs the same
-        schedule, remat and all-reduce as :meth:`train_step` (replica 0's copy is returned).
+        schedule, remat and reductions as :meth:`train_step` (replica 0's copy is returned).
         """
-        x, y = self._prepare(x, y)
-        _, grads = self._grads(x, y)
+        _, grads = self._grads(*self._batch(x, y, sample_weight))
         return [g.numpy() for g in grads]
 
-    def evaluate(self, x: Any, y: Any) -> dict[str, float]:
-        """The mean loss on (x, y) in inference mode; no variable changes."""
-        x, y = self._prepare(x, y)
-        return {"loss": float(self._eval(x, y))}
+    def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, float]:
+        """The batch's loss in inference mode; no variable changes."""
+        return {"loss": float(self._eval(*self._batch(x, y, sample_weight)))}
 
     def predict(self, x: Any) -> np.ndarray:
         """The model's outputs for the batch x, in example order."""
-        x, _ = self._prepare(x)
+        x, _, _ = self._batch(x)
         return self._predict(x).numpy()
+
+    def _batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None
+    ) -> tuple[tf.Tensor, tf.Tensor | None, tf.Tensor | None]:
+        """The batch as tensors, checked against the run; builds the pipeline on first use."""
+        x = tf.convert_to_tensor(x)
+        if not self.built:
+            self.build((None,) + tuple(x.shape[1:]), x.dtype.name)
+        return batches.prepare(self.config, x, y, sample_weight)
 
     def get_weights(self) -> list[np.ndarray]:
         """All weights, in the order of ``keras.Sequential(layers).get_weights()``."""
@@ -283,12 +287,6 @@ class Pipeline:
 
     # -- the step functions ----------------------------------------------------------------
 
-    def _split(self, t: tf.Tensor) -> list[list[tf.Tensor]]:
-        """``parts[r][m]``: micro-batch m of replica r's contiguous shard."""
-        R, M = self.mesh.num_replicas, self.micro_batches
-        pieces = tf.split(t, R * M)
-        return [pieces[r * M : (r + 1) * M] for r in range(R)]
-
     def _remat(self, microbatch: int) -> bool:
         if self.remat == "always":
             return True
@@ -308,42 +306,55 @@ class Pipeline:
 
         return seed
 
-    def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        loss, mean, _ = self._pipelined_gradients(x, y, record=False)
-        self._apply(mean)
+    def _train_step(self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
+        loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
+        self._apply(grads)
         return loss
 
-    def _timed_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
-        loss, mean, events = self._pipelined_gradients(x, y, record=True)
-        self._apply(mean)
+    def _timed_step(
+        self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None
+    ) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
+        loss, grads, events = self._pipelined_gradients(x, y, w, record=True)
+        self._apply(grads)
         # Which (device, action) each timestamp pair belongs to: the same in every trace,
         # since it follows only from the schedule.
         self._event_keys = [(device, action) for device, action, _, _ in events]
         return loss, [[start, end] for _, _, start, end in events]
 
-    def _apply(self, mean: list[list[list[tf.Tensor]]]) -> None:
+    def _apply(self, grads: list[list[list[tf.Tensor]]]) -> None:
+        """Every device applies its stage's gradients (clipped by the global norm when the
+        optimizer asks) with its copy of the optimizer; then the step counter moves."""
+        clip = self._optimizers.global_clipnorm
+        if clip:
+            for r in range(self.mesh.num_replicas):
+                devices = [row[r].device for row in self._stages]
+                clipped = reduction.clip_by_global_norm([g[r] for g in grads], devices, clip)
+                for k, stage_grads in enumerate(clipped):
+                    grads[k][r] = stage_grads
         for k, row in enumerate(self._stages):
             for r, stage in enumerate(row):
                 with tf.device(stage.device):
-                    stage.apply_gradients(mean[k][r])
-        with tf.control_dependencies([g for row in mean for grads in row for g in grads]):
+                    stage.apply_gradients(grads[k][r])
+        with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
-    def _gradient_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        loss, mean, _ = self._pipelined_gradients(x, y, record=False)
-        return loss, [g for row in mean for g in row[0]]
+    def _gradient_step(
+        self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None
+    ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
+        return loss, [g for row in grads for g in row[0]]
 
     def _pipelined_gradients(
-        self, x: tf.Tensor, y: tf.Tensor, record: bool
+        self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None, record: bool
     ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any]]:
-        """Runs the schedule on every replica and all-reduces each stage's gradients.
+        """Runs the schedule on every replica, then reduces over the mesh.
 
         Returns:
-          The mean loss of the batch, ``mean[k][r]``: model stage k's averaged gradients on
-          replica r's device, and replica 0's timing events when ``record``.
+          The loss of the global batch, ``grads[k][r]``: model stage k's gradients of that
+          loss on replica r's device, and replica 0's timing events when ``record``.
         """
-        K, R, M = self.schedule.num_model_stages, self.mesh.num_replicas, self.micro_batches
-        xs, ys = self._split(x), self._split(y)
+        R = self.mesh.num_replicas
+        xs, labels = batches.split(self.config, x), batches.labels(self.config, y, w)
         steps = [
             lowering.lower_training(
                 self.schedule,
@@ -351,26 +362,33 @@ class Pipeline:
                 self._fused,
                 [row[r] for row in self._stages],
                 xs[r],
-                ys[r],
+                labels[r],
                 self._seeds(r),
                 self._remat,
                 clocks=self._clocks if record and r == 0 else None,
             )
             for r in range(R)
         ]
-        mean = []
-        for k in range(K):
+        loss, scale = reduction.global_loss(self._loss, [t for s in steps for t in s.losses])
+        grads = []
+        for k, row in enumerate(self._stages):
             device_row = self.schedule.device_of(k)
             with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
-                mean.append(self._groups[k].all_reduce_mean([step.grads[k] for step in steps]))
-        loss = tf.add_n([loss for step in steps for loss in step.losses]) / (R * M)
-        return loss, mean, steps[0].events
+                summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
+            per_replica = []
+            for stage, stage_grads in zip(row, summed, strict=True):
+                with tf.device(stage.device):
+                    per_replica.append([g * scale for g in stage_grads])
+            grads.append(per_replica)
+        return loss, grads, steps[0].events
 
-    def _forward_pass(self, x: tf.Tensor, y: tf.Tensor | None) -> list[tf.Tensor]:
-        """Runs the forward-only schedule on every replica; the last stage's outputs
-        (losses when ``y`` is given), replica-major."""
-        xs = self._split(x)
-        ys = self._split(y) if y is not None else None
+    def _forward_pass(
+        self, x: tf.Tensor, y: tf.Tensor | None, w: tf.Tensor | None
+    ) -> list[tf.Tensor]:
+        """Runs the forward-only schedule on every replica; the last stage's outputs (the
+        loss terms when ``y`` is given), replica-major."""
+        xs = batches.split(self.config, x)
+        labels = batches.labels(self.config, y, w) if y is not None else None
         outs = []
         for r in range(self.mesh.num_replicas):
             outs += lowering.lower_inference(
@@ -378,14 +396,14 @@ class Pipeline:
                 self._inference_order,
                 [row[r] for row in self._stages],
                 xs[r],
-                ys[r] if ys is not None else None,
+                labels[r] if labels is not None else None,
                 self._seeds(r),
             )
         return outs
 
-    def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        losses = self._forward_pass(x, y)
-        return tf.add_n(losses) / len(losses)
+    def _eval_step(self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
+        loss, _ = reduction.global_loss(self._loss, self._forward_pass(x, y, w))
+        return loss
 
     def _predict_step(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.concat(self._forward_pass(x, None), axis=0)
+        return tf.concat(self._forward_pass(x, None, None), axis=0)

@@ -3,7 +3,8 @@
 A :class:`StageReplica` owns a copy of model stage ``k``'s layers, created on its device,
 and the XLA programs that run them there:
 
-    forward(x, seed)                -> y            (the last stage: the micro-batch's mean loss)
+    forward(x, seed)                -> y            (the last stage: [numerator, denominator]
+                                                     of the micro-batch's loss)
     backward(saved, dy, dx?, dW?)   -> dx, [dW]     (B, W, or both: the schedule decides)
     forward_backward(x, dy, seed)   -> y, dx, [dW]  (one program, nothing stored in between)
     apply_gradients([dW])           -> updates the copy with its own optimizer
@@ -31,9 +32,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hybrid.engine.losses import loss_terms
+from hybrid.engine.template import seed_generators
+
 __all__ = ["Saved", "StageReplica", "TensorSpec"]
 
-LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+Labels = tuple[Any, Any]  # (y_true, sample_weight or None) of one micro-batch
 Grads = tuple[tf.Tensor | None, list[tf.Tensor]]
 
 
@@ -55,7 +59,7 @@ class Saved:
     Attributes:
       inputs: the stage input (kept in every remat mode).
       output: the stage output, or the micro-batch loss on the last stage.
-      labels: the micro-batch labels (last stage only).
+      labels: the micro-batch's (labels, sample weights) (last stage only).
       seed: the random seed the forward used, for an exact recomputation.
       tape: the tape that recorded the forward (None when the backward recomputes).
       weights: the weight values the taped forward read (its gradient sources).
@@ -63,7 +67,7 @@ class Saved:
 
     inputs: tf.Tensor
     output: tf.Tensor
-    labels: tf.Tensor | None
+    labels: Labels | None
     seed: tf.Tensor
     tape: tf.GradientTape | None = None
     weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
@@ -83,14 +87,6 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     return layer.__class__.from_config(layer.get_config())
 
 
-def _seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
-    found: list[Any] = []
-    for layer in layers:
-        for sub in [layer, *layer._flatten_layers(include_self=False)]:
-            found += [g for g in getattr(sub, "_seed_generators", []) if g not in found]
-    return found
-
-
 class StageReplica:
     """Model stage ``index``'s layers copied onto ``device``, with programs and optimizer.
 
@@ -99,8 +95,11 @@ class StageReplica:
       layers: the template layers of this stage, built; their weights are copied.
       device: the device that owns the copy, its optimizer state and its programs.
       input_spec: the stage input's shape and dtype (without batch).
-      optimizer_factory: returns a new Keras optimizer; called once, on ``device``.
-      loss_fn: ``loss(y_true, y_pred)``, only on the last stage.
+      make_optimizer: ``make_optimizer(template variables, this copy's variables)`` returns
+        this copy's optimizer (the engine's copy of the one logical optimizer); called once,
+        on ``device``.
+      loss: the Keras loss, only on the last stage: its forward returns the micro-batch's
+        ``[numerator, denominator]`` (``hybrid.engine.losses``).
       jit_compile: compile forward, backward and update into XLA programs on ``device``.
     """
 
@@ -110,26 +109,29 @@ class StageReplica:
         layers: Sequence[keras.layers.Layer],
         device: str,
         input_spec: TensorSpec,
-        optimizer_factory: Callable[[], keras.optimizers.Optimizer] | None,
-        loss_fn: LossFn | None,
+        make_optimizer: Callable[[Sequence[Any], Sequence[Any]], keras.optimizers.Optimizer] | None,
+        loss: keras.losses.Loss | None,
         jit_compile: bool = True,
     ) -> None:
         self.index = index
         self.device = device
-        self.loss_fn = loss_fn
+        self.loss = loss
         with tf.device(device):
             self.layers = [clone_layer(layer) for layer in layers]
             y = tf.convert_to_tensor(input_spec.zeros())
             for copy, template in zip(self.layers, layers, strict=True):
                 y = copy(y)
                 copy.set_weights(template.get_weights())
-            self.optimizer = optimizer_factory() if optimizer_factory else None
+            sources = [v for layer in layers for v in layer.trainable_variables]
+            self.optimizer = (
+                make_optimizer(sources, self.trainable_variables) if make_optimizer else None
+            )
             if self.optimizer is not None:
                 self.optimizer.build(self.trainable_variables)
         # Seed-generator state variable -> its initial seed: each program sets the state
         # from (this base, step, micro-batch), so a recomputation draws the same numbers.
         self._seed_bases = {
-            id(g.state): int(g.state.numpy()[0]) for g in _seed_generators(self.layers)
+            id(g.state): int(g.state.numpy()[0]) for g in seed_generators(self.layers)
         }
 
         def program(fn: Callable[..., Any]) -> Any:
@@ -141,7 +143,7 @@ class StageReplica:
 
     @property
     def is_last(self) -> bool:
-        return self.loss_fn is not None
+        return self.loss is not None
 
     @property
     def trainable_variables(self) -> list[Any]:
@@ -168,7 +170,7 @@ class StageReplica:
     def _run(
         self,
         x: tf.Tensor,
-        labels: tf.Tensor | None,
+        labels: Labels | None,
         seed: tf.Tensor,
         weights: list[tf.Tensor],
         training: bool = True,
@@ -189,8 +191,9 @@ class StageReplica:
             start += count
         if labels is None:
             return x
-        assert self.loss_fn is not None
-        return tf.reduce_mean(self.loss_fn(labels, x))
+        assert self.loss is not None
+        y_true, sample_weight = labels
+        return tf.stack(loss_terms(self.loss, y_true, x, sample_weight))
 
     def _state_value(self, variable: Any, seed: tf.Tensor) -> tf.Tensor:
         base = self._seed_bases.get(id(variable))
@@ -202,7 +205,7 @@ class StageReplica:
         self,
         x: tf.Tensor,
         dy: tf.Tensor,
-        labels: tf.Tensor | None,
+        labels: Labels | None,
         seed: tf.Tensor,
         need_dx: bool,
         need_dw: bool,
@@ -246,7 +249,7 @@ class StageReplica:
     # -- what the engine calls, inside its step function, under tf.device(self.device) --
 
     def forward(
-        self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, remat: bool, split: bool
+        self, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor, remat: bool, split: bool
     ) -> Saved:
         """Runs the forward program; keeps activations for the backward unless ``remat``.
 
@@ -262,7 +265,7 @@ class StageReplica:
             y = self._forward(x, labels, seed, weights)
         return Saved(x, y, labels, seed, tape, weights)
 
-    def infer(self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor) -> tf.Tensor:
+    def infer(self, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor) -> tf.Tensor:
         """Forward in inference mode (``training=False``), nothing kept for a backward."""
         return self._forward(x, labels, seed, self._read_weights(), training=False)
 
@@ -281,7 +284,7 @@ class StageReplica:
         )
 
     def forward_backward(
-        self, x: tf.Tensor, labels: tf.Tensor | None, seed: tf.Tensor, dy: tf.Tensor, need_dx: bool
+        self, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor, dy: tf.Tensor, need_dx: bool
     ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
         """F immediately followed by its whole backward, as one program.
 

@@ -1,28 +1,94 @@
-"""What the user hands the engine: the model's layers in order and the optimizer to copy."""
+"""What the user hands the engine, and what the engine makes of it.
+
+The layers are applied in order (a ``keras.Sequential``'s, or a list). The optimizer is one
+logical optimizer over the whole model: every stage device gets a copy with the same class,
+hyper-parameters and weight-decay exclusions (mapped onto the stage's copies of the
+variables), and ``global_clipnorm`` is applied by the engine to the norm over every stage's
+gradients, not by each copy to its own. What the engine cannot honour yet is refused here,
+at build time, naming the layer or setting and what to do instead.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import keras
+import numpy as np
 
-__all__ = ["OptimizerLike", "layers_of", "optimizer_factory"]
+from hybrid.engine import keras_private
+
+__all__ = [
+    "OptimizerCopies",
+    "OptimizerLike",
+    "check_layer",
+    "layers_of",
+    "optimizer_copies",
+    "seed_generators",
+]
 
 OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer or a zero-argument factory
 
 
-def optimizer_factory(optimizer: OptimizerLike) -> Callable[[], keras.optimizers.Optimizer]:
-    """A factory making fresh optimizers equal to ``optimizer`` (one per device)."""
+@dataclasses.dataclass(frozen=True)
+class OptimizerCopies:
+    """Makes each stage device's copy of the one logical optimizer.
+
+    Attributes:
+      make: a new optimizer equal to the user's (its class and configuration, or the user's
+        factory).
+      source: the user's optimizer instance, whose weight-decay exclusions every copy gets;
+        None for a factory (each of its optimizers configures itself).
+      global_clipnorm: the clip norm over every stage's gradients (the engine clips; the
+        copies never clip by their own stage's norm), or None.
+    """
+
+    make: Callable[[], keras.optimizers.Optimizer]
+    source: keras.optimizers.Optimizer | None
+    global_clipnorm: float | None
+
+    def __call__(
+        self, source_variables: Sequence[Any], stage_variables: Sequence[Any]
+    ) -> keras.optimizers.Optimizer:
+        """A copy for the stage variables ``stage_variables`` (copies of ``source_variables``)."""
+        copy = self.make()
+        copy.global_clipnorm = None
+        if self.source is not None:
+            keras_private.copy_weight_decay_exclusions(
+                self.source, copy, source_variables, stage_variables
+            )
+        return copy
+
+
+def optimizer_copies(optimizer: OptimizerLike) -> OptimizerCopies:
+    """The copies of ``optimizer``: an instance (used as the template) or a factory.
+
+    Raises:
+      TypeError: neither an optimizer nor a zero-argument factory.
+      NotImplementedError: loss scaling (``LossScaleOptimizer``), not supported yet.
+    """
     if isinstance(optimizer, keras.optimizers.Optimizer):
         cls, config = optimizer.__class__, optimizer.get_config()
-        return lambda: cls.from_config(config)
-    if callable(optimizer):
-        return optimizer
-    raise TypeError(
-        f"optimizer must be a keras.optimizers.Optimizer or a zero-argument factory, got "
-        f"{type(optimizer).__name__}"
-    )
+        probe, source = optimizer, optimizer
+
+        def make() -> keras.optimizers.Optimizer:
+            return cls.from_config(config)
+
+    elif callable(optimizer):
+        probe, source, make = optimizer(), None, optimizer
+    else:
+        raise TypeError(
+            f"optimizer must be a keras.optimizers.Optimizer or a zero-argument factory, got "
+            f"{type(optimizer).__name__}"
+        )
+    if isinstance(probe, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "a LossScaleOptimizer (mixed-precision loss scaling) is not supported by the "
+            "pipeline yet; train in float32 with the inner optimizer"
+        )
+    return OptimizerCopies(make, source, probe.global_clipnorm)
 
 
 def layers_of(model: keras.Model | Sequence[keras.layers.Layer]) -> list[keras.layers.Layer]:
@@ -42,3 +108,66 @@ def layers_of(model: keras.Model | Sequence[keras.layers.Layer]) -> list[keras.l
     if not layers:
         raise ValueError("the model has no layers")
     return layers
+
+
+def seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
+    """The random seed generators of ``layers`` and the layers inside them."""
+    found: list[Any] = []
+    for layer in layers:
+        for sub in [layer, *layer._flatten_layers(include_self=False)]:
+            found += [g for g in getattr(sub, "_seed_generators", []) if g not in found]
+    return found
+
+
+def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
+    """Refuses a built layer whose Keras semantics the pipeline cannot honour yet.
+
+    Args:
+      layer: the template layer, after its first call.
+      x, y: that call's input and output.
+
+    Raises:
+      NotImplementedError: mixed precision, non-trainable state updated in the forward pass
+        (BatchNormalization's moving statistics), regularization or ``add_loss`` losses, or
+        a mask on its output; the message names the layer and the way around it.
+    """
+    name = f"layer {layer.name!r} ({type(layer).__name__})"
+    policy = layer.dtype_policy
+    if policy.compute_dtype != policy.variable_dtype:
+        raise NotImplementedError(
+            f"{name} computes in {policy.compute_dtype} with {policy.variable_dtype} variables "
+            f"(dtype policy {policy.name!r}); mixed precision is not supported by the pipeline "
+            "yet: build the model with the float32 policy"
+        )
+    if isinstance(layer, keras.layers.BatchNormalization) or _updates_state(layer, x):
+        raise NotImplementedError(
+            f"{name} updates its non-trainable state in the forward pass (e.g. moving "
+            "statistics), which the pipeline does not write back yet; use LayerNormalization, "
+            "or freeze the layer (trainable=False, called with training=False)"
+        )
+    if layer.losses or getattr(layer, "activity_regularizer", None) is not None:
+        raise NotImplementedError(
+            f"{name} adds losses (a kernel, bias or activity regularizer, or add_loss), which "
+            "the pipeline does not count yet; remove the regularizer (weight decay: "
+            "keras.optimizers.AdamW) or add the penalty to the loss"
+        )
+    if keras_private.output_mask(y) is not None:
+        raise NotImplementedError(
+            f"{name} produces a mask, which the pipeline does not carry between layers yet; "
+            "remove the masking layer (mask_zero=False) or fold the mask into sample_weight"
+        )
+
+
+def _updates_state(layer: keras.layers.Layer, x: Any) -> bool:
+    """Whether a training-mode call of ``layer`` on ``x`` changes a non-trainable variable
+    other than a random seed."""
+    seeds = {id(g.state) for g in seed_generators([layer])}
+    state = layer.non_trainable_variables
+    if all(id(v) in seeds for v in state):
+        return False
+    kwargs = {"training": True} if "training" in inspect.signature(layer.call).parameters else {}
+    _, new = layer.stateless_call(layer.trainable_variables, state, x, **kwargs)
+    return any(
+        id(v) not in seeds and not np.array_equal(np.asarray(v.numpy()), np.asarray(n))
+        for v, n in zip(state, new, strict=True)
+    )

@@ -65,7 +65,8 @@ class StagePrograms:
         self, stage: StageReplica, labels: tf.Tensor | None, need_dx: bool, chain: int
     ) -> None:
         seed = tf.constant([0, 0], tf.int64)
-        self.stage, self.labels, self._seed = stage, labels, seed
+        self.stage, self._seed = stage, seed
+        self.labels = labels = (labels, None) if labels is not None else None
 
         def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
             return [stage.forward(x, labels, seed, True, False).output]
@@ -177,7 +178,9 @@ class Probe:
             labels = None
             if labels_shape is not None:
                 labels = tf.zeros((batch,) + labels_shape, labels_dtype)
-                self.dy = tf.constant(1.0 / batch)  # d(mean loss of the step) / d(this loss)
+                # The last stage outputs its loss's [numerator, denominator]; the engine's
+                # backward starts from d(numerator) = 1.
+                self.dy = tf.constant([1.0, 0.0])
             else:
                 self.dy = tf.ones(out_shape, out_spec.dtype)
         self.programs = StagePrograms(stage, labels, self.need_dx, chain)

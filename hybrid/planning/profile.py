@@ -13,7 +13,9 @@ import keras
 import tensorflow as tf
 
 from hybrid.engine.layer_costs import block
+from hybrid.engine.losses import as_keras_loss
 from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.template import optimizer_copies
 from hybrid.planning.layer_programs import (
     PROGRAMS,
     Probe,
@@ -245,7 +247,13 @@ def _probe_layers(
             continue
         loss = setup.loss if last else None
         stage = StageReplica(
-            i, [layer], setup.device, specs[i], setup.optimizer, loss, setup.jit_compile
+            i,
+            [layer],
+            setup.device,
+            specs[i],
+            optimizer_copies(setup.optimizer) if setup.optimizer else None,
+            as_keras_loss(loss) if loss is not None else None,
+            setup.jit_compile,
         )
         probes = []
         for b in sizes:

@@ -1,0 +1,93 @@
+"""The loss Keras computes, split so that it can be summed over micro-batches and replicas.
+
+Keras reduces a loss over the whole batch (``keras.losses.Loss.__call__``)::
+
+    values = loss.call(y_true, y_pred)                    # per element
+    values *= sample_weight                               # after squeezing/expanding ranks
+    "sum":                     total = sum(values)
+    "sum_over_batch_size":     total = sum(values) / size(values)
+    "mean_with_sample_weight": total = sum(values) / sum(sample_weight)   (size without weights)
+
+Each reduction is ``numerator / denominator`` with both sums over the batch, so a pipeline
+computes ``(numerator, denominator)`` of every micro-batch on the last stage, adds them up over
+micro-batches and replicas, and divides once (``divide_no_nan``, as Keras does): the loss and
+its gradient are those of the whole global batch, not a mean of micro-batch means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import keras
+import tensorflow as tf
+
+from hybrid.engine import keras_private
+
+__all__ = ["REDUCTIONS", "LossLike", "as_keras_loss", "divisor", "loss_terms"]
+
+LossLike: TypeAlias = keras.losses.Loss | str | Callable[[Any, Any], Any]
+# Reductions whose value is a sum divided by a count that adds up over micro-batches.
+REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def as_keras_loss(loss: LossLike) -> keras.losses.Loss:
+    """The ``keras.losses.Loss`` that ``model.compile(loss=loss)`` would use.
+
+    A Loss is used as given; a name is looked up (``keras.losses.get``); a plain function of
+    ``(y_true, y_pred)`` is wrapped with the ``sum_over_batch_size`` reduction, as
+    ``compile`` wraps it.
+
+    Raises:
+      TypeError: ``loss`` is none of these.
+      ValueError: a reduction that does not sum over the batch (``None``/``"none"``).
+    """
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if not isinstance(loss, keras.losses.Loss):
+        if not callable(loss):
+            raise TypeError(
+                f"loss must be a keras.losses.Loss, a loss name or callable(y_true, y_pred), got "
+                f"{type(loss).__name__}"
+            )
+        loss = keras_private.loss_function(loss)
+    if loss.reduction not in REDUCTIONS:
+        raise ValueError(
+            f"loss {loss.name!r} has reduction={loss.reduction!r}; a pipeline needs a loss that "
+            f"reduces over the batch, one of {list(REDUCTIONS)} (reduce per-example values "
+            "inside the loss's call() and use reduction='sum' for a custom reduction)"
+        )
+    return loss
+
+
+def loss_terms(
+    loss: keras.losses.Loss, y_true: Any, y_pred: Any, sample_weight: Any = None
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(numerator, denominator)`` of ``loss`` on one micro-batch, in float32.
+
+    ``loss(y_true, y_pred, sample_weight)`` on the whole batch equals
+    ``divide_no_nan(sum of numerators, sum of denominators)`` over its micro-batches, except
+    for ``"sum"``, whose divisor is 1 (:func:`divisor`).
+    """
+    y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
+    y_true = keras.ops.convert_to_tensor(y_true, dtype=loss.dtype)
+    values = keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
+    weights = None
+    if sample_weight is not None:
+        weights = tf.cast(sample_weight, values.dtype)
+        values, weights = keras_private.same_rank(values, weights)
+        values = values * weights
+    numerator = tf.reduce_sum(values)
+    if loss.reduction == "mean_with_sample_weight" and weights is not None:
+        denominator = tf.reduce_sum(weights)
+    else:
+        denominator = tf.cast(tf.size(values), values.dtype)
+    return tf.cast(numerator, tf.float32), tf.cast(denominator, tf.float32)
+
+
+def divisor(loss: keras.losses.Loss, denominators: tf.Tensor) -> tf.Tensor:
+    """What the summed numerators are divided by: 1 for ``"sum"``, else the summed
+    denominators."""
+    if loss.reduction == "sum":
+        return tf.ones_like(denominators)
+    return denominators

@@ -1,0 +1,56 @@
+"""What is reduced across the mesh after the micro-batches ran: the loss over the global
+batch, the gradients' scale, and the gradient norm over every stage.
+
+Conceptually, for one step on the global batch::
+
+    numerator, denominator = sums over replicas and micro-batches of each micro-batch's terms
+    loss  = divide_no_nan(numerator, divisor)         # exactly Keras's reduction of the batch
+    grads = (sum over replicas of each stage's summed gradients) · divide_no_nan(1, divisor)
+    global_clipnorm: grads ·= clip · min(1 / norm, 1 / clip), norm over every stage's grads
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+
+from hybrid.engine.losses import divisor
+
+__all__ = ["clip_by_global_norm", "global_loss"]
+
+
+def global_loss(loss: keras.losses.Loss, terms: Sequence[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
+    """The loss of the global batch and the factor its gradients are scaled by.
+
+    Args:
+      loss: the Keras loss (its reduction decides the divisor).
+      terms: every micro-batch's ``[numerator, denominator]``, from every replica.
+
+    Returns:
+      ``(loss, scale)``: the batch's loss, and ``d loss / d numerator``.
+    """
+    numerator, denominator = tf.unstack(tf.add_n(list(terms)))
+    by = divisor(loss, denominator)
+    return tf.math.divide_no_nan(numerator, by), tf.math.divide_no_nan(tf.ones_like(by), by)
+
+
+def clip_by_global_norm(
+    grads: Sequence[Sequence[tf.Tensor]], devices: Sequence[str], clip_norm: float
+) -> list[list[tf.Tensor]]:
+    """``grads[k]`` (stage k's gradients on ``devices[k]``) scaled as Keras's
+    ``global_clipnorm`` scales a model's gradients: by ``clip · min(1/norm, 1/clip)`` with the
+    norm over every stage, NaN when the norm is not finite (so the update is too)."""
+    squares = []
+    for stage_grads, device in zip(grads, devices, strict=True):
+        with tf.device(device):
+            squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage_grads]))
+    with tf.device(devices[0]):
+        norm = tf.sqrt(tf.add_n(squares))
+        scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
+    clipped = []
+    for stage_grads, device in zip(grads, devices, strict=True):
+        with tf.device(device):
+            clipped.append([g * tf.cast(scale, g.dtype) for g in stage_grads])
+    return clipped

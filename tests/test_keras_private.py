@@ -1,0 +1,87 @@
+"""The Keras internals the engine relies on (``hybrid/engine/keras_private.py``) behave as the
+engine assumes, and the loss split of ``hybrid/engine/losses.py`` equals Keras's own loss."""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hybrid.engine import keras_private, losses
+
+import runner
+
+
+def batch(seed=0, n=6, classes=4):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n, classes)).astype("float32")
+    labels = rng.integers(0, classes, size=(n,)).astype("int32")
+    weights = rng.uniform(0, 2, size=(n,)).astype("float32")
+    weights[0] = 0.0
+    return labels, logits, weights
+
+
+@pytest.mark.parametrize(
+    "reduction", ["sum", "sum_over_batch_size", "mean", "mean_with_sample_weight"]
+)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_terms_over_parts_equal_keras_on_the_whole(reduction, weighted):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    y, p, w = batch()
+    w = w if weighted else None
+    want = float(loss(y, p, sample_weight=w))
+    parts = [
+        losses.loss_terms(loss, y[i : i + 2], p[i : i + 2], None if w is None else w[i : i + 2])
+        for i in range(0, 6, 2)
+    ]
+    numerator = sum(float(n) for n, _ in parts)
+    denominator = float(losses.divisor(loss, tf.constant(sum(float(d) for _, d in parts))))
+    np.testing.assert_allclose(numerator / denominator, want, rtol=1e-6)
+
+
+def test_plain_functions_and_names_reduce_like_compile():
+    y, p, _ = batch()
+    want = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, p))
+    fn = losses.as_keras_loss(
+        lambda t, q: keras.losses.sparse_categorical_crossentropy(t, q, from_logits=True)
+    )
+    numerator, denominator = losses.loss_terms(fn, y, p)
+    np.testing.assert_allclose(float(numerator) / float(denominator), want, rtol=1e-6)
+    assert losses.as_keras_loss("mse").reduction == "sum_over_batch_size"
+    with pytest.raises(TypeError, match="loss must be a keras.losses.Loss"):
+        losses.as_keras_loss(3)
+
+
+def test_same_rank_lines_up_values_and_weights_as_keras_does():
+    values, weights = keras_private.same_rank(tf.ones((4, 1)), tf.ones((4,)))
+    assert values.shape == (4, 1) and weights.shape == (4, 1)
+    values, weights = keras_private.same_rank(tf.ones((4, 3)), tf.ones((4, 3, 1)))
+    assert values.shape == (4, 3) and weights.shape == (4, 3)
+
+
+def test_output_mask_is_the_mask_a_layer_attaches():
+    x = tf.constant([[[0.0], [1.0]]])
+    assert keras_private.output_mask(keras.layers.Masking()(x)) is not None
+    assert keras_private.output_mask(keras.layers.Dense(2)(x)) is None
+
+
+def test_weight_decay_exclusions_carry_over_to_copies_of_the_variables():
+    def dense_pair():
+        layers = [keras.layers.Dense(3, name="a"), keras.layers.LayerNormalization(name="n")]
+        keras.Sequential([keras.Input((2,)), *layers])
+        return [v for layer in layers for v in layer.trainable_variables]
+
+    original, copies = dense_pair(), dense_pair()
+    source = keras.optimizers.AdamW(weight_decay=0.1)
+    source.exclude_from_weight_decay(var_list=[original[0]], var_names=["gamma"])
+    copy = keras.optimizers.AdamW.from_config(source.get_config())
+    assert all(copy._use_weight_decay(v) for v in copies)  # get_config drops the exclusions
+    keras_private.copy_weight_decay_exclusions(source, copy, original, copies)
+    used = [copy._use_weight_decay(v) for v in copies]
+    assert used == [source._use_weight_decay(v) for v in original]
+    assert used == [False, True, False, True]  # kernel and gamma excluded; biases, beta not
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
