@@ -6,12 +6,14 @@ Conceptually one training step computes, for a global batch (x, y) of B examples
         for m in range(M):                          # micro-batches of B / (R·M) examples
             a = x[r][m]
             for s in range(S):  a = stage[s](a)     # F actions, one device per stage
-            loss[r][m] = loss_fn(y[r][m], a)
-            backprop loss[r][m] / M through the stages, accumulating dW[s][r]   # B actions
-    for s in range(S):  dW[s][:] = mean over r of dW[s][r]   # all-reduce in replica group s
-    every device (s, r) applies dW[s][r] to its copy of stage s with its own optimizer
+            num[r][m], den[r][m] = loss terms of (y[r][m], a, sample_weight[r][m])
+            backprop num[r][m] through the stages, accumulating dW[s][r]   # B actions
+    loss = sum(num) / sum(den)        # the reduction Keras applies to the whole batch
+    for s in range(S):  dW[s][:] = sum over r of dW[s][r] / sum(den)  # all-reduce, group s
+    clip every stage's dW by the norm over all stages (global_clipnorm)
+    every device (s, r) applies dW[s][r] to its copy of stage s with its copy of the optimizer
 
-which is the gradient of the mean loss over the whole batch: the step one device would take.
+which is the gradient of the batch's loss as Keras reduces it: the step one device would take.
 It differs from that sequential loop only in *when* things run: the schedule (``schedule.py``)
 orders each device's F/B actions, the step issues every action on its device with a control
 dependency on the device's previous action, so each device runs one action at a time in

@@ -176,7 +176,7 @@ class StageReplica:
         training: bool = True,
     ) -> tf.Tensor:
         """The stage's layers on ``x`` with the given weight values; on the last stage, the
-        mean loss against ``labels``.
+        ``[numerator, denominator]`` of the loss against ``labels`` (labels, sample weights).
 
         The weights come in as tensors (Keras ``stateless_call``) rather than being read
         inside: a taped forward program then hands only activations to its backward
