@@ -58,7 +58,7 @@ class Saved:
 
     Attributes:
       inputs: the stage input (kept in every remat mode).
-      output: the stage output, or the micro-batch loss on the last stage.
+      output: the stage output; on the last stage its loss's [numerator, denominator].
       labels: the micro-batch's (labels, sample weights) (last stage only).
       seed: the random seed the forward used, for an exact recomputation.
       tape: the tape that recorded the forward (None when the backward recomputes).
