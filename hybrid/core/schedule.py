@@ -12,42 +12,10 @@ device's actions in order, in the global order :func:`execution_order` returns. 
 pictures of a simulated schedule: ``hybrid.timeline.render_schedule``.
 """
 
-from hybrid.core.actions import Action, Op, Schedule, ScheduleError, dependencies, from_mapping
-from hybrid.core.generators import (
-    VIRTUAL_SCHEDULES,
-    forward_only,
-    get,
-    gpipe,
-    interleaved,
-    interleaved_problem,
-    names,
-    one_f_one_b,
-    zero_bubble_h1,
-)
-from hybrid.core.ordering import execution_order, pairs_to_fuse, validate
-from hybrid.core.simulation import Costs, SimulationResult, bubble_formula, simulate
+from hybrid.core import actions, generators, ordering, simulation
+from hybrid.core.actions import *  # noqa: F403  (the namespace re-exports its parts)
+from hybrid.core.generators import *  # noqa: F403
+from hybrid.core.ordering import *  # noqa: F403
+from hybrid.core.simulation import *  # noqa: F403
 
-__all__ = [
-    "VIRTUAL_SCHEDULES",
-    "Action",
-    "Costs",
-    "Op",
-    "Schedule",
-    "ScheduleError",
-    "SimulationResult",
-    "bubble_formula",
-    "dependencies",
-    "execution_order",
-    "forward_only",
-    "from_mapping",
-    "get",
-    "gpipe",
-    "interleaved",
-    "interleaved_problem",
-    "names",
-    "one_f_one_b",
-    "pairs_to_fuse",
-    "simulate",
-    "validate",
-    "zero_bubble_h1",
-]
+__all__ = sorted([*actions.__all__, *generators.__all__, *ordering.__all__, *simulation.__all__])

@@ -113,35 +113,15 @@ def _planned(config: Any, devices: int) -> Any:
 
 
 def config_from_flags() -> Any:
-    """The frozen TrainConfig the flags describe."""
+    """The frozen TrainConfig the flags describe: every field is the flag of its name."""
+    import dataclasses
+
     from hybrid.trainer import TrainConfig
 
-    return TrainConfig(
-        model=FLAGS.model,
-        data=FLAGS.data,
-        mesh=FLAGS.mesh,
-        platform=FLAGS.platform,
-        micro_batches=FLAGS.micro_batches,
-        schedule=FLAGS.schedule,
-        virtual_stages=FLAGS.virtual_stages,
-        remat=FLAGS.remat,
-        balance=parse_balance(FLAGS.balance),
-        global_batch_size=FLAGS.global_batch_size,
-        train_steps=FLAGS.train_steps,
-        learning_rate=FLAGS.learning_rate,
-        seed=FLAGS.seed,
-        width=FLAGS.width,
-        depth=FLAGS.depth,
-        seq_len=FLAGS.seq_len,
-        num_heads=FLAGS.num_heads,
-        dropout=FLAGS.dropout,
-        jit_compile=FLAGS.jit_compile,
-        log_every=FLAGS.log_every,
-        model_dir=FLAGS.model_dir,
-        checkpoint_every=FLAGS.checkpoint_every,
-        keep_checkpoints=FLAGS.keep_checkpoints,
-        profile_steps=parse_profile_steps(FLAGS.profile_steps),
-    )
+    values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)}
+    values["balance"] = parse_balance(FLAGS.balance)
+    values["profile_steps"] = parse_profile_steps(FLAGS.profile_steps)
+    return TrainConfig(**values)
 
 
 def pause_hook(value: str | None = None) -> Any:
