@@ -372,16 +372,16 @@ class Pipeline:
             for r in range(R)
         ]
         loss, scale = reduction.global_loss(self._loss, [t for s in steps for t in s.losses])
-        grads = []
+        grads, penalties = [], []
         for k, row in enumerate(self._stages):
             device_row = self.schedule.device_of(k)
             with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
                 summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
-            per_replica = []
-            for stage, stage_grads in zip(row, summed, strict=True):
-                with tf.device(stage.device):
-                    per_replica.append([g * scale for g in stage_grads])
-            grads.append(per_replica)
+            stage_grads, penalty = reduction.stage_gradients(row, summed, scale)
+            grads.append(stage_grads)
+            penalties += [penalty] if penalty is not None else []
+        if penalties:  # the weight regularization Keras adds to the loss, once per step
+            loss = loss + tf.add_n(penalties)
         return loss, grads, steps[0].events
 
     def _forward_pass(

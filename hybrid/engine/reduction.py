@@ -6,6 +6,7 @@ Conceptually, for one step on the global batch::
     numerator, denominator = sums over replicas and micro-batches of each micro-batch's terms
     loss  = divide_no_nan(numerator, divisor)         # exactly Keras's reduction of the batch
     grads = (sum over replicas of each stage's summed gradients) · divide_no_nan(1, divisor)
+    loss += weight penalties (kernel/bias regularizers); grads += their gradients
     global_clipnorm: grads ·= clip · min(1 / norm, 1 / clip), norm over every stage's grads
 """
 
@@ -17,8 +18,9 @@ import keras
 import tensorflow as tf
 
 from hybrid.engine.losses import divisor
+from hybrid.engine.stage import StageReplica
 
-__all__ = ["clip_by_global_norm", "global_loss"]
+__all__ = ["clip_by_global_norm", "global_loss", "stage_gradients"]
 
 
 def global_loss(loss: keras.losses.Loss, terms: Sequence[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
@@ -34,6 +36,33 @@ def global_loss(loss: keras.losses.Loss, terms: Sequence[tf.Tensor]) -> tuple[tf
     numerator, denominator = tf.unstack(tf.add_n(list(terms)))
     by = divisor(loss, denominator)
     return tf.math.divide_no_nan(numerator, by), tf.math.divide_no_nan(tf.ones_like(by), by)
+
+
+def stage_gradients(
+    copies: Sequence[StageReplica], summed: Sequence[Sequence[tf.Tensor]], scale: tf.Tensor
+) -> tuple[list[list[tf.Tensor]], tf.Tensor | None]:
+    """One stage's gradients of the step's whole loss on every replica's copy.
+
+    Args:
+      copies: the stage's copy on each replica.
+      summed: each copy's all-reduced (summed) data-loss gradients.
+      scale: ``d loss / d numerator`` (:func:`global_loss`).
+
+    Returns:
+      ``grads[r]`` = ``summed[r] · scale`` + the gradient of the stage's weight penalty
+      (kernel and bias regularizers, identical on every replica), and that penalty (replica
+      0's), or None when no variable of the stage is regularized.
+    """
+    grads, penalty = [], None
+    for r, (stage, stage_grads) in enumerate(zip(copies, summed, strict=True)):
+        with tf.device(stage.device):
+            scaled = [g * scale for g in stage_grads]
+            regularization = stage.weight_penalty()
+            if regularization is not None:
+                scaled = [g + p for g, p in zip(scaled, regularization[1], strict=True)]
+                penalty = regularization[0] if r == 0 else penalty
+        grads.append(scaled)
+    return grads, penalty
 
 
 def clip_by_global_norm(

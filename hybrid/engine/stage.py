@@ -297,3 +297,26 @@ class StageReplica:
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""
         self._apply(grads)
+
+    def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
+        """This stage's weight regularization, as Keras adds it to the loss once per step:
+        the sum of ``variable.regularizer(variable)`` over its trainable variables that have
+        one (kernel and bias regularizers), and its gradient per trainable variable; None
+        when no variable is regularized."""
+        variables = self.trainable_variables
+        if not any(getattr(v, "regularizer", None) for v in variables):
+            return None
+        weights = self._read_weights()
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            penalty = tf.add_n(
+                [
+                    tf.cast(tf.reduce_sum(v.regularizer(w)), tf.float32)
+                    for v, w in zip(variables, weights, strict=True)
+                    if getattr(v, "regularizer", None)
+                ]
+            )
+        grads = tape.gradient(penalty, weights)
+        return penalty, [
+            tf.zeros_like(w) if g is None else g for g, w in zip(grads, weights, strict=True)
+        ]

@@ -128,8 +128,8 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
 
     Raises:
       NotImplementedError: mixed precision, non-trainable state updated in the forward pass
-        (BatchNormalization's moving statistics), regularization or ``add_loss`` losses, or
-        a mask on its output; the message names the layer and the way around it.
+        (BatchNormalization's moving statistics), activity regularization or ``add_loss``
+        losses, or a mask on its output; the message names the layer and the way around it.
     """
     name = f"layer {layer.name!r} ({type(layer).__name__})"
     policy = layer.dtype_policy
@@ -145,11 +145,12 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
             "statistics), which the pipeline does not write back yet; use LayerNormalization, "
             "or freeze the layer (trainable=False, called with training=False)"
         )
-    if layer.losses or getattr(layer, "activity_regularizer", None) is not None:
+    penalties = sum(1 for v in layer.trainable_weights if getattr(v, "regularizer", None))
+    if len(layer.losses) > penalties or getattr(layer, "activity_regularizer", None) is not None:
         raise NotImplementedError(
-            f"{name} adds losses (a kernel, bias or activity regularizer, or add_loss), which "
-            "the pipeline does not count yet; remove the regularizer (weight decay: "
-            "keras.optimizers.AdamW) or add the penalty to the loss"
+            f"{name} adds losses in its forward pass (an activity regularizer or add_loss), "
+            "which the pipeline does not count yet (kernel and bias regularizers are); remove "
+            "them or add the penalty to the loss"
         )
     if keras_private.output_mask(y) is not None:
         raise NotImplementedError(
