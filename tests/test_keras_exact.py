@@ -135,6 +135,13 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule)
         got = pipe.train_step(x, y, sample_weight=w)["loss"]
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+    x, y = ref.batch(BATCH, seed=9)
+    w = sample_weights(9) if weighted else None
+    np.testing.assert_allclose(
+        pipe.evaluate(x, y, sample_weight=w)["loss"],
+        keras_model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0),
+        rtol=1e-5,
+    )
     state = optimizer_state(row[0].optimizer for row in pipe.stages)
     want = optimizer_state([keras_model.optimizer])
     assert state.keys() == want.keys()

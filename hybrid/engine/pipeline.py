@@ -405,7 +405,8 @@ class Pipeline:
 
     def _eval_step(self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
         loss, _ = reduction.global_loss(self._loss, self._forward_pass(x, y, w))
-        return loss
+        penalties = [p for p in (row[0].weight_penalty() for row in self._stages) if p]
+        return loss + tf.add_n([p[0] for p in penalties]) if penalties else loss
 
     def _predict_step(self, x: tf.Tensor) -> tf.Tensor:
         return tf.concat(self._forward_pass(x, None, None), axis=0)
