@@ -15,6 +15,7 @@ Recipes:
   clipnorm_ema           SGD with clipnorm per variable, and use_ema
   clipvalue              Adam with clipvalue
   regularizers           kernel (L2) and bias (L1) regularizers on two stages
+  accumulation           SGD with gradient_accumulation_steps=2 (applied every other step)
 What the pipeline cannot honour yet is refused when it is built (see the end of this file).
 """
 
@@ -70,6 +71,8 @@ def optimizer_for(recipe, m):
         return opt
     if recipe == "clipnorm_ema":
         return keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05, use_ema=True)
+    if recipe == "accumulation":
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
     if recipe == "clipvalue":
         return keras.optimizers.Adam(0.05, epsilon=1e-3, clipvalue=0.004)
     return keras.optimizers.SGD(0.1, momentum=0.9)
@@ -91,6 +94,7 @@ RECIPES = [
     "clipnorm_ema",
     "clipvalue",
     "regularizers",
+    "accumulation",
 ]
 MESHES = [(2, 1), (1, 2), (2, 2)]
 GRID = [
@@ -147,8 +151,10 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule)
     assert state.keys() == want.keys()
     for kind in want:
         ref.assert_weights_close(state[kind], want[kind])
+    iterations = int(keras_model.optimizer.iterations.numpy())
+    assert iterations == (1 if recipe == "accumulation" else STEPS)
     for row in pipe.stages:
-        assert int(row[-1].optimizer.iterations.numpy()) == STEPS
+        assert [int(copy.optimizer.iterations.numpy()) for copy in row] == [iterations] * len(row)
 
 
 def test_the_comparison_can_fail():
