@@ -221,8 +221,9 @@ def test_ranking_data_parallel_vs_pipeline():
         remat="never",
         hardware=Hardware(replica=Link(bandwidth=1.0)),
     )
-    assert (choice.stages, choice.replicas, choice.micro_batches) == (2, 1, 8)
-    assert choice.mesh_spec == "stage:2;replica:1" and sum(choice.balance) == 4
+    run = choice.config
+    assert (run.stages, run.replicas, run.micro_batches) == (2, 1, 8)
+    assert run.mesh_spec == "stage:2;replica:1" and sum(run.balance) == 4
     assert choice.step_time == pytest.approx(slow.best.step_time)
 
 
@@ -470,9 +471,10 @@ def test_profile_a_tiny_model_and_choose_a_mesh():
     choice = planner.choose_mesh(
         profile, None, devices=2, global_batch=8, schedule="1f1b", remat="always"
     )
-    assert choice.stages * choice.replicas == 2 and choice.schedule == "1f1b"
-    assert 8 % (choice.replicas * choice.micro_batches) == 0
-    assert sum(choice.balance) == 3 and len(choice.balance) == choice.stages
+    run = choice.config
+    assert run.stages * run.replicas == 2 and run.schedule == "1f1b"
+    assert 8 % (run.replicas * run.micro_batches) == 0
+    assert sum(run.balance) == 3 and len(run.balance) == run.stages
 
 
 if __name__ == "__main__":

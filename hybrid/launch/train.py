@@ -67,6 +67,10 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
         sys.exit(3)
 
 
+# The TrainConfig fields --mesh=auto takes from the plan (besides the mesh spec).
+_PLANNED = ("micro_batches", "schedule", "remat", "virtual_stages", "balance")
+
+
 def _planned(config: Any, devices: int) -> Any:
     """``config`` with the mesh, micro-batches, schedule, remat and balance the planner picks
     for ``devices`` devices; flags the user gave explicitly stay as given."""
@@ -95,21 +99,16 @@ def _planned(config: Any, devices: int) -> Any:
         if config.platform == "cpu"
         else None,
     )
+    run = choice.config
+    assert isinstance(run.balance, tuple)  # the plan's layer counts per stage
     print(
-        f"planned: --mesh={choice.mesh_spec} --micro_batches={choice.micro_batches} "
-        f"--schedule={choice.schedule} --remat={choice.remat} --virtual_stages="
-        f"{choice.virtual_stages} --balance={','.join(map(str, choice.balance))} (predicted "
-        f"{choice.step_time * 1e3:.1f} ms/step, {choice.memory_per_device / 2**20:.0f} MiB/device)"
+        f"planned: --mesh={run.mesh_spec} --micro_batches={run.micro_batches} "
+        f"--schedule={run.schedule} --remat={run.remat} --virtual_stages="
+        f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} (predicted "
+        f"{choice.step_time * 1e3:.1f} ms/step, {choice.peak_memory / 2**20:.0f} MiB/device)"
     )
-    return dataclasses.replace(
-        config,
-        mesh=choice.mesh_spec,
-        micro_batches=choice.micro_batches,
-        schedule=choice.schedule,
-        remat=choice.remat,
-        virtual_stages=choice.virtual_stages,
-        balance=choice.balance,
-    )
+    planned = {name: getattr(run, name) for name in _PLANNED}
+    return dataclasses.replace(config, mesh=run.mesh_spec, **planned)
 
 
 def config_from_flags() -> Any:

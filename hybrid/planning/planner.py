@@ -25,7 +25,7 @@ This module is the facade; each job lives in its own module:
     costs.py        LayerCost, CostProfile, uniform_profile, profile_model
     stage_costs.py  a model stage's costs, every action's seconds, activation bytes
     cost_model.py   Prediction, evaluate (one configuration)
-    search.py       candidates, plan, choose_mesh, Choice
+    search.py       candidates, plan, choose_mesh
     report.py       Rejection, Plan and its table
 
 A configuration is a :class:`hybrid.core.config.RunConfig` (``Config`` here is the same
@@ -42,14 +42,13 @@ from hybrid.planning.cost_model import Prediction, evaluate
 from hybrid.planning.costs import CostProfile, LayerCost, profile_model, uniform_profile
 from hybrid.planning.hardware import Hardware, Link, all_reduce_time
 from hybrid.planning.report import Plan, Rejection
-from hybrid.planning.search import Choice, candidates, choose_mesh, plan
+from hybrid.planning.search import candidates, choose_mesh, plan
 
 Config = RunConfig
 """The planner's name for a run configuration: :class:`hybrid.core.config.RunConfig`."""
 
 __all__ = [
     "REMAT_MODES",
-    "Choice",
     "Config",
     "ConfigError",
     "CostProfile",

@@ -23,7 +23,7 @@ from hybrid.planning.costs import CostProfile, profile_model
 from hybrid.planning.hardware import Hardware
 from hybrid.planning.report import Plan, Rejection, format_bytes
 
-__all__ = ["Choice", "candidates", "choose_mesh", "plan"]
+__all__ = ["candidates", "choose_mesh", "plan"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -238,33 +238,6 @@ def _profile_layers(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """The configuration :func:`choose_mesh` picked, ready for ``hybrid.Pipeline``.
-
-    Attributes:
-      stages, replicas: the mesh; :attr:`mesh_spec` is its spec string.
-      micro_batches, schedule, remat, virtual_stages, balance: the Pipeline arguments.
-      step_time: predicted seconds per step.
-      memory_per_device: predicted peak bytes on the fullest device.
-    """
-
-    stages: int
-    replicas: int
-    micro_batches: int
-    schedule: str
-    remat: str
-    virtual_stages: int
-    balance: tuple[int, ...]
-    step_time: float
-    memory_per_device: float
-
-    @property
-    def mesh_spec(self) -> str:
-        """The mesh as ``hybrid.core.mesh.parse_spec`` reads it: ``"stage:S;replica:R"``."""
-        return RunConfig(self.stages, self.replicas).mesh_spec
-
-
 def choose_mesh(
     layers: Sequence[Any] | CostProfile,
     input_spec: tuple[Sequence[int], str] | None,
@@ -280,8 +253,12 @@ def choose_mesh(
     optimizer_slots: int = 2,
     micro_batches: int | None = None,
     device: str | None = None,
-) -> Choice:
-    """The fastest configuration of ``devices`` devices that fits, as Pipeline arguments.
+) -> Prediction:
+    """The fastest configuration of ``devices`` devices that fits.
+
+    Returns its :class:`Prediction`: ``.config`` is the RunConfig (balance filled in) to
+    build the Pipeline with, ``.step_time`` and ``.peak_memory`` what the cost model
+    predicts.
 
     :func:`plan` over every mesh, with ``schedule``, ``remat`` and ``micro_batches``
     fixed when given (None: the planner chooses).
@@ -312,16 +289,5 @@ def choose_mesh(
         device=device,
     )
     best = result.best
-    c = best.config
-    assert isinstance(c.balance, tuple)  # evaluate() always fills in the layer counts
-    return Choice(
-        stages=c.stages,
-        replicas=c.replicas,
-        micro_batches=c.micro_batches,
-        schedule=c.schedule,
-        remat=c.remat,
-        virtual_stages=c.virtual_stages,
-        balance=c.balance,
-        step_time=best.step_time,
-        memory_per_device=best.peak_memory,
-    )
+    assert isinstance(best.config.balance, tuple)  # evaluate() always fills in the counts
+    return best
