@@ -1,16 +1,17 @@
-"""Checkpoints of a Pipeline, saved per model layer so they restore onto any mesh.
+"""Checkpoints of a Pipeline, saved per model variable so they restore onto any mesh.
 
 What one checkpoint holds (``tf.train.Checkpoint`` object graph)::
 
-    model/layer_007/w1                 weight 1 of model layer 7 (replica 0's copy)
-    optimizer/layer_007/w1/momentum    that weight's optimizer slot(s), by slot name
+    model/v0007                        model variable 7 (``model.weights[7]``), owner's copy
+    optimizer/v0007/momentum           that variable's optimizer slot(s), by slot name
     optimizer/iteration, learning_rate the optimizer's scalars (equal on every device)
     meta/step, data_position, seed     optimizer steps taken, batches consumed, data seed
 
-Keys name model layers and weights, never devices or stages: a checkpoint written on a 2×2
-mesh restores onto a 4×1 mesh or a 1×2 mesh with another balance, because every device's
-copy is found by its layers' global indices. Replicas are identical, so only replica 0's
-copy is written; a restore fills replica 0 and copies it to the other replicas.
+Keys name model variables, never devices or stages: a checkpoint written on a 2×2 mesh
+restores onto a 4×1 mesh or a 1×2 mesh with another balance, because every device's copy is
+found by its variable's index in the model. Replicas (and the copies of a tied variable) are
+identical, so only the owning stage's replica-0 copy is written; a restore fills it and
+copies it to the others.
 
 Writing goes through ``tf.train.CheckpointManager``: the data and index files of
 ``ckpt-<step>`` are complete before the ``checkpoint`` state file names them (TensorFlow
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -53,32 +54,29 @@ def _optimizer(stage: StageReplica) -> Any:
     return stage.optimizer
 
 
-def _layer_key(index: int) -> str:
-    return f"layer_{index:03d}"
+def _variable_key(index: int) -> str:
+    return f"v{index:04d}"
 
 
-def _stage_layers(pipe: Pipeline, replica: int) -> Iterator[tuple[int, Any, StageReplica]]:
-    """(global layer index, layer copy, its StageReplica) over the model, for one replica."""
-    index = 0
-    for row in pipe.stages:
-        stage = row[replica]
-        for layer in stage.layers:
-            yield index, layer, stage
-            index += 1
+def _global_indices(pipe: Pipeline) -> list[list[int]]:
+    """``indices[k][j]``: the model variable index of stage k's variable j."""
+    indices: list[list[int]] = [[0] * row[0].num_weights() for row in pipe.stages]
+    for i, copies in enumerate(pipe.placement.holders):
+        for k, j in copies:
+            indices[k][j] = i
+    return indices
 
 
-def _slot_map(stage: StageReplica, first_layer: int) -> dict[int, tuple[str, str, str]]:
-    """id(optimizer variable) -> (layer key, weight key, slot name) for one stage copy.
+def _slots(stage: StageReplica, indices: list[int]) -> dict[tuple[int, str], Any]:
+    """(model variable index, slot name) -> that optimizer variable, for one stage copy.
 
     Keras names a slot ``{variable.path with '/' -> '_'}_{slot}``; the longest matching
     prefix identifies its model variable (ties, from equal paths, are taken in order).
     """
-    prefixes: dict[str, list[tuple[str, str]]] = {}
-    for offset, layer in enumerate(stage.layers):
-        for j, variable in enumerate(layer.weights):
-            if variable.trainable:
-                prefix = variable.path.replace("/", "_") + "_"
-                prefixes.setdefault(prefix, []).append((_layer_key(first_layer + offset), f"w{j}"))
+    prefixes: dict[str, list[int]] = {}
+    for variable, index in zip(stage.variables, indices, strict=True):
+        if variable.trainable:
+            prefixes.setdefault(variable.path.replace("/", "_") + "_", []).append(index)
     taken: dict[tuple[str, str], int] = {}
     found = {}
     optimizer = _optimizer(stage)
@@ -90,34 +88,29 @@ def _slot_map(stage: StageReplica, first_layer: int) -> dict[int, tuple[str, str
             raise CheckpointError(
                 f"optimizer variable {variable.path!r} of stage {stage.index} belongs to no "
                 f"model weight; {type(optimizer).__name__} keeps state that cannot be saved "
-                "per layer"
+                "per variable"
             )
         prefix = max(matches, key=len)
         slot = variable.name[len(prefix) :]
         count = taken.get((prefix, slot), 0)
         taken[(prefix, slot)] = count + 1
-        layer_key, weight_key = prefixes[prefix][count]
-        found[id(variable)] = (layer_key, weight_key, slot)
+        found[(prefixes[prefix][count], slot)] = variable
     return found
 
 
 def _trackables(pipe: Pipeline, meta: dict[str, tf.Variable]) -> dict[str, Any]:
-    """The object graph of replica 0: model weights, optimizer slots and scalars, meta."""
-    model: dict[str, dict[str, Any]] = {}
+    """The object graph of replica 0: each model variable and its optimizer slots from the
+    stage that owns it, the optimizer's scalars, meta."""
+    indices = _global_indices(pipe)
+    model: dict[str, Any] = {}
     slots: dict[str, Any] = {}
-    first = 0
-    for row in pipe.stages:
-        stage = row[0]
-        for offset, layer in enumerate(stage.layers):
-            model[_layer_key(first + offset)] = {
-                f"w{j}": v.value for j, v in enumerate(layer.weights)
-            }
-        by_id = _slot_map(stage, first)
-        for variable in _optimizer(stage).variables:
-            if id(variable) in by_id:
-                layer_key, weight_key, slot = by_id[id(variable)]
-                slots.setdefault(layer_key, {}).setdefault(weight_key, {})[slot] = variable.value
-        first += len(stage.layers)
+    for i, copies in enumerate(pipe.placement.holders):
+        k, j = copies[0]
+        model[_variable_key(i)] = pipe.stages[k][0].variables[j].value
+    for k, row in enumerate(pipe.stages):
+        for (i, slot), variable in _slots(row[0], indices[k]).items():
+            if pipe.placement.holders[i][0][0] == k:
+                slots.setdefault(_variable_key(i), {})[slot] = variable.value
     optimizer = _optimizer(pipe.stages[0][0])
     slots["iteration"] = optimizer.iterations.value
     for variable in optimizer.variables:
@@ -131,25 +124,28 @@ def _is_scalar(optimizer: Any, variable: Any) -> bool:
     return variable is optimizer.iterations or variable.name == "learning_rate"
 
 
-def _copy_replica_zero(pipe: Pipeline) -> None:
-    """Every copy takes replica 0's weights and slots, every optimizer stage 0's scalars."""
+def _copy_owners(pipe: Pipeline) -> None:
+    """Every copy of a variable (other replicas, other stages of a tied one) and its slots
+    take the owner's replica-0 values; every optimizer takes stage 0's scalars."""
     first = _optimizer(pipe.stages[0][0])
     scalars = {v.name: v for v in first.variables if _is_scalar(first, v)}
+    indices = _global_indices(pipe)
+    slots = [[_slots(copy, indices[k]) for copy in row] for k, row in enumerate(pipe.stages)]
     for row in pipe.stages:
-        source = row[0]
         for copy in row:
-            optimizer = _optimizer(copy)
-            for variable in optimizer.variables:
-                if _is_scalar(optimizer, variable) and variable is not scalars[variable.name]:
+            for variable in _optimizer(copy).variables:
+                if _is_scalar(copy.optimizer, variable) and variable is not scalars[variable.name]:
                     variable.assign(scalars[variable.name])
-            if copy is source:
-                continue
-            for a, b in zip(copy.layers, source.layers, strict=True):
-                for va, vb in zip(a.weights, b.weights, strict=True):
-                    va.assign(vb)
-            for va, vb in zip(optimizer.variables, _optimizer(source).variables, strict=True):
-                if not _is_scalar(optimizer, va):
-                    va.assign(vb)
+    for i, ((k0, j0), *_) in enumerate(pipe.placement.holders):
+        source = pipe.stages[k0][0].variables[j0]
+        source_slots = {s: v for (n, s), v in slots[k0][0].items() if n == i}
+        for k, j in pipe.placement.holders[i]:
+            for r, copy in enumerate(pipe.stages[k]):
+                if copy.variables[j] is not source:
+                    copy.variables[j].assign(source)
+                for (n, slot), variable in slots[k][r].items():
+                    if n == i and variable is not source_slots[slot]:
+                        variable.assign(source_slots[slot])
 
 
 class Checkpointer:
@@ -184,8 +180,8 @@ class Checkpointer:
                 "step": tf.Variable(0, dtype=tf.int64, trainable=False),
                 "data_position": tf.Variable(0, dtype=tf.int64, trainable=False),
                 "seed": tf.Variable(seed, dtype=tf.int64, trainable=False),
-                "layers": tf.Variable(
-                    sum(len(row[0].layers) for row in pipe.stages), dtype=tf.int64, trainable=False
+                "variables": tf.Variable(
+                    len(pipe.placement.variables), dtype=tf.int64, trainable=False
                 ),
             }
         self._checkpoint = tf.train.Checkpoint(**_trackables(pipe, self._meta))
@@ -225,7 +221,7 @@ class Checkpointer:
                 f"checkpoint {path} was written by a run with seed {seed}, this run has seed "
                 f"{self.seed}; resume with seed={seed} or start in a new directory"
             )
-        _copy_replica_zero(self.pipe)
+        _copy_owners(self.pipe)
         step = int(self._meta["step"].numpy())
         self.pipe.step_counter.assign(step)
         return Restored(path, step, int(self._meta["data_position"].numpy()))
@@ -247,30 +243,28 @@ class Checkpointer:
         """Clear errors for a checkpoint of another model, before TensorFlow's own."""
         reader = tf.train.load_checkpoint(path)
         shapes = reader.get_variable_to_shape_map()
-        saved: dict[str, list[int]] = {}
-        for key, shape in shapes.items():
-            parts = key.split("/")
-            if parts[0] == "model" and len(parts) > 2:
-                saved[f"{parts[1]}/{parts[2]}"] = shape
-        mine = {
-            f"{_layer_key(i)}/w{j}": list(v.shape)
-            for i, layer, _ in _stage_layers(self.pipe, 0)
-            for j, v in enumerate(layer.weights)
+        saved = {
+            key.split("/")[1]: shape
+            for key, shape in shapes.items()
+            if key.startswith("model/") and len(key.split("/")) > 2
         }
-        layers_saved = int(reader.get_tensor("meta/layers/.ATTRIBUTES/VARIABLE_VALUE"))
-        layers_mine = int(self._meta["layers"].numpy())
-        if layers_saved != layers_mine:
+        mine = {
+            _variable_key(i): list(v.shape) for i, v in enumerate(self.pipe.placement.variables)
+        }
+        count = int(reader.get_tensor("meta/variables/.ATTRIBUTES/VARIABLE_VALUE"))
+        if count != len(mine):
             raise CheckpointError(
-                f"checkpoint {path} holds a model of {layers_saved} layers, this pipeline's "
-                f"model has {layers_mine}; restore with the model it was written with or start in "
-                "a new directory"
+                f"checkpoint {path} holds a model of {count} variables, this pipeline's model "
+                f"has {len(mine)}; restore with the model it was written with or start in a new "
+                "directory"
             )
-        for key, shape in mine.items():
+        variables = self.pipe.placement.variables
+        for (key, shape), variable in zip(mine.items(), variables, strict=True):
             if saved.get(key) != shape:
                 raise CheckpointError(
-                    f"checkpoint {path}: weight {key} has shape {saved.get(key)}, this model's "
-                    f"has {shape}; restore with the model it was written with or start in a "
-                    "new directory"
+                    f"checkpoint {path}: weight {key} ({variable.path}) has shape "
+                    f"{saved.get(key)}, this model's has {shape}; restore with the model it was "
+                    "written with or start in a new directory"
                 )
 
 

@@ -164,7 +164,10 @@ def test_bad_micro_batches(micro_batches):
 
 
 def test_bad_model_and_optimizer():
-    with pytest.raises(TypeError, match="keras.Sequential or a list of Keras layers"):
+    with pytest.raises(
+        TypeError,
+        match=r"a Keras model \(functional or Sequential\) or a list of Keras layers, got object",
+    ):
         make(layers=object())
     with pytest.raises(TypeError, match="layer 1 is int"):
         make(layers=[keras.layers.Dense(2), 3])

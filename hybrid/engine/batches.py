@@ -3,6 +3,9 @@ replica's micro-batches.
 
     x[B, ...] -> R contiguous shards -> M micro-batches each: parts[r][m] has B / (R·M) rows
 
+A model with several inputs takes them as the structure it was built with (a dict by name,
+a list); the engine handles them flat, in ``keras.tree.flatten`` order (``model.inputs``).
+
 Labels travel with their sample weights as ``(y, sample_weight)`` pairs to the last stage.
 """
 
@@ -14,28 +17,53 @@ import tensorflow as tf
 
 from hybrid.core.config import RunConfig, check_global_batch
 
-__all__ = ["labels", "prepare", "split"]
+__all__ = ["flat_inputs", "labels", "prepare", "split", "split_inputs"]
+
+
+def flat_inputs(x: Any, count: int, names: tuple[str, ...] | None) -> list[tf.Tensor]:
+    """The model inputs in ``x`` as a flat list of ``count`` tensors.
+
+    Args:
+      x: one array, a list/tuple of arrays, or a dict of arrays by input name.
+      names: the model's input names when it takes a dict (sorted), else None.
+
+    Raises:
+      ValueError: ``x`` does not match the model's inputs.
+    """
+    if names is not None:
+        if not isinstance(x, dict) or sorted(x) != list(names):
+            given = sorted(x) if isinstance(x, dict) else type(x).__name__
+            raise ValueError(f"the model takes a dict of inputs named {list(names)}, got {given}")
+        parts = [x[name] for name in names]
+    elif isinstance(x, (list, tuple)) and count > 1:
+        parts = list(x)
+    else:
+        parts = [x]
+    if len(parts) != count:
+        raise ValueError(f"the model takes {count} inputs, got {len(parts)}")
+    return [tf.convert_to_tensor(p) for p in parts]
 
 
 def prepare(
-    config: RunConfig, x: tf.Tensor, y: Any = None, sample_weight: Any = None
-) -> tuple[tf.Tensor, tf.Tensor | None, tf.Tensor | None]:
-    """``(x, y, sample_weight)`` as tensors, after checking they describe one global batch.
+    config: RunConfig, xs: list[tf.Tensor], y: Any = None, sample_weight: Any = None
+) -> tuple[list[tf.Tensor], tf.Tensor | None, tf.Tensor | None]:
+    """``(xs, y, sample_weight)`` as tensors, after checking they describe one global batch.
 
     Raises:
       ConfigError: the batch does not split into R × M equal parts.
-      ValueError: y or the sample weights have another number of examples than x, or
+      ValueError: inputs, y or the sample weights have different numbers of examples, or
         sample weights come without labels.
     """
-    batch = int(x.shape[0])
+    batch = int(xs[0].shape[0])
     check_global_batch(config, batch)
+    xs = [_examples(x, batch, f"input {i}") for i, x in enumerate(xs)]
     if y is not None:
         y = _examples(tf.convert_to_tensor(y), batch, "y")
     if sample_weight is not None:
         if y is None:
             raise ValueError("sample_weight needs labels y to weigh the loss of")
         sample_weight = _examples(tf.convert_to_tensor(sample_weight), batch, "sample_weight")
-    return x, y, sample_weight
+    return xs, y, sample_weight
 
 
 def _examples(t: tf.Tensor, batch: int, name: str) -> tf.Tensor:
@@ -49,6 +77,13 @@ def split(config: RunConfig, t: tf.Tensor) -> list[list[tf.Tensor]]:
     R, M = config.replicas, config.micro_batches
     pieces = tf.split(t, R * M)
     return [pieces[r * M : (r + 1) * M] for r in range(R)]
+
+
+def split_inputs(config: RunConfig, xs: list[tf.Tensor]) -> list[list[list[tf.Tensor]]]:
+    """``parts[r][m]``: micro-batch m of replica r, one tensor per model input."""
+    each = [split(config, x) for x in xs]
+    R, M = config.replicas, config.micro_batches
+    return [[[parts[r][m] for parts in each] for m in range(M)] for r in range(R)]
 
 
 def labels(

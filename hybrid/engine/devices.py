@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["simulate_cpu_devices"]
+__all__ = ["host_cpu", "simulate_cpu_devices"]
+
+
+def host_cpu(device: str) -> str:
+    """The CPU of the host (task) that holds ``device`` (on a cluster: with the mesh, not
+    with the client)."""
+    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
 
 
 def _logical_cpu_count() -> int:

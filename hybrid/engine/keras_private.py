@@ -6,6 +6,13 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
 - ``loss_function``: the ``keras.losses.Loss`` that ``compile`` makes of a plain loss
   function (``keras.src.losses.losses.LossFunctionWrapper``, mean over the batch).
 - ``output_mask``: the mask a layer attaches to its output (``keras.src.backend``).
+- ``with_training``: how a functional model passes ``training`` to each layer it calls
+  (``keras.src.models.functional.operation_fn``: only to layers whose call takes it).
+- ``functional_of`` / ``input_structure``: a Sequential's functional graph (``_functional``,
+  there once the Sequential is built) and a functional model's input structure
+  (``_inputs_struct``, which ``keras.tree.flatten`` orders as ``model.inputs``).
+- ``set_variable_path``: a variable made outside a layer gets the path of the template
+  variable it copies (``_path``), so an optimizer names its slots as for the original.
 - ``copy_weight_decay_exclusions``: ``Optimizer.exclude_from_weight_decay`` keeps the
   excluded variables by identity and the name patterns as a regex in private attributes, which
   ``get_config`` does not carry; a copy of the optimizer for a stage's variables gets the
@@ -21,8 +28,40 @@ import keras
 from keras.src.backend import get_keras_mask
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.models.functional import Functional, operation_fn
 
-__all__ = ["copy_weight_decay_exclusions", "loss_function", "output_mask", "same_rank"]
+__all__ = [
+    "copy_weight_decay_exclusions",
+    "functional_of",
+    "input_structure",
+    "loss_function",
+    "output_mask",
+    "same_rank",
+    "set_variable_path",
+    "with_training",
+]
+
+
+def with_training(layer: Any, training: bool) -> Callable[..., Any]:
+    """``layer``'s ``__call__``, passing ``training`` as a functional model passes it."""
+    return operation_fn(layer, training=training)
+
+
+def functional_of(model: keras.Model) -> keras.Model | None:
+    """The functional graph of ``model`` (itself, or a built Sequential's), or None."""
+    if isinstance(model, Functional):
+        return model
+    return getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else None
+
+
+def input_structure(model: keras.Model) -> Any:
+    """The structure (a tensor, list or dict of inputs) a functional model was built with."""
+    return model._inputs_struct
+
+
+def set_variable_path(variable: Any, path: str) -> None:
+    """Gives ``variable`` the path ``path`` (a template variable's)."""
+    variable._path = path
 
 
 def same_rank(values: Any, weights: Any) -> tuple[Any, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -22,7 +23,7 @@ def parameter_costs(layers: Sequence[keras.layers.Layer]) -> list[float]:
 
 def time_costs(
     layers: Sequence[keras.layers.Layer],
-    inputs: Sequence[tf.Tensor],
+    inputs: Sequence[Any],
     device: str,
     repeats: int = 5,
     jit_compile: bool = True,
@@ -31,26 +32,29 @@ def time_costs(
 
     Args:
       layers: the built layers, in model order.
-      inputs: a sample input batch for each layer (the micro-batch the pipeline will run).
+      inputs: a sample input batch for each layer (the micro-batch the pipeline will run;
+        a list for a layer taking several tensors).
       device: where to measure (the first device of the mesh).
       repeats: timed runs per layer after one warm-up (which also compiles).
     """
     costs = []
     for layer, x in zip(layers, inputs, strict=True):
 
-        def step(x: tf.Tensor, layer: keras.layers.Layer = layer) -> list[tf.Tensor]:
+        def step(x: Any, layer: keras.layers.Layer = layer) -> list[tf.Tensor]:
+            floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
             with tf.GradientTape() as tape:
-                if x.dtype.is_floating:
-                    tape.watch(x)
+                tape.watch(floats)
                 y = layer(x, training=True)
-                target = tf.reduce_sum(tf.cast(y, tf.float32))
-            sources = ([x] if x.dtype.is_floating else []) + list(layer.trainable_variables)
+                target = tf.add_n(
+                    [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)]
+                )
+            sources = floats + list(layer.trainable_variables)
             grads = tape.gradient(target, sources) if sources else []
             return [target] + [g for g in grads if g is not None]
 
         with tf.device(device):
             program = tf.function(step, jit_compile=jit_compile)
-            x = tf.identity(x)
+            x = tf.nest.map_structure(tf.identity, x)
             block(program(x))
             times = []
             for _ in range(repeats):

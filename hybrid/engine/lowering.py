@@ -66,50 +66,57 @@ class _TrainingLowering:
         # The last stage outputs [numerator, denominator] of its micro-batch's loss; the
         # backward starts from d(numerator) = 1 (the engine divides the summed gradients by
         # the global denominator once, as the loss itself is divided).
-        self.loss_scale = tf.constant([1.0, 0.0])
+        self.loss_scale: list[tf.Tensor | None] = [tf.constant([1.0, 0.0])]
         self.grads: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
         self.losses: list[tf.Tensor] = []
-        self.outputs: dict[tuple[int, int], tf.Tensor] = {}
+        self.outputs: dict[tuple[int, int], list[tf.Tensor]] = {}
         self.saved: dict[tuple[int, int], Saved] = {}
-        self.upstream: dict[tuple[int, int], tf.Tensor] = {}
+        self.upstream: dict[tuple[int, int], list[tf.Tensor | None]] = {}
 
     def accumulate(self, k: int, dw: list[tf.Tensor]) -> None:
         if dw:
             acc = self.grads[k]
             self.grads[k] = dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
 
-    def output_gradient(self, k: int, m: int, keep: bool) -> tf.Tensor:
-        """The gradient arriving at stage k's output for micro-batch m."""
+    def output_gradient(self, k: int, m: int, keep: bool) -> list[tf.Tensor | None]:
+        """The gradients arriving at stage k's outputs for micro-batch m."""
         if self.stages[k].is_last:
             return self.loss_scale
         return self.upstream[(k, m)] if keep else self.upstream.pop((k, m))
 
-    def pass_down(self, k: int, m: int, dx: tf.Tensor | None) -> list[tf.Tensor]:
+    def pass_down(self, k: int, m: int, dx: list[tf.Tensor | None] | None) -> list[tf.Tensor]:
         if dx is None:
             return []
         self.upstream[(k - 1, m)] = dx
-        return [dx]
+        return [g for g in dx if g is not None]
 
-    def fused(self, k: int, m: int, x: tf.Tensor, labels: Labels, seed: tf.Tensor) -> Outputs:
-        loss, dx, dw = self.stages[k].forward_backward(x, labels, seed, self.loss_scale, k > 0)
+    def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
+        out, dx, dw = self.stages[k].forward_backward(x, labels, seed, self.loss_scale, k > 0)
+        loss = out[0]
         self.losses.append(loss)
         self.accumulate(k, dw)
         sent = self.pass_down(k, m, dx)
         return [loss] + sent + dw, [loss] + sent + self.grads[k]
 
     def forward(
-        self, k: int, m: int, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor, remat: bool
+        self,
+        k: int,
+        m: int,
+        x: list[tf.Tensor],
+        labels: Labels | None,
+        seed: tf.Tensor,
+        remat: bool,
     ) -> Outputs:
         record = self.stages[k].forward(x, labels, seed, remat, self.split)
         self.saved[(k, m)] = record
         if self.stages[k].is_last:
-            self.losses.append(record.output)
+            self.losses.append(record.output[0])
         else:
             self.outputs[(k, m)] = record.output
-        return [record.output], [record.output]
+        return list(record.output), list(record.output)
 
-    def backward(self, k: int, m: int, dy: tf.Tensor) -> Outputs:
+    def backward(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
         keep = self.saved[(k, m)] if self.split else self.saved.pop((k, m))
         dx, dw = self.stages[k].backward(keep, dy, need_dx=k > 0, need_dw=not self.split)
         self.accumulate(k, dw)
@@ -134,7 +141,7 @@ def lower_training(
     order: Sequence[Action],
     fused: frozenset[Action],
     stages: Sequence[StageReplica],
-    xs: Sequence[tf.Tensor],
+    xs: Sequence[list[tf.Tensor]],
     ys: Sequence[Labels],
     seed: Callable[[int], tf.Tensor],
     remat: Callable[[int], bool],
@@ -146,7 +153,8 @@ def lower_training(
       schedule: the validated schedule; ``order`` is its execution order.
       fused: last-stage F actions whose backward directly follows: run as one program.
       stages: this replica's copy of every model stage, indexed by model stage.
-      xs, ys: this replica's micro-batches of inputs and of (labels, sample weights).
+      xs, ys: this replica's micro-batches of inputs (each the list of model inputs) and of
+        (labels, sample weights).
       seed: micro-batch -> the (step, unit) seed its random layers use.
       remat: micro-batch -> whether its forward keeps no activations.
       clocks: one per pipeline device: record start and end of every action.
@@ -162,11 +170,11 @@ def lower_training(
         with tf.device(stages[k].device):
             # What the action waits for besides its device's previous action.
             if action.op is Op.F:
-                x = xs[m] if k == 0 else state.outputs.pop((k - 1, m))
-                inputs = [x]
+                x = list(xs[m]) if k == 0 else state.outputs.pop((k - 1, m))
+                inputs = list(x)
             elif action.op is Op.B:
                 dy = state.output_gradient(k, m, keep=True)
-                inputs = [dy]
+                inputs = [g for g in dy if g is not None]
             else:
                 inputs = []
             start = recorder.start(d, state.tails[d] + inputs)
@@ -189,22 +197,22 @@ def lower_inference(
     schedule: Schedule,
     order: Sequence[Action],
     stages: Sequence[StageReplica],
-    xs: Sequence[tf.Tensor],
+    xs: Sequence[list[tf.Tensor]],
     ys: Sequence[Labels] | None,
     seed: Callable[[int], tf.Tensor],
-) -> list[tf.Tensor]:
-    """Issues a forward-only schedule; returns the last stage's output per micro-batch
-    (its loss's [numerator, denominator] when ``ys`` is given)."""
+) -> list[list[tf.Tensor]]:
+    """Issues a forward-only schedule; returns the last stage's outputs per micro-batch
+    (``[[numerator, denominator]]`` of its loss when ``ys`` is given)."""
     K = schedule.num_model_stages
-    outputs: dict[tuple[int, int], tf.Tensor] = {}
+    outputs: dict[tuple[int, int], list[tf.Tensor]] = {}
     tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
     for action in order:
         k, m = action.stage, action.microbatch
         d = schedule.device_of(k)
         stage = stages[k]
         with tf.device(stage.device), tf.control_dependencies(tails[d]):
-            inputs = xs[m] if k == 0 else outputs.pop((k - 1, m))
+            inputs = list(xs[m]) if k == 0 else outputs.pop((k - 1, m))
             labels = ys[m] if (ys is not None and stage.is_last) else None
             outputs[(k, m)] = stage.infer(inputs, labels, seed(m))
-            tails[d] = [outputs[(k, m)]]
+            tails[d] = list(outputs[(k, m)])
     return [outputs[(K - 1, m)] for m in range(schedule.num_microbatches)]

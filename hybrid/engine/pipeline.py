@@ -30,31 +30,30 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.core import partition
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine import batches, layer_costs, lowering, reduction, timing
+from hybrid.engine import assembly, batches, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
+from hybrid.engine.devices import host_cpu
+from hybrid.engine.graph import graph_of
 from hybrid.engine.losses import LossLike, as_keras_loss
 from hybrid.engine.stage import StageReplica, TensorSpec
-from hybrid.engine.template import OptimizerLike, check_layer, layers_of, optimizer_copies
+from hybrid.engine.template import OptimizerLike, optimizer_copies
 from hybrid.engine.timing import TimedAction
+from hybrid.engine.variables import Placement, sum_tied
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
 
 
-def _host_cpu(device: str) -> str:
-    """The CPU of the host (task) that holds ``device``: the step counter lives there, so on
-    a cluster it sits with the mesh, not with the client."""
-    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
-
-
 class Pipeline:
-    """A Keras layer stack cut into ``mesh.num_stages`` stages and replicated on the mesh.
+    """A Keras model cut into ``mesh.num_stages`` stages and replicated on the mesh.
 
     Args:
-      model: a ``keras.Sequential`` or a list of Keras layers, applied in order.
+      model: a Keras model (functional, with any branches, merges, skip connections, shared
+        layers and inputs; or Sequential), or a list of Keras layers applied in order. Its
+        layer objects run as they are; each stage device holds a copy of the variables its
+        layers read.
       mesh: the S × R device mesh.
       loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch), a
         loss name, or ``callable(y_true, y_pred)`` returning per-example values (reduced as
@@ -64,8 +63,9 @@ class Pipeline:
         exclusions) and ``global_clipnorm`` clips by the norm over every stage; or a
         zero-argument factory returning a new one.
       micro_batches: M, the micro-batches each replica's shard of the batch is split into.
-      balance: layers per stage: None or "params" (balance parameter counts), "time"
-        (balance profiled forward+backward time per layer), or explicit counts.
+      balance: layer calls per stage (in the model's topological order): None or "params"
+        (balance parameter counts), "time" (balance profiled forward+backward time per
+        call), or explicit counts.
       schedule: name of a schedule in ``hybrid.core.schedule.names()``.
       remat: "never" keeps activations, "always" keeps each stage input and recomputes its
         forward in the backward, "except_last" recomputes all but the last micro-batch.
@@ -85,7 +85,7 @@ class Pipeline:
         jit_compile: bool = True,
         virtual_stages: int = 1,
     ) -> None:
-        self._layers = layers_of(model)
+        self._graph = graph_of(model)
         self.mesh = mesh
         self._loss = as_keras_loss(loss)
         self._optimizers = optimizer_copies(optimizer)
@@ -99,7 +99,7 @@ class Pipeline:
                 virtual_stages=virtual_stages,
                 remat=remat,
                 balance=counts if counts is not None else str(balance) if balance else None,
-                num_layers=len(self._layers),
+                num_layers=len(self._graph.calls),
             )
         )
         self.micro_batches = micro_batches
@@ -117,7 +117,8 @@ class Pipeline:
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
         self._groups: list[ReplicaGroup] = []
-        with tf.device(_host_cpu(mesh.device(0, 0))):
+        self._placement: Placement | None = None
+        with tf.device(host_cpu(mesh.device(0, 0))):
             # Counts optimizer steps; with the micro-batch it seeds random layers, so a
             # recomputed forward draws what the original forward drew.
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -135,7 +136,7 @@ class Pipeline:
 
     @property
     def balance(self) -> tuple[int, ...]:
-        """Layers per stage (known once built, or when given explicitly)."""
+        """Layer calls per stage (known once built, or when given explicitly)."""
         if self._balance is None:
             raise RuntimeError("the balance is chosen when the pipeline is built; call build()")
         return self._balance
@@ -154,54 +155,48 @@ class Pipeline:
         """``stages[k][r]``: the copy of model stage k on replica r's device."""
         return self._stages
 
-    def build(self, input_shape: Sequence[int | None], dtype: str = "float32") -> None:
+    def build(self, input_shape: Any, dtype: Any = "float32") -> None:
         """Builds the layers, chooses the balance and places a stage copy on every device.
 
         Args:
           input_shape: the model's input shape including the batch dimension (which may be
-            None), as in ``keras.Model.build``.
-          dtype: the input dtype (e.g. "int32" for token ids).
+            None), as in ``keras.Model.build``; a list of shapes for a model with several
+            inputs (a dict model: in the order of its sorted input names).
+          dtype: the input dtype (e.g. "int32" for token ids), or one per input.
         """
         if self.built:
             return
-        spec = TensorSpec(tuple(input_shape[1:]), tf.as_dtype(dtype).name)
-        first = self.mesh.device(0, 0)
-        boundaries = [spec]
-        samples = []
-        with tf.device(first):  # the template layers, from which every copy is made
-            y = tf.convert_to_tensor(spec.zeros())
-            for layer in self._layers:
-                samples.append(y)
-                y = layer(y)
-                check_layer(layer, samples[-1], y)
-                boundaries.append(TensorSpec(tuple(y.shape[1:]), y.dtype.name))
-        if self._balance is None:
-            if self._balance_mode == "time":
-                costs = layer_costs.time_costs(
-                    self._layers, samples, first, jit_compile=self.jit_compile
-                )
-            else:
-                costs = layer_costs.parameter_costs(self._layers)
-            self._balance = partition.balance_by_cost(costs, self.schedule.num_model_stages)
-        starts = np.cumsum((0,) + self._balance)
-        K = self.schedule.num_model_stages
-        for k in range(K):
-            device_row = self.schedule.device_of(k)
-            self._stages.append(
-                [
-                    StageReplica(
-                        k,
-                        self._layers[starts[k] : starts[k + 1]],
-                        self.mesh.device(device_row, r),
-                        boundaries[starts[k]],
-                        self._optimizers,
-                        self._loss if k == K - 1 else None,
-                        self.jit_compile,
-                    )
-                    for r in range(self.mesh.num_replicas)
-                ]
+        shapes = input_shape if _is_structure(input_shape) else [input_shape]
+        dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+        self._build(
+            [
+                TensorSpec(tuple(shape[1:]), tf.as_dtype(d).name)
+                for shape, d in zip(shapes, dtypes, strict=True)
+            ]
+        )
+
+    def _build(self, specs: Sequence[TensorSpec]) -> None:
+        if len(specs) != len(self._graph.inputs):
+            raise ValueError(
+                f"the model takes {len(self._graph.inputs)} inputs, got {len(specs)} input specs"
             )
+        layout = assembly.lay_out(
+            self._graph,
+            specs,
+            self.mesh.device(0, 0),
+            self.schedule.num_model_stages,
+            self._balance,
+            self._balance_mode,
+            self.jit_compile,
+        )
+        self._balance, self._placement = layout.balance, layout.placement
+        self._stages = assembly.place(
+            layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile
+        )
+        for k in range(self.schedule.num_model_stages):
+            device_row = self.schedule.device_of(k)
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
+        self._ties = layout.placement.ties()
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
 
     # -- public steps ----------------------------------------------------------------------
@@ -236,8 +231,8 @@ class Pipeline:
     def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
         """The gradients of the batch's loss, without updating anything.
 
-        In the order of ``keras.Sequential(layers).trainable_variables``; runs the same
-        schedule, remat and reductions as :meth:`train_step` (replica 0's copy is returned).
+        In the order of ``model.trainable_variables``; runs the same schedule, remat and
+        reductions as :meth:`train_step` (replica 0's copy is returned).
         """
         _, grads = self._grads(*self._batch(x, y, sample_weight))
         return [g.numpy() for g in grads]
@@ -246,46 +241,46 @@ class Pipeline:
         """The batch's loss in inference mode; no variable changes."""
         return {"loss": float(self._eval(*self._batch(x, y, sample_weight)))}
 
-    def predict(self, x: Any) -> np.ndarray:
-        """The model's outputs for the batch x, in example order."""
-        x, _, _ = self._batch(x)
-        return self._predict(x).numpy()
+    def predict(self, x: Any) -> Any:
+        """The model's outputs for the batch x, in example order (a list for a model with
+        several outputs)."""
+        xs, _, _ = self._batch(x)
+        outputs = [t.numpy() for t in self._predict(xs)]
+        return outputs[0] if len(outputs) == 1 else outputs
 
     def _batch(
         self, x: Any, y: Any = None, sample_weight: Any = None
-    ) -> tuple[tf.Tensor, tf.Tensor | None, tf.Tensor | None]:
+    ) -> tuple[list[tf.Tensor], tf.Tensor | None, tf.Tensor | None]:
         """The batch as tensors, checked against the run; builds the pipeline on first use."""
-        x = tf.convert_to_tensor(x)
+        graph = self._graph
+        xs = batches.flat_inputs(x, len(graph.inputs), graph.input_names)
         if not self.built:
-            self.build((None,) + tuple(x.shape[1:]), x.dtype.name)
-        return batches.prepare(self.config, x, y, sample_weight)
+            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs])
+        return batches.prepare(self.config, xs, y, sample_weight)
 
     def get_weights(self) -> list[np.ndarray]:
-        """All weights, in the order of ``keras.Sequential(layers).get_weights()``."""
-        self._require_built()
-        return [w for row in self._stages for w in row[0].get_weights()]
+        """All weights, in the order of ``model.get_weights()`` (a tied variable once)."""
+        return self.replica_weights(0)
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Sets all weights (order as in :meth:`get_weights`) on every replica."""
-        self._require_built()
-        expected = sum(row[0].num_weights() for row in self._stages)
-        if len(weights) != expected:
-            raise ValueError(f"expected {expected} weight arrays, got {len(weights)}")
-        start = 0
-        for row in self._stages:
-            count = row[0].num_weights()
+        placement = self.placement
+        rows = placement.spread(weights, [row[0].num_weights() for row in self._stages])
+        for row, values in zip(self._stages, rows, strict=True):
             for copy in row:
-                copy.set_weights(weights[start : start + count])
-            start += count
+                copy.set_weights(values)
 
     def replica_weights(self, replica: int) -> list[np.ndarray]:
         """The weights held by one replica's devices (all replicas should be identical)."""
-        self._require_built()
-        return [w for row in self._stages for w in row[replica].get_weights()]
+        placement = self.placement
+        return placement.read([row[replica].get_weights() for row in self._stages])
 
-    def _require_built(self) -> None:
-        if not self.built:
+    @property
+    def placement(self) -> Placement:
+        """Which stages hold each model variable (known once built)."""
+        if self._placement is None:
             raise RuntimeError("the pipeline is not built yet; call build() or train_step()")
+        return self._placement
 
     # -- the step functions ----------------------------------------------------------------
 
@@ -308,7 +303,7 @@ class Pipeline:
 
         return seed
 
-    def _train_step(self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
+    def _train_step(self, x: list[tf.Tensor], y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
         loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
         self._apply(grads)
         return loss
@@ -329,8 +324,8 @@ class Pipeline:
         clip = self._optimizers.global_clipnorm
         if clip:
             for r in range(self.mesh.num_replicas):
-                devices = [row[r].device for row in self._stages]
-                clipped = reduction.clip_by_global_norm([g[r] for g in grads], devices, clip)
+                copies = [row[r] for row in self._stages]
+                clipped = reduction.clip_by_global_norm([g[r] for g in grads], copies, clip)
                 for k, stage_grads in enumerate(clipped):
                     grads[k][r] = stage_grads
         for k, row in enumerate(self._stages):
@@ -344,19 +339,21 @@ class Pipeline:
         self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None
     ) -> tuple[tf.Tensor, list[tf.Tensor]]:
         loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
-        return loss, [g for row in grads for g in row[0]]
+        placement = self.placement
+        return loss, [grads[k][0][j] for k, j in placement.gradient_order()]
 
     def _pipelined_gradients(
-        self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None, record: bool
+        self, x: list[tf.Tensor], y: tf.Tensor, w: tf.Tensor | None, record: bool
     ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any]]:
         """Runs the schedule on every replica, then reduces over the mesh.
 
         Returns:
           The loss of the global batch, ``grads[k][r]``: model stage k's gradients of that
-          loss on replica r's device, and replica 0's timing events when ``record``.
+          loss on replica r's device (a tied variable's: the sum over its stages), and
+          replica 0's timing events when ``record``.
         """
         R = self.mesh.num_replicas
-        xs, labels = batches.split(self.config, x), batches.labels(self.config, y, w)
+        xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w)
         steps = [
             lowering.lower_training(
                 self.schedule,
@@ -382,14 +379,17 @@ class Pipeline:
             penalties += [penalty] if penalty is not None else []
         if penalties:  # the weight regularization Keras adds to the loss, once per step
             loss = loss + tf.add_n(penalties)
+        for r in range(R):
+            by_stage = [g[r] for g in grads]
+            sum_tied(by_stage, [row[r].device for row in self._stages], self._ties)
         return loss, grads, steps[0].events
 
     def _forward_pass(
-        self, x: tf.Tensor, y: tf.Tensor | None, w: tf.Tensor | None
-    ) -> list[tf.Tensor]:
+        self, x: list[tf.Tensor], y: tf.Tensor | None, w: tf.Tensor | None
+    ) -> list[list[tf.Tensor]]:
         """Runs the forward-only schedule on every replica; the last stage's outputs (the
-        loss terms when ``y`` is given), replica-major."""
-        xs = batches.split(self.config, x)
+        loss terms when ``y`` is given) per micro-batch, replica-major."""
+        xs = batches.split_inputs(self.config, x)
         labels = batches.labels(self.config, y, w) if y is not None else None
         outs = []
         for r in range(self.mesh.num_replicas):
@@ -403,10 +403,17 @@ class Pipeline:
             )
         return outs
 
-    def _eval_step(self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
-        loss, _ = reduction.global_loss(self._loss, self._forward_pass(x, y, w))
+    def _eval_step(self, x: list[tf.Tensor], y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
+        terms = [out[0] for out in self._forward_pass(x, y, w)]
+        loss, _ = reduction.global_loss(self._loss, terms)
         penalties = [p for p in (row[0].weight_penalty() for row in self._stages) if p]
         return loss + tf.add_n([p[0] for p in penalties]) if penalties else loss
 
-    def _predict_step(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.concat(self._forward_pass(x, None, None), axis=0)
+    def _predict_step(self, x: list[tf.Tensor]) -> list[tf.Tensor]:
+        parts = self._forward_pass(x, None, None)
+        return [tf.concat(list(pieces), axis=0) for pieces in zip(*parts, strict=True)]
+
+
+def _is_structure(shape: Any) -> bool:
+    """Whether ``shape`` is a list of shapes rather than one shape."""
+    return isinstance(shape, (list, tuple)) and any(isinstance(d, (list, tuple)) for d in shape)

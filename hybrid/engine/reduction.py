@@ -66,15 +66,18 @@ def stage_gradients(
 
 
 def clip_by_global_norm(
-    grads: Sequence[Sequence[tf.Tensor]], devices: Sequence[str], clip_norm: float
+    grads: Sequence[Sequence[tf.Tensor]], copies: Sequence[StageReplica], clip_norm: float
 ) -> list[list[tf.Tensor]]:
-    """``grads[k]`` (stage k's gradients on ``devices[k]``) scaled as Keras's
+    """``grads[k]`` (the gradients of stage copy ``copies[k]``) scaled as Keras's
     ``global_clipnorm`` scales a model's gradients: by ``clip · min(1/norm, 1/clip)`` with the
-    norm over every stage, NaN when the norm is not finite (so the update is too)."""
+    norm over every model variable (a tied one counted once, by its owner), NaN when the norm
+    is not finite (so the update is too)."""
+    devices = [copy.device for copy in copies]
     squares = []
-    for stage_grads, device in zip(grads, devices, strict=True):
-        with tf.device(device):
-            squares.append(tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage_grads]))
+    for stage_grads, copy in zip(grads, copies, strict=True):
+        with tf.device(copy.device):
+            owned = [g for g, mine in zip(stage_grads, copy.owned, strict=True) if mine]
+            squares += [tf.add_n([tf.reduce_sum(tf.square(g)) for g in owned])] if owned else []
     with tf.device(devices[0]):
         norm = tf.sqrt(tf.add_n(squares))
         scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)

@@ -1,30 +1,36 @@
-"""One pipeline stage on one device: its own copy of the layers, its programs, its optimizer.
+"""One pipeline stage on one device: its share of the model's variables, its programs, its
+optimizer.
 
-A :class:`StageReplica` owns a copy of model stage ``k``'s layers, created on its device,
-and the XLA programs that run them there:
+A :class:`StageReplica` holds, on its device, a copy of every variable that model stage
+``k``'s layer calls read (a segment of the user's model, ``hybrid.engine.graph``), and the
+XLA programs that run the segment there:
 
-    forward(x, seed)                -> y            (the last stage: [numerator, denominator]
-                                                     of the micro-batch's loss)
-    backward(saved, dy, dx?, dW?)   -> dx, [dW]     (B, W, or both: the schedule decides)
-    forward_backward(x, dy, seed)   -> y, dx, [dW]  (one program, nothing stored in between)
-    apply_gradients([dW])           -> updates the copy with its own optimizer
+    forward(xs, seed)                 -> ys           (the last stage: [[numerator, denominator]]
+                                                       of the micro-batch's loss)
+    backward(saved, dys, dx?, dW?)    -> dxs, [dW]    (B, W, or both: the schedule decides)
+    forward_backward(xs, dys, seed)   -> ys, dxs, [dW] (one program, nothing stored in between)
+    apply_gradients([dW])             -> updates the copy with its own optimizer
+
+``xs`` and ``ys`` are the tensors crossing the stage's cuts, in the segment's key order;
+``dxs`` has None for an input that is not a float (token ids) and so has no gradient.
+
+The programs call the user's own layer objects (``Layer.__call__``, Keras's call semantics)
+inside a ``keras.StatelessScope`` that binds each of their variables to this device's value,
+as ``Layer.stateless_call`` does: no layer is rebuilt from its config, and a variable two
+stages read (a tied embedding) has a copy on each. Weight values come in as tensors, so a
+taped forward program hands only activations to its backward program.
 
 ``forward`` returns a :class:`Saved` record with what the backward needs. Without remat it
-holds the forward's activations (a gradient tape around the XLA forward program, whose
-intermediate outputs TensorFlow keeps for the XLA backward program). With remat it holds only
-the stage input, and the backward runs one XLA program that recomputes the forward and
-differentiates it.
-
-Layers run with Keras ``stateless_call``: weight values and non-trainable state come in as
-tensors. Random layers (Dropout) get their seed-generator state from ``seed``, a (step,
-micro-batch) pair the engine passes in, so a recomputation draws the same numbers as the
-forward it repeats.
+holds the forward's activations (a gradient tape around the XLA forward program). With remat
+it holds only the stage inputs, and the backward runs one XLA program that recomputes the
+forward and differentiates it. Random layers (Dropout) get their seed-generator state from
+``seed``, a (step, micro-batch) pair the engine passes in, so a recomputation draws the same
+numbers as the forward it repeats.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,13 +38,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hybrid.engine import keras_private
+from hybrid.engine.graph import Segment
 from hybrid.engine.losses import loss_terms
 from hybrid.engine.template import seed_generators
 
 __all__ = ["Saved", "StageReplica", "TensorSpec"]
 
 Labels = tuple[Any, Any]  # (y_true, sample_weight or None) of one micro-batch
-Grads = tuple[tf.Tensor | None, list[tf.Tensor]]
+Tensors = list[tf.Tensor]
+Grads = tuple[list[tf.Tensor | None] | None, list[tf.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,82 +66,98 @@ class Saved:
     """What one micro-batch's forward leaves for its backward on this stage.
 
     Attributes:
-      inputs: the stage input (kept in every remat mode).
-      output: the stage output; on the last stage its loss's [numerator, denominator].
+      inputs: the stage inputs (kept in every remat mode).
+      output: the stage outputs; on the last stage ``[[numerator, denominator]]``.
       labels: the micro-batch's (labels, sample weights) (last stage only).
       seed: the random seed the forward used, for an exact recomputation.
       tape: the tape that recorded the forward (None when the backward recomputes).
       weights: the weight values the taped forward read (its gradient sources).
     """
 
-    inputs: tf.Tensor
-    output: tf.Tensor
+    inputs: Tensors
+    output: Tensors
     labels: Labels | None
     seed: tf.Tensor
     tape: tf.GradientTape | None = None
     weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
-def _watch(tape: tf.GradientTape, x: tf.Tensor) -> None:
-    if x.dtype.is_floating:  # integer inputs (token ids) have no gradient
-        tape.watch(x)
+def _differentiable(t: Any) -> bool:
+    return t is not None and t.dtype.is_floating  # integer ids and masks have no gradient
 
 
-def _takes_training(layer: keras.layers.Layer) -> bool:
-    return "training" in inspect.signature(layer.call).parameters
-
-
-def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
-    """A fresh, unbuilt layer with the same configuration (weights are copied separately)."""
-    return layer.__class__.from_config(layer.get_config())
+def _device_copy(template: Any) -> keras.Variable:
+    """A variable on the current device equal to ``template``, with its name, path,
+    trainability, regularizer and constraint (what the optimizer and the engine read)."""
+    copy = keras.Variable(
+        template.numpy(), dtype=template.dtype, trainable=template.trainable, name=template.name
+    )
+    keras_private.set_variable_path(copy, template.path)
+    copy.regularizer = template.regularizer
+    copy.constraint = template.constraint
+    return copy
 
 
 class StageReplica:
-    """Model stage ``index``'s layers copied onto ``device``, with programs and optimizer.
+    """Model stage ``index``'s variables copied onto ``device``, with programs and optimizer.
 
     Args:
       index: the model stage number k.
-      layers: the template layers of this stage, built; their weights are copied.
+      segment: the stage's layer calls (or a list of layers applied in order), built; the
+        layers are the user's, run with this copy's variable values.
       device: the device that owns the copy, its optimizer state and its programs.
-      input_spec: the stage input's shape and dtype (without batch).
+      input_specs: shape and dtype (without batch) of each stage input (or one spec).
       make_optimizer: ``make_optimizer(template variables, this copy's variables)`` returns
         this copy's optimizer (the engine's copy of the one logical optimizer); called once,
         on ``device``.
       loss: the Keras loss, only on the last stage: its forward returns the micro-batch's
-        ``[numerator, denominator]`` (``hybrid.engine.losses``).
+        ``[[numerator, denominator]]`` (``hybrid.engine.losses``).
       jit_compile: compile forward, backward and update into XLA programs on ``device``.
+      variables: the template variables the segment reads, in the model's order (default:
+        its layers' weights in call order).
     """
 
     def __init__(
         self,
         index: int,
-        layers: Sequence[keras.layers.Layer],
+        segment: Segment | Sequence[keras.layers.Layer],
         device: str,
-        input_spec: TensorSpec,
+        input_specs: TensorSpec | Sequence[TensorSpec],
         make_optimizer: Callable[[Sequence[Any], Sequence[Any]], keras.optimizers.Optimizer] | None,
         loss: keras.losses.Loss | None,
         jit_compile: bool = True,
+        variables: Sequence[Any] | None = None,
     ) -> None:
         self.index = index
         self.device = device
         self.loss = loss
+        self.segment = segment if isinstance(segment, Segment) else Segment.chain(segment)
+        if variables is None:
+            found = {id(v): v for layer in self.segment.layers for v in layer.weights}
+            variables = list(found.values())
+        self.templates = list(variables)
+        self._trainable = [v for v in self.templates if v.trainable]
+        self._state = [v for v in self.templates if not v.trainable]
+        specs = [input_specs] if isinstance(input_specs, TensorSpec) else list(input_specs)
+        self.input_specs = specs
         with tf.device(device):
-            self.layers = [clone_layer(layer) for layer in layers]
-            y = tf.convert_to_tensor(input_spec.zeros())
-            for copy, template in zip(self.layers, layers, strict=True):
-                y = copy(y)
-                copy.set_weights(template.get_weights())
-            sources = [v for layer in layers for v in layer.trainable_variables]
+            self.variables = [_device_copy(v) for v in self.templates]
+            copies = dict(zip(map(id, self.templates), self.variables, strict=True))
+            self.trainable_variables = [copies[id(v)] for v in self._trainable]
+            self._state_copies = [copies[id(v)] for v in self._state]
             self.optimizer = (
-                make_optimizer(sources, self.trainable_variables) if make_optimizer else None
+                make_optimizer(self._trainable, self.trainable_variables)
+                if make_optimizer
+                else None
             )
             if self.optimizer is not None:
                 self.optimizer.build(self.trainable_variables)
+        # Whether this stage counts each trainable variable's regularization and norm (the
+        # pipeline clears it for a variable an earlier stage also reads).
+        self.owned = [True] * len(self._trainable)
         # Seed-generator state variable -> its initial seed: each program sets the state
         # from (this base, step, micro-batch), so a recomputation draws the same numbers.
-        self._seed_bases = {
-            id(g.state): int(g.state.numpy()[0]) for g in seed_generators(self.layers)
-        }
+        self._seeds = [(g.state, int(g.state.numpy()[0])) for g in seed_generators(self.layers)]
 
         def program(fn: Callable[..., Any]) -> Any:
             return tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -146,21 +171,20 @@ class StageReplica:
         return self.loss is not None
 
     @property
-    def trainable_variables(self) -> list[Any]:
-        return [v for layer in self.layers for v in layer.trainable_variables]
+    def layers(self) -> list[keras.layers.Layer]:
+        """The user's layers this stage calls."""
+        return self.segment.layers
 
     def get_weights(self) -> list[np.ndarray]:
-        return [w for layer in self.layers for w in layer.get_weights()]
+        """This copy's variable values, in the order of :attr:`templates`."""
+        return [np.asarray(v.numpy()) for v in self.variables]
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        start = 0
-        for layer in self.layers:
-            count = len(layer.weights)
-            layer.set_weights(list(weights[start : start + count]))
-            start += count
+        for variable, value in zip(self.variables, weights, strict=True):
+            variable.assign(value)
 
     def num_weights(self) -> int:
-        return sum(len(layer.weights) for layer in self.layers)
+        return len(self.variables)
 
     # -- the programs --------------------------------------------------------------------
 
@@ -169,78 +193,83 @@ class StageReplica:
 
     def _run(
         self,
-        x: tf.Tensor,
+        xs: Tensors,
         labels: Labels | None,
         seed: tf.Tensor,
         weights: list[tf.Tensor],
         training: bool = True,
-    ) -> tf.Tensor:
-        """The stage's layers on ``x`` with the given weight values; on the last stage, the
-        ``[numerator, denominator]`` of the loss against ``labels`` (labels, sample weights).
+    ) -> Tensors:
+        """The segment on ``xs`` with the given weight values; on the last stage, the
+        ``[[numerator, denominator]]`` of the loss against ``labels`` (labels, weights).
 
-        The weights come in as tensors (Keras ``stateless_call``) rather than being read
-        inside: a taped forward program then hands only activations to its backward
-        program, not a copy of every weight it read.
+        The user's layers run inside a ``keras.StatelessScope`` that maps each variable they
+        read to this copy's value (weights as given, state read here, random seed-generator
+        states set from ``seed``), as ``Layer.stateless_call`` does.
         """
-        start = 0
-        for layer in self.layers:
-            count = len(layer.trainable_variables)
-            state = [self._state_value(v, seed) for v in layer.non_trainable_variables]
-            kwargs = {"training": training} if _takes_training(layer) else {}
-            x, _ = layer.stateless_call(weights[start : start + count], state, x, **kwargs)
-            start += count
+        mapping = (
+            list(zip(self._trainable, weights, strict=True))
+            + [
+                (v, tf.convert_to_tensor(c))
+                for v, c in zip(self._state, self._state_copies, strict=True)
+            ]
+            + [
+                (state, tf.cast(tf.stack([base + seed[0], seed[1]]), state.dtype))
+                for state, base in self._seeds
+            ]
+        )
+        with keras.StatelessScope(state_mapping=mapping):
+            ys = self.segment.run(list(xs), training)
         if labels is None:
-            return x
+            return ys
         assert self.loss is not None
         y_true, sample_weight = labels
-        return tf.stack(loss_terms(self.loss, y_true, x, sample_weight))
-
-    def _state_value(self, variable: Any, seed: tf.Tensor) -> tf.Tensor:
-        base = self._seed_bases.get(id(variable))
-        if base is None:
-            return tf.convert_to_tensor(variable)
-        return tf.cast(tf.stack([base + seed[0], seed[1]]), variable.dtype)
+        return [tf.stack(loss_terms(self.loss, y_true, ys[0], sample_weight))]
 
     def _forward_and_backward(
         self,
-        x: tf.Tensor,
-        dy: tf.Tensor,
+        xs: Tensors,
+        dys: list[tf.Tensor | None],
         labels: Labels | None,
         seed: tf.Tensor,
         need_dx: bool,
         need_dw: bool,
-    ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
-        """One program: the forward, then its gradients against ``dy``; nothing kept between."""
+    ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
+        """One program: the forward, then its gradients against ``dys``; nothing kept between."""
         weights = self._read_weights()
         with tf.GradientTape() as tape:
-            _watch(tape, x)
+            tape.watch([x for x in xs if _differentiable(x)])
             tape.watch(weights)
-            y = self._run(x, labels, seed, weights)
-        dx, dw = self._gradients(tape, x, y, dy, weights, need_dx, need_dw)
-        return y, dx, dw
+            ys = self._run(xs, labels, seed, weights)
+        dx, dw = self._gradients(tape, xs, ys, dys, weights, need_dx, need_dw)
+        return ys, dx, dw
 
     @staticmethod
     def _gradients(
         tape: tf.GradientTape,
-        x: tf.Tensor,
-        y: tf.Tensor,
-        dy: tf.Tensor,
+        xs: Tensors,
+        ys: Tensors,
+        dys: list[tf.Tensor | None],
         weights: list[tf.Tensor],
         need_dx: bool,
         need_dw: bool,
     ) -> Grads:
-        sources = ([x] if need_dx else []) + (list(weights) if need_dw else [])
+        inputs = [x for x in xs if _differentiable(x)] if need_dx else []
+        sources = inputs + (list(weights) if need_dw else [])
         if not sources:
-            return None, []
-        grads = tape.gradient(y, sources, output_gradients=dy)
+            return ([None] * len(xs) if need_dx else None), []
+        targets = [(y, dy) for y, dy in zip(ys, dys, strict=True) if _differentiable(y)]
+        grads = tape.gradient(
+            [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
+        )
         # Embedding lookups give IndexedSlices; accumulation and the all-reduce want dense.
         grads = [
             tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
             for g, s in zip(grads, sources, strict=True)
         ]
-        if need_dx:
-            return grads[0], grads[1:]
-        return None, grads
+        if not need_dx:
+            return None, grads
+        found = iter(grads[: len(inputs)])
+        return [next(found) if _differentiable(x) else None for x in xs], grads[len(inputs) :]
 
     def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
         assert self.optimizer is not None
@@ -249,7 +278,7 @@ class StageReplica:
     # -- what the engine calls, inside its step function, under tf.device(self.device) --
 
     def forward(
-        self, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor, remat: bool, split: bool
+        self, xs: Tensors, labels: Labels | None, seed: tf.Tensor, remat: bool, split: bool
     ) -> Saved:
         """Runs the forward program; keeps activations for the backward unless ``remat``.
 
@@ -258,41 +287,48 @@ class StageReplica:
         """
         weights = self._read_weights()
         if remat:
-            return Saved(x, self._forward(x, labels, seed, weights), labels, seed)
+            return Saved(xs, self._forward(xs, labels, seed, weights), labels, seed)
         with tf.GradientTape(persistent=split) as tape:
-            _watch(tape, x)
+            tape.watch([x for x in xs if _differentiable(x)])
             tape.watch(weights)
-            y = self._forward(x, labels, seed, weights)
-        return Saved(x, y, labels, seed, tape, weights)
+            ys = self._forward(xs, labels, seed, weights)
+        return Saved(xs, ys, labels, seed, tape, weights)
 
-    def infer(self, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor) -> tf.Tensor:
+    def infer(self, xs: Tensors, labels: Labels | None, seed: tf.Tensor) -> Tensors:
         """Forward in inference mode (``training=False``), nothing kept for a backward."""
-        return self._forward(x, labels, seed, self._read_weights(), training=False)
+        return self._forward(xs, labels, seed, self._read_weights(), training=False)
 
-    def backward(self, saved: Saved, dy: tf.Tensor, need_dx: bool, need_dw: bool) -> Grads:
-        """Input gradient (when ``need_dx``) and weight gradients (when ``need_dw``) of
-        ``dy · ∂output``; recomputes the forward first if the forward kept no tape."""
+    def backward(
+        self, saved: Saved, dys: list[tf.Tensor | None], need_dx: bool, need_dw: bool
+    ) -> Grads:
+        """Input gradients (when ``need_dx``) and weight gradients (when ``need_dw``) of
+        ``dys · ∂outputs``; recomputes the forward first if the forward kept no tape."""
         if not (need_dx or need_dw):
             return None, []
         if saved.tape is None:
             _, dx, dw = self._forward_backward(
-                saved.inputs, dy, saved.labels, saved.seed, need_dx, need_dw
+                saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw
             )
             return dx, dw
         return self._gradients(
-            saved.tape, saved.inputs, saved.output, dy, saved.weights, need_dx, need_dw
+            saved.tape, saved.inputs, saved.output, dys, saved.weights, need_dx, need_dw
         )
 
     def forward_backward(
-        self, x: tf.Tensor, labels: Labels | None, seed: tf.Tensor, dy: tf.Tensor, need_dx: bool
-    ) -> tuple[tf.Tensor, tf.Tensor | None, list[tf.Tensor]]:
+        self,
+        xs: Tensors,
+        labels: Labels | None,
+        seed: tf.Tensor,
+        dys: list[tf.Tensor | None],
+        need_dx: bool,
+    ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
         """F immediately followed by its whole backward, as one program.
 
         Used when the schedule runs a micro-batch's backward right after its forward on the
         same device (the last stage, whose output gradient is known): no activation is
         stored and nothing is recomputed.
         """
-        return self._forward_backward(x, dy, labels, seed, need_dx, True)
+        return self._forward_backward(xs, dys, labels, seed, need_dx, True)
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""
@@ -301,19 +337,23 @@ class StageReplica:
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization, as Keras adds it to the loss once per step:
         the sum of ``variable.regularizer(variable)`` over its trainable variables that have
-        one (kernel and bias regularizers), and its gradient per trainable variable; None
+        one (kernel and bias regularizers) and that this stage owns (a variable shared with
+        an earlier stage is counted there), and its gradient per trainable variable; None
         when no variable is regularized."""
-        variables = self.trainable_variables
-        if not any(getattr(v, "regularizer", None) for v in variables):
+        regularizers = [
+            getattr(v, "regularizer", None) if owned else None
+            for v, owned in zip(self.trainable_variables, self.owned, strict=True)
+        ]
+        if not any(regularizers):
             return None
         weights = self._read_weights()
         with tf.GradientTape() as tape:
             tape.watch(weights)
             penalty = tf.add_n(
                 [
-                    tf.cast(tf.reduce_sum(v.regularizer(w)), tf.float32)
-                    for v, w in zip(variables, weights, strict=True)
-                    if getattr(v, "regularizer", None)
+                    tf.cast(tf.reduce_sum(regularize(w)), tf.float32)
+                    for regularize, w in zip(regularizers, weights, strict=True)
+                    if regularize
                 ]
             )
         grads = tape.gradient(penalty, weights)

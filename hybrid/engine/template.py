@@ -1,6 +1,6 @@
 """What the user hands the engine, and what the engine makes of it.
 
-The layers are applied in order (a ``keras.Sequential``'s, or a list). The optimizer is one
+The optimizer is one
 logical optimizer over the whole model: every stage device gets a copy with the same class,
 hyper-parameters and weight-decay exclusions (mapped onto the stage's copies of the
 variables), and ``global_clipnorm`` is applied by the engine to the norm over every stage's
@@ -24,7 +24,6 @@ __all__ = [
     "OptimizerCopies",
     "OptimizerLike",
     "check_layer",
-    "layers_of",
     "optimizer_copies",
     "seed_generators",
 ]
@@ -89,25 +88,6 @@ def optimizer_copies(optimizer: OptimizerLike) -> OptimizerCopies:
             "pipeline yet; train in float32 with the inner optimizer"
         )
     return OptimizerCopies(make, source, probe.global_clipnorm)
-
-
-def layers_of(model: keras.Model | Sequence[keras.layers.Layer]) -> list[keras.layers.Layer]:
-    """The layers the model applies in order (a Sequential's, or the list given)."""
-    if isinstance(model, keras.Sequential):
-        layers = list(model.layers)
-    elif isinstance(model, Sequence) and not isinstance(model, str):
-        layers = list(model)
-    else:
-        raise TypeError(
-            f"model must be a keras.Sequential or a list of Keras layers, got "
-            f"{type(model).__name__}; cut functional models into a list of layers first"
-        )
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, keras.layers.Layer):
-            raise TypeError(f"model layer {i} is {type(layer).__name__}, not a Keras layer")
-    if not layers:
-        raise ValueError("the model has no layers")
-    return layers
 
 
 def seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:

@@ -69,21 +69,21 @@ class StagePrograms:
         self.labels = labels = (labels, None) if labels is not None else None
 
         def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            return [stage.forward(x, labels, seed, True, False).output]
+            return stage.forward([x], labels, seed, True, False).output
 
         def stored(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward(x, labels, seed, False, False)
-            dx, dw = stage.backward(saved, dy, need_dx=need_dx, need_dw=True)
-            return [saved.output] + ([dx] if dx is not None else []) + dw
+            saved = stage.forward([x], labels, seed, False, False)
+            dx, dw = stage.backward(saved, [dy], need_dx=need_dx, need_dw=True)
+            return saved.output + _present(dx) + dw
 
         def fused(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            y, dx, dw = stage.forward_backward(x, labels, seed, dy, need_dx)
-            return [y] + ([dx] if dx is not None else []) + dw
+            y, dx, dw = stage.forward_backward([x], labels, seed, [dy], need_dx)
+            return y + _present(dx) + dw
 
         def input_only(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward(x, labels, seed, True, False)
-            dx, _ = stage.backward(saved, dy, need_dx=True, need_dw=False)
-            return [saved.output] + ([dx] if dx is not None else [])
+            saved = stage.forward([x], labels, seed, True, False)
+            dx, _ = stage.backward(saved, [dy], need_dx=True, need_dw=False)
+            return saved.output + _present(dx)
 
         def chained(body: Callable[[tf.Tensor, tf.Tensor], list[tf.Tensor]]) -> Any:
             def run(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
@@ -107,7 +107,12 @@ class StagePrograms:
 
     def taped_forward(self, x: tf.Tensor) -> Any:
         """Eagerly: the record a stored-activation forward keeps (it holds the tape)."""
-        return self.stage.forward(x, self.labels, self._seed, False, False)
+        return self.stage.forward([x], self.labels, self._seed, False, False)
+
+
+def _present(grads: list[tf.Tensor | None] | None) -> list[tf.Tensor]:
+    """The input gradients that exist (an integer input has none)."""
+    return [g for g in grads or [] if g is not None]
 
 
 def identity_programs(device: str, chain: int, jit_compile: bool) -> StagePrograms:
@@ -131,7 +136,7 @@ def measure_memory(
     block(programs.fused_once(x, dy))  # traced and compiled before anything is counted
     before = tf.config.experimental.get_memory_info(where)["current"]
     saved = programs.taped_forward(x)
-    block([saved.output])
+    block(saved.output)
     stored = tf.config.experimental.get_memory_info(where)["current"] - before
     del saved
     tf.config.experimental.reset_memory_stats(where)

@@ -1,0 +1,134 @@
+"""From the user's model to the stages' layout: the cut, what crosses it, who holds what.
+
+values  = the model traced once on a zero example (builds unbuilt layers)
+check every layer call against what the pipeline can honour  (template.check_layer)
+balance = explicit counts, or the cut balancing each call's parameters or measured time
+segment k = calls [start_k, stop_k); its inputs are the tensors live at start_k
+stage k holds every model variable its calls read (a tied variable: several stages)
+place: a StageReplica of stage k on device (device_of(k), r) for every replica r
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from hybrid.core import partition
+from hybrid.core.mesh import DeviceMesh
+from hybrid.core.schedule import Schedule
+from hybrid.engine import layer_costs
+from hybrid.engine.graph import Graph, Segment
+from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.template import OptimizerCopies, check_layer
+from hybrid.engine.variables import Placement
+
+__all__ = ["Layout", "lay_out", "place", "spec_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The stages of one model on one schedule.
+
+    Attributes:
+      balance: layer calls per model stage.
+      segments: each model stage's calls and the tensors crossing its cuts.
+      input_specs: ``input_specs[k]``: shape and dtype of each of stage k's inputs.
+      variables: ``variables[k]``: the model variables stage k reads, in model order.
+      placement: where every model variable lives.
+    """
+
+    balance: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    input_specs: tuple[tuple[TensorSpec, ...], ...]
+    variables: tuple[tuple[Any, ...], ...]
+    placement: Placement
+
+
+def spec_of(t: Any) -> TensorSpec:
+    return TensorSpec(tuple(t.shape[1:]), t.dtype.name)
+
+
+def lay_out(
+    graph: Graph,
+    input_specs: Sequence[TensorSpec],
+    device: str,
+    num_stages: int,
+    balance: Sequence[int] | None,
+    balance_mode: str,
+    jit_compile: bool,
+) -> Layout:
+    """Builds and checks the model on ``device`` and cuts it into ``num_stages`` segments.
+
+    Args:
+      graph: the model's layer calls.
+      input_specs: the model inputs' shapes (without batch) and dtypes.
+      device: where the template model is built and, for ``balance_mode="time"``, timed.
+      num_stages: model stages (devices × virtual stages).
+      balance: explicit calls per stage, or None to balance by ``balance_mode``.
+      balance_mode: "params" or "time".
+
+    Raises:
+      NotImplementedError: a layer whose Keras semantics the pipeline cannot honour.
+    """
+    with tf.device(device):
+        values = graph.trace([tf.convert_to_tensor(s.zeros()) for s in input_specs])
+        arguments = []
+        for call in graph.calls:
+            args = [values[k] for k in call.inputs]
+            arguments.append(args[0] if len(args) == 1 else args)
+            check_layer(call.layer, arguments[-1], values[call.outputs[0]])
+    layers = [call.layer for call in graph.calls]
+    if balance is None:
+        if balance_mode == "time":
+            costs = layer_costs.time_costs(layers, arguments, device, jit_compile=jit_compile)
+        else:
+            costs = layer_costs.parameter_costs(layers)
+        balance = partition.balance_by_cost(costs, num_stages)
+    segments = graph.segments(balance)
+    variables = graph.variables()
+    held = []
+    for segment in segments:
+        reads = {id(v) for layer in segment.layers for v in layer.weights}
+        held.append(tuple(v for v in variables if id(v) in reads))
+    return Layout(
+        tuple(balance),
+        tuple(segments),
+        tuple(tuple(spec_of(values[k]) for k in s.inputs) for s in segments),
+        tuple(held),
+        Placement.of(variables, held),
+    )
+
+
+def place(
+    layout: Layout,
+    schedule: Schedule,
+    mesh: DeviceMesh,
+    optimizers: OptimizerCopies,
+    loss: keras.losses.Loss,
+    jit_compile: bool,
+) -> list[list[StageReplica]]:
+    """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row."""
+    K = schedule.num_model_stages
+    stages = []
+    for k in range(K):
+        row = [
+            StageReplica(
+                k,
+                layout.segments[k],
+                mesh.device(schedule.device_of(k), r),
+                layout.input_specs[k],
+                optimizers,
+                loss if k == K - 1 else None,
+                jit_compile,
+                layout.variables[k],
+            )
+            for r in range(mesh.num_replicas)
+        ]
+        for copy in row:
+            copy.owned = layout.placement.owned(k)
+        stages.append(row)
+    return stages
