@@ -261,9 +261,10 @@ class StageReplica:
         grads = tape.gradient(
             [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
         )
-        # Embedding lookups give IndexedSlices; accumulation and the all-reduce want dense.
+        # Embedding lookups give IndexedSlices; accumulation and the all-reduce want dense
+        # tensors of the variable's static shape.
         grads = [
-            tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
+            tf.zeros_like(s) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), s.shape)
             for g, s in zip(grads, sources, strict=True)
         ]
         if not need_dx:

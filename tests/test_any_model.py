@@ -1,0 +1,281 @@
+"""Any Keras model trains exactly as plain Keras trains it on one device.
+
+Each model is built twice from the same seed: one is compiled and trained with
+``train_on_batch`` on the whole batch (the reference), the other is handed to ``Pipeline``
+(the template; never rebuilt from its config). Both train the same batches; losses, every
+weight (``get_weights``, a tied variable once) and the evaluation loss must agree.
+
+Models:
+  skip       functional MLP whose skip connection jumps over two stages (S=4)
+  two_inputs a dict of an integer input (token ids, embedded) and a float input (S=2, R=2)
+  tied_lm    a language model whose output head reads the embedding matrix (S=2 and S=4, R=2)
+  shared     one Dense layer called on two different stages
+  no_config  a custom layer without get_config (its constructor takes an argument)
+
+Each runs GPipe with M=1, 1F1B with M=4 and interleaved (2 virtual stages) with M=4.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import hybrid
+
+import reference as ref
+import runner
+
+BATCH = 16
+STEPS = 2
+VOCAB, LENGTH, WIDTH = 12, 5, 8
+
+
+class TiedHead(keras.layers.Layer):
+    """Logits from the embedding matrix of ``embedding`` (weight tying)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
+class Scale(keras.layers.Layer):
+    """x · w + shift, with a constructor argument and no get_config."""
+
+    def __init__(self, shift):
+        super().__init__()
+        self.shift = shift
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+
+    def call(self, x):
+        return x * self.w + self.shift
+
+
+def dense(units=16, activation="tanh"):
+    return keras.layers.Dense(units, activation=activation)
+
+
+def skip_model():
+    x = keras.Input((ref.IN_FEATURES,))
+    a = dense()(x)
+    b = dense()(a)
+    c = dense()(b)
+    h = keras.layers.Add()([a, c])  # a jumps over the stages of b and c
+    h = dense()(h)
+    h = dense()(h)
+    h = dense()(h)
+    return keras.Model(x, keras.layers.Dense(ref.CLASSES)(h))
+
+
+def two_inputs_model():
+    ids = keras.Input((LENGTH,), dtype="int32", name="ids")
+    features = keras.Input((ref.IN_FEATURES,), name="features")
+    e = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 4)(ids))
+    f = dense()(features)
+    h = keras.layers.Concatenate()([e, f])
+    h = dense()(h)
+    return keras.Model({"ids": ids, "features": features}, keras.layers.Dense(ref.CLASSES)(h))
+
+
+def tied_lm_model():
+    ids = keras.Input((LENGTH,), dtype="int32")
+    embedding = keras.layers.Embedding(VOCAB, WIDTH)
+    h = embedding(ids)
+    for _ in range(6):
+        h = dense(WIDTH)(h)
+    return keras.Model(ids, TiedHead(embedding)(h))
+
+
+def shared_model():
+    x = keras.Input((ref.IN_FEATURES,))
+    shared = dense()
+    h = shared(dense(ref.IN_FEATURES)(x))
+    h = dense()(h)
+    h = dense()(h)
+    h = shared(dense(ref.IN_FEATURES)(h))  # the same kernel, on a later stage
+    h = dense()(h)
+    return keras.Model(x, keras.layers.Dense(ref.CLASSES)(h))
+
+
+def no_config_model():
+    x = keras.Input((ref.IN_FEATURES,))
+    h = dense()(x)
+    h = Scale(0.5)(h)
+    h = dense()(h)
+    h = Scale(-0.25)(h)
+    return keras.Model(x, keras.layers.Dense(ref.CLASSES)(h))
+
+
+def classes_batch(step):
+    return ref.batch(BATCH, seed=step + 1)
+
+
+def dict_batch(step):
+    rng = np.random.default_rng(step + 1)
+    x = {
+        "ids": rng.integers(0, VOCAB, size=(BATCH, LENGTH)).astype("int32"),
+        "features": rng.normal(size=(BATCH, ref.IN_FEATURES)).astype("float32"),
+    }
+    return x, rng.integers(0, ref.CLASSES, size=(BATCH,)).astype("int32")
+
+
+def tokens_batch(step):
+    rng = np.random.default_rng(step + 1)
+    ids = rng.integers(0, VOCAB, size=(BATCH, LENGTH + 1)).astype("int32")
+    return ids[:, :-1], ids[:, 1:]
+
+
+MODELS = {
+    # name: (builder, batch, mesh (S, R), explicit balance for S model stages or None)
+    "skip": (skip_model, classes_batch, (4, 1), [1, 1, 1, 5]),
+    "two_inputs": (two_inputs_model, dict_batch, (2, 2), None),
+    "tied_lm": (tied_lm_model, tokens_batch, (2, 2), None),
+    "tied_lm_s4": (tied_lm_model, tokens_batch, (4, 2), None),
+    "shared": (shared_model, classes_batch, (2, 1), [3, 5]),
+    "no_config": (no_config_model, classes_batch, (2, 1), None),
+}
+RUNS = [("gpipe", 1), ("1f1b", 4), ("interleaved", 4)]
+GRID = [
+    pytest.param(name, schedule, m, id=f"{name}-{schedule}-M{m}")
+    for name in MODELS
+    for schedule, m in RUNS
+]
+
+
+def build(builder, seed):
+    keras.utils.set_random_seed(seed)
+    return builder()
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.mark.parametrize("name,schedule,micro_batches", GRID)
+def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
+    builder, batch, (stages, replicas), balance = MODELS[name]
+    keras_model = build(builder, seed=0)
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss())
+    template = build(builder, seed=1)
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        loss=loss(),
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        virtual_stages=2 if schedule == "interleaved" else 1,
+        balance=balance if schedule != "interleaved" else None,
+        jit_compile=False,
+    )
+    for step in range(STEPS):
+        x, y = batch(step)
+        want = keras_model.train_on_batch(x, y)
+        got = pipe.train_step(x, y)["loss"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
+    assert len(pipe.get_weights()) == len(keras_model.get_weights())
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+    for r in range(replicas):
+        ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights())
+    x, y = batch(9)
+    np.testing.assert_allclose(
+        pipe.evaluate(x, y)["loss"],
+        keras_model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(pipe.predict(x), keras_model.predict(x, verbose=0), atol=1e-5)
+
+
+def test_tied_variable_is_one_variable_held_by_two_stages():
+    template = build(tied_lm_model, seed=0)
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=loss(),
+        optimizer=keras.optimizers.SGD(0.1),
+        jit_compile=False,
+    )
+    x, y = tokens_batch(0)
+    pipe.train_step(x, y)
+    embedding = template.layers[1].embeddings
+    first, last = pipe.stages[0][0], pipe.stages[-1][0]
+    assert any(v is embedding for v in first.templates)
+    assert any(v is embedding for v in last.templates)
+    copies = [
+        copy.variables[[id(v) for v in copy.templates].index(id(embedding))].numpy()
+        for copy in (first, last)
+    ]
+    np.testing.assert_array_equal(copies[0], copies[1])
+    assert not np.array_equal(copies[0], embedding.numpy())  # trained, the template untouched
+
+
+def test_untied_copies_would_fail():
+    """Without the tie the head's copy drifts from the embedding: the check can fail."""
+    keras_model = build(tied_lm_model, seed=0)
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+    template = build(tied_lm_model, seed=1)
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=loss(),
+        optimizer=keras.optimizers.SGD(0.1),
+        jit_compile=False,
+    )
+    pipe.build((None, LENGTH), "int32")
+    pipe._ties = []  # what a pipeline that forgot the tie would do
+    x, y = tokens_batch(0)
+    keras_model.train_on_batch(x, y)
+    pipe.train_step(x, y)
+    with pytest.raises(AssertionError):
+        ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
+def test_layers_of_a_model_with_merges_are_refused():
+    with pytest.raises(ValueError, match="pass the Keras model itself"):
+        hybrid.Pipeline(
+            skip_model().layers,
+            mesh=hybrid.DeviceMesh.create(2, 1),
+            loss=loss(),
+            optimizer=keras.optimizers.SGD(0.1),
+        )
+
+
+def test_a_subclassed_model_is_refused_with_the_way_out():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = dense(), dense()
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    with pytest.raises(TypeError, match="Express it as a functional model"):
+        hybrid.Pipeline(
+            Net(),
+            mesh=hybrid.DeviceMesh.create(2, 1),
+            loss=loss(),
+            optimizer=keras.optimizers.SGD(0.1),
+        )
+
+
+def test_a_dict_model_names_the_inputs_it_expects():
+    pipe = hybrid.Pipeline(
+        two_inputs_model(),
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=loss(),
+        optimizer=keras.optimizers.SGD(0.1),
+    )
+    x, y = dict_batch(0)
+    with pytest.raises(ValueError, match=r"inputs named \['features', 'ids'\], got \['ids'\]"):
+        pipe.train_step({"ids": x["ids"]}, y)
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
