@@ -55,6 +55,7 @@ class TrainConfig:
       seed: initial weights, data order and random layers.
       width, depth: model width (d_model, channels, units) and depth (blocks).
       seq_len, num_heads, dropout: the Transformer's context, heads and dropout rate.
+      tie_embeddings: the Transformer's output head reads the token embedding matrix.
       jit_compile: XLA-compile the stage programs.
       log_every: log and write TensorBoard scalars every this many steps.
       model_dir: checkpoints and TensorBoard events; None keeps nothing.
@@ -81,6 +82,7 @@ class TrainConfig:
     seq_len: int = 64
     num_heads: int = 4
     dropout: float = 0.0
+    tie_embeddings: bool = False
     jit_compile: bool = True
     log_every: int = 10
     model_dir: str | None = None
@@ -126,6 +128,7 @@ def build_model(config: TrainConfig) -> tuple[list[keras.layers.Layer], tuple[in
             num_blocks=config.depth,
             dropout=config.dropout,
             seed=config.seed,
+            tie_embeddings=config.tie_embeddings,
         )
         return layers, (config.seq_len,), "int32"
     if config.model == "resnet":

@@ -9,6 +9,8 @@ Models:
   skip       functional MLP whose skip connection jumps over two stages (S=4)
   two_inputs a dict of an integer input (token ids, embedded) and a float input (S=2, R=2)
   tied_lm    a language model whose output head reads the embedding matrix (S=2 and S=4, R=2)
+  two_outputs  a dict of two outputs with their own losses (one reduced by "sum") and
+             loss_weights, trained with sample weights (S=2, R=2)
   shared     one Dense layer called on two different stages
   no_config  a custom layer without get_config (its constructor takes an argument)
 
@@ -111,6 +113,25 @@ def no_config_model():
     return keras.Model(x, keras.layers.Dense(ref.CLASSES)(h))
 
 
+def two_outputs_model():
+    x = keras.Input((ref.IN_FEATURES,))
+    h = dense()(x)
+    h = dense()(h)
+    value = keras.layers.Dense(3, name="value")(dense()(h))
+    label = keras.layers.Dense(ref.CLASSES, name="label")(dense()(h))
+    return keras.Model(x, {"label": label, "value": value})
+
+
+def two_outputs_batch(step):
+    rng = np.random.default_rng(step + 1)
+    x = rng.normal(size=(BATCH, ref.IN_FEATURES)).astype("float32")
+    y = {
+        "label": rng.integers(0, ref.CLASSES, size=(BATCH,)).astype("int32"),
+        "value": rng.normal(size=(BATCH, 3)).astype("float32"),
+    }
+    return x, y
+
+
 def classes_batch(step):
     return ref.batch(BATCH, seed=step + 1)
 
@@ -134,6 +155,7 @@ MODELS = {
     # name: (builder, batch, mesh (S, R), explicit balance for S model stages or None)
     "skip": (skip_model, classes_batch, (4, 1), [1, 1, 1, 5]),
     "two_inputs": (two_inputs_model, dict_batch, (2, 2), None),
+    "two_outputs": (two_outputs_model, two_outputs_batch, (2, 2), None),
     "tied_lm": (tied_lm_model, tokens_batch, (2, 2), None),
     "tied_lm_s4": (tied_lm_model, tokens_batch, (4, 2), None),
     "shared": (shared_model, classes_batch, (2, 1), [3, 5]),
@@ -156,17 +178,35 @@ def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def objective(name):
+    """The compile arguments of model ``name``: its loss(es) and loss weights."""
+    if name != "two_outputs":
+        return {"loss": loss()}
+    return {
+        "loss": {"label": loss(), "value": keras.losses.MeanSquaredError(reduction="sum")},
+        "loss_weights": {"label": 1.0, "value": 0.25},
+    }
+
+
+def sample_weights(name, step):
+    if name != "two_outputs":
+        return None
+    w = np.random.default_rng(50 + step).uniform(0, 2, size=(BATCH,)).astype("float32")
+    w[:2] = 0.0
+    return w
+
+
 @pytest.mark.parametrize("name,schedule,micro_batches", GRID)
 def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     builder, batch, (stages, replicas), balance = MODELS[name]
     keras_model = build(builder, seed=0)
-    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss())
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), **objective(name))
     template = build(builder, seed=1)
     template.set_weights(keras_model.get_weights())
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
+        **objective(name),
         optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         micro_batches=micro_batches,
         schedule=schedule,
@@ -176,8 +216,9 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     )
     for step in range(STEPS):
         x, y = batch(step)
-        want = keras_model.train_on_batch(x, y)
-        got = pipe.train_step(x, y)["loss"]
+        w = sample_weights(name, step)
+        want = keras_model.train_on_batch(x, y, sample_weight=w)
+        got = pipe.train_step(x, y, sample_weight=w)["loss"]
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
     assert len(pipe.get_weights()) == len(keras_model.get_weights())
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
@@ -186,10 +227,14 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     x, y = batch(9)
     np.testing.assert_allclose(
         pipe.evaluate(x, y)["loss"],
-        keras_model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)["loss"],
         rtol=1e-5,
     )
-    np.testing.assert_allclose(pipe.predict(x), keras_model.predict(x, verbose=0), atol=1e-5)
+    got, want = pipe.predict(x), keras_model.predict(x, verbose=0)
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want)
+        got, want = [got[k] for k in sorted(got)], [want[k] for k in sorted(want)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_tied_variable_is_one_variable_held_by_two_stages():

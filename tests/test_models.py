@@ -65,6 +65,43 @@ def test_pipelined_model_matches_the_unpipelined_one(make, shape):
     assert last < first  # the same batch again: the loss must fall
 
 
+def small_transformer(**kwargs):
+    return models.transformer(seq_len=8, d_model=16, num_heads=2, num_blocks=2, **kwargs)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_transformer_graph_spells_out_the_layer_list(tie):
+    _, x, _ = transformer()
+    chain = keras.Sequential(
+        [keras.Input((8,), dtype="int32"), *small_transformer(tie_embeddings=tie)]
+    )
+    graph = small_transformer(tie_embeddings=tie, graph=True)  # same seeds, same weights
+    assert len(graph.get_weights()) == len(chain.get_weights()) == (15 if tie else 17)
+    assert len(graph.layers) > 2 * len(chain.layers)  # blocks called sublayer by sublayer
+    np.testing.assert_allclose(graph(x), chain(x), atol=1e-5)
+
+
+def test_tied_transformer_graph_trains_as_keras_with_cuts_inside_blocks():
+    _, x, y = transformer()
+    keras_model = small_transformer(tie_embeddings=True, graph=True)
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.5, momentum=0.9), loss=LOSS)
+    pipe = hybrid.Pipeline(
+        small_transformer(tie_embeddings=True, graph=True),
+        mesh=hybrid.DeviceMesh.create(3, 1),
+        loss=LOSS,
+        optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
+        micro_batches=2,
+        schedule="1f1b",
+        balance=[3, 8, 6],  # embedding + half a block | ... : the residual stream crosses
+        jit_compile=False,
+    )
+    for _ in range(2):
+        np.testing.assert_allclose(
+            pipe.train_step(x, y)["loss"], keras_model.train_on_batch(x, y), rtol=1e-5
+        )
+    reference.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
 def test_catalog_counts_the_layers_without_building():
     assert models.num_layers("transformer", 4) == len(models.transformer(num_blocks=4)) == 7
     assert models.num_layers("resnet", 3) == len(models.resnet(num_blocks=3)) == 6

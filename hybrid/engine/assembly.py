@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from hybrid.core import partition
@@ -22,6 +21,7 @@ from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
 from hybrid.engine import layer_costs
 from hybrid.engine.graph import Graph, Segment
+from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerCopies, check_layer
 from hybrid.engine.variables import Placement
@@ -39,6 +39,7 @@ class Layout:
       input_specs: ``input_specs[k]``: shape and dtype of each of stage k's inputs.
       variables: ``variables[k]``: the model variables stage k reads, in model order.
       placement: where every model variable lives.
+      output_shapes: each model output's shape without the batch dimension.
     """
 
     balance: tuple[int, ...]
@@ -46,6 +47,7 @@ class Layout:
     input_specs: tuple[tuple[TensorSpec, ...], ...]
     variables: tuple[tuple[Any, ...], ...]
     placement: Placement
+    output_shapes: tuple[tuple[int, ...], ...]
 
 
 def spec_of(t: Any) -> TensorSpec:
@@ -100,6 +102,7 @@ def lay_out(
         tuple(tuple(spec_of(values[k]) for k in s.inputs) for s in segments),
         tuple(held),
         Placement.of(variables, held),
+        tuple(tuple(values[k].shape[1:]) for k in graph.outputs),
     )
 
 
@@ -108,7 +111,7 @@ def place(
     schedule: Schedule,
     mesh: DeviceMesh,
     optimizers: OptimizerCopies,
-    loss: keras.losses.Loss,
+    loss: Objective,
     jit_compile: bool,
 ) -> list[list[StageReplica]]:
     """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row."""

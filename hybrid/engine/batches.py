@@ -16,54 +16,111 @@ from typing import Any
 import tensorflow as tf
 
 from hybrid.core.config import RunConfig, check_global_batch
+from hybrid.engine.graph import Graph
+from hybrid.engine.stage import TensorSpec
 
-__all__ = ["flat_inputs", "labels", "prepare", "split", "split_inputs"]
+__all__ = [
+    "flat",
+    "flat_batch",
+    "input_specs",
+    "labels",
+    "prepare",
+    "split",
+    "split_inputs",
+    "structured",
+]
 
 
-def flat_inputs(x: Any, count: int, names: tuple[str, ...] | None) -> list[tf.Tensor]:
-    """The model inputs in ``x`` as a flat list of ``count`` tensors.
+def input_specs(input_shape: Any, dtype: Any) -> list[TensorSpec]:
+    """Each model input's spec from a shape (with the batch dimension) or a list of shapes,
+    and a dtype or a list of dtypes."""
+    several = isinstance(input_shape, (list, tuple)) and any(
+        isinstance(d, (list, tuple)) for d in input_shape
+    )
+    shapes = list(input_shape) if several else [input_shape]
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+    return [
+        TensorSpec(tuple(shape[1:]), tf.as_dtype(d).name)
+        for shape, d in zip(shapes, dtypes, strict=True)
+    ]
+
+
+def flat_batch(
+    graph: Graph, x: Any, y: Any = None, sample_weight: Any = None
+) -> tuple[list[tf.Tensor], list[tf.Tensor] | None, list[tf.Tensor] | None]:
+    """Inputs, labels and sample weights (one array for every output, or one per output)
+    as flat lists in the order of ``graph``'s inputs and outputs."""
+    xs = flat(x, len(graph.inputs), graph.input_names, "inputs")
+    count, names = len(graph.outputs), graph.output_names
+    ys = None if y is None else flat(y, count, names, "labels")
+    ws = None
+    if sample_weight is not None:
+        ws = flat(sample_weight, count, names, "sample weights", shared=True)
+    return xs, ys, ws
+
+
+def structured(outputs: list[Any], names: tuple[str, ...] | None) -> Any:
+    """Flat outputs as the model returns them: one, a list, or a dict by output name."""
+    if names is not None:
+        return dict(zip(names, outputs, strict=True))
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def flat(
+    value: Any, count: int, names: tuple[str, ...] | None, what: str, shared: bool = False
+) -> list[tf.Tensor]:
+    """The ``count`` model inputs (or labels, sample weights) in ``value`` as a flat list.
 
     Args:
-      x: one array, a list/tuple of arrays, or a dict of arrays by input name.
-      names: the model's input names when it takes a dict (sorted), else None.
+      value: one array, a list/tuple of arrays, or a dict of arrays by name.
+      names: the model's input (output) names when it takes (returns) a dict, else None.
+      what: "inputs", "labels" or "sample weights", for the error message.
+      shared: one array stands for every entry (sample weights for every output).
 
     Raises:
-      ValueError: ``x`` does not match the model's inputs.
+      ValueError: ``value`` does not match the model's inputs (outputs).
     """
-    if names is not None:
-        if not isinstance(x, dict) or sorted(x) != list(names):
-            given = sorted(x) if isinstance(x, dict) else type(x).__name__
-            raise ValueError(f"the model takes a dict of inputs named {list(names)}, got {given}")
-        parts = [x[name] for name in names]
-    elif isinstance(x, (list, tuple)) and count > 1:
-        parts = list(x)
+    if isinstance(value, dict):
+        if names is None or sorted(value) != list(names):
+            expected = f"named {list(names)}" if names else f"as {count} array(s), not a dict"
+            raise ValueError(f"the model takes {what} {expected}, got a dict of {sorted(value)}")
+        parts = [value[name] for name in names]
+    elif isinstance(value, (list, tuple)) and count > 1:
+        parts = list(value)
+    elif names is not None and not shared and count > 1:
+        raise ValueError(
+            f"the model takes a dict of {what} named {list(names)}, got {type(value).__name__}"
+        )
     else:
-        parts = [x]
+        parts = [value] * (count if shared else 1)
     if len(parts) != count:
-        raise ValueError(f"the model takes {count} inputs, got {len(parts)}")
+        raise ValueError(f"the model takes {count} {what}, got {len(parts)}")
     return [tf.convert_to_tensor(p) for p in parts]
 
 
 def prepare(
-    config: RunConfig, xs: list[tf.Tensor], y: Any = None, sample_weight: Any = None
-) -> tuple[list[tf.Tensor], tf.Tensor | None, tf.Tensor | None]:
-    """``(xs, y, sample_weight)`` as tensors, after checking they describe one global batch.
+    config: RunConfig,
+    xs: list[tf.Tensor],
+    ys: list[tf.Tensor] | None = None,
+    weights: list[tf.Tensor] | None = None,
+) -> tuple[list[tf.Tensor], list[tf.Tensor] | None, list[tf.Tensor] | None]:
+    """``(xs, ys, weights)`` after checking they describe one global batch.
 
     Raises:
       ConfigError: the batch does not split into R × M equal parts.
-      ValueError: inputs, y or the sample weights have different numbers of examples, or
+      ValueError: inputs, labels or sample weights have different numbers of examples, or
         sample weights come without labels.
     """
     batch = int(xs[0].shape[0])
     check_global_batch(config, batch)
     xs = [_examples(x, batch, f"input {i}") for i, x in enumerate(xs)]
-    if y is not None:
-        y = _examples(tf.convert_to_tensor(y), batch, "y")
-    if sample_weight is not None:
-        if y is None:
+    if ys is not None:
+        ys = [_examples(y, batch, "y") for y in ys]
+    if weights is not None:
+        if ys is None:
             raise ValueError("sample_weight needs labels y to weigh the loss of")
-        sample_weight = _examples(tf.convert_to_tensor(sample_weight), batch, "sample_weight")
-    return xs, y, sample_weight
+        weights = [_examples(w, batch, "sample_weight") for w in weights]
+    return xs, ys, weights
 
 
 def _examples(t: tf.Tensor, batch: int, name: str) -> tf.Tensor:
@@ -87,11 +144,12 @@ def split_inputs(config: RunConfig, xs: list[tf.Tensor]) -> list[list[list[tf.Te
 
 
 def labels(
-    config: RunConfig, y: tf.Tensor, sample_weight: tf.Tensor | None
-) -> list[list[tuple[tf.Tensor, tf.Tensor | None]]]:
-    """``labels[r][m]``: micro-batch m's (labels, sample weights or None) on replica r."""
-    ys = split(config, y)
-    if sample_weight is None:
-        return [[(part, None) for part in row] for row in ys]
-    ws = split(config, sample_weight)
-    return [list(zip(y_row, w_row, strict=True)) for y_row, w_row in zip(ys, ws, strict=True)]
+    config: RunConfig, ys: list[tf.Tensor], weights: list[tf.Tensor] | None
+) -> list[list[tuple[list[tf.Tensor], list[tf.Tensor] | None]]]:
+    """``labels[r][m]``: micro-batch m's (labels, sample weights or None) on replica r, each
+    a list with one tensor per model output."""
+    y_parts = split_inputs(config, ys)
+    if weights is None:
+        return [[(part, None) for part in row] for row in y_parts]
+    w_parts = split_inputs(config, weights)
+    return [list(zip(a, b, strict=True)) for a, b in zip(y_parts, w_parts, strict=True)]

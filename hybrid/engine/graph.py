@@ -97,6 +97,7 @@ class Graph:
       outputs: the model output keys, likewise.
       source: the model, or the list of layers.
       input_names: the input structure's keys when the model takes a dict, else None.
+      output_names: the output structure's keys when the model returns a dict, else None.
     """
 
     calls: tuple[Call, ...]
@@ -104,6 +105,7 @@ class Graph:
     outputs: tuple[int, ...]
     source: Any
     input_names: tuple[str, ...] | None = None
+    output_names: tuple[str, ...] | None = None
 
     def variables(self) -> tuple[Any, ...]:
         """Every variable of the model once, in ``model.weights`` order (a list of layers:
@@ -207,15 +209,18 @@ def _functional_graph(model: keras.Model) -> Graph:
             )
     if not calls:
         raise ValueError(f"model {model.name!r} has no layers")
-    structure = keras_private.input_structure(model)
-    names = tuple(sorted(structure)) if isinstance(structure, dict) else None
     return Graph(
         tuple(calls),
         tuple(id(t) for t in model.inputs),
         tuple(id(t) for t in model.outputs),
         model,
-        names,
+        _names(keras_private.input_structure(model)),
+        _names(keras_private.output_structure(model)),
     )
+
+
+def _names(structure: Any) -> tuple[str, ...] | None:
+    return tuple(sorted(structure)) if isinstance(structure, dict) else None
 
 
 def _check_chain(layers: list[keras.layers.Layer]) -> None:

@@ -8,9 +8,10 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
 - ``output_mask``: the mask a layer attaches to its output (``keras.src.backend``).
 - ``with_training``: how a functional model passes ``training`` to each layer it calls
   (``keras.src.models.functional.operation_fn``: only to layers whose call takes it).
-- ``functional_of`` / ``input_structure``: a Sequential's functional graph (``_functional``,
-  there once the Sequential is built) and a functional model's input structure
-  (``_inputs_struct``, which ``keras.tree.flatten`` orders as ``model.inputs``).
+- ``functional_of`` / ``input_structure`` / ``output_structure``: a Sequential's functional
+  graph (``_functional``, there once the Sequential is built) and a functional model's input
+  and output structures (``_inputs_struct``, ``_outputs_struct``, which
+  ``keras.tree.flatten`` orders as ``model.inputs`` and ``model.outputs``).
 - ``set_variable_path``: a variable made outside a layer gets the path of the template
   variable it copies (``_path``), so an optimizer names its slots as for the original.
 - ``copy_weight_decay_exclusions``: ``Optimizer.exclude_from_weight_decay`` keeps the
@@ -36,6 +37,7 @@ __all__ = [
     "input_structure",
     "loss_function",
     "output_mask",
+    "output_structure",
     "same_rank",
     "set_variable_path",
     "with_training",
@@ -57,6 +59,11 @@ def functional_of(model: keras.Model) -> keras.Model | None:
 def input_structure(model: keras.Model) -> Any:
     """The structure (a tensor, list or dict of inputs) a functional model was built with."""
     return model._inputs_struct
+
+
+def output_structure(model: keras.Model) -> Any:
+    """The structure (a tensor, list or dict) of a functional model's outputs."""
+    return model._outputs_struct
 
 
 def set_variable_path(variable: Any, path: str) -> None:

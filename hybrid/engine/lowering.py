@@ -26,7 +26,30 @@ from hybrid.core.schedule import Action, Op, Schedule
 from hybrid.engine.stage import Labels, Saved, StageReplica
 from hybrid.engine.timing import DeviceClock, Recorder
 
-__all__ = ["ReplicaStep", "lower_inference", "lower_training"]
+__all__ = ["ReplicaStep", "lower_inference", "lower_training", "remat_policy", "seeds"]
+
+
+def remat_policy(mode: str, micro_batches: int) -> Callable[[int], bool]:
+    """micro-batch -> whether its forward keeps no activations, for a ``remat`` mode."""
+    if mode == "always":
+        return lambda microbatch: True
+    if mode == "except_last":
+        return lambda microbatch: microbatch != micro_batches - 1
+    return lambda microbatch: False
+
+
+def seeds(step: tf.Tensor, replica: int, micro_batches: int) -> Callable[[int], tf.Tensor]:
+    """micro-batch -> the (step, unit) seed of its random layers on ``replica`` (one tensor
+    per micro-batch, shared by its forward and any recomputation)."""
+    units: dict[int, tf.Tensor] = {}
+
+    def seed(microbatch: int) -> tf.Tensor:
+        if microbatch not in units:
+            unit = tf.constant(replica * micro_batches + microbatch, tf.int64)
+            units[microbatch] = tf.stack([step, unit])
+        return units[microbatch]
+
+    return seed
 
 
 @dataclasses.dataclass
@@ -60,13 +83,14 @@ class _TrainingLowering:
       upstream: the gradient flowing into stage k, by (k, m).
     """
 
-    def __init__(self, schedule: Schedule, stages: Sequence[StageReplica]) -> None:
+    def __init__(
+        self, schedule: Schedule, stages: Sequence[StageReplica], loss_seed: tf.Tensor
+    ) -> None:
         self.schedule, self.stages = schedule, stages
         self.split = schedule.splits_backward
-        # The last stage outputs [numerator, denominator] of its micro-batch's loss; the
-        # backward starts from d(numerator) = 1 (the engine divides the summed gradients by
-        # the global denominator once, as the loss itself is divided).
-        self.loss_scale: list[tf.Tensor | None] = [tf.constant([1.0, 0.0])]
+        # The last stage outputs [numerator, denominator] of each output's loss; the
+        # backward starts from d loss / d terms (``Objective.seed``).
+        self.loss_scale: list[tf.Tensor | None] = [loss_seed]
         self.grads: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
         self.losses: list[tf.Tensor] = []
@@ -145,6 +169,7 @@ def lower_training(
     ys: Sequence[Labels],
     seed: Callable[[int], tf.Tensor],
     remat: Callable[[int], bool],
+    loss_seed: tf.Tensor,
     clocks: Sequence[DeviceClock] | None = None,
 ) -> ReplicaStep:
     """Issues one replica's training actions in ``order``.
@@ -157,9 +182,11 @@ def lower_training(
         (labels, sample weights).
       seed: micro-batch -> the (step, unit) seed its random layers use.
       remat: micro-batch -> whether its forward keeps no activations.
+      loss_seed: the gradient of the step's loss with respect to the last stage's output
+        (``Objective.seed``).
       clocks: one per pipeline device: record start and end of every action.
     """
-    state = _TrainingLowering(schedule, stages)
+    state = _TrainingLowering(schedule, stages, loss_seed)
     recorder = Recorder(clocks)
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
     for action in order:

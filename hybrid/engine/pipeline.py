@@ -1,4 +1,4 @@
-"""Pipeline: trains a Keras layer stack on an S × R mesh, one exact step at a time.
+"""Pipeline: trains a Keras model on an S × R mesh, one exact step at a time.
 
 Conceptually one training step computes, for a global batch (x, y) of B examples::
 
@@ -10,10 +10,13 @@ Conceptually one training step computes, for a global batch (x, y) of B examples
             backprop num[r][m] through the stages, accumulating dW[s][r]   # B actions
     loss = sum(num) / sum(den)        # the reduction Keras applies to the whole batch
     for s in range(S):  dW[s][:] = sum over r of dW[s][r] / sum(den)  # all-reduce, group s
+    sum the gradients of a variable held by several stages (a tied embedding)
     clip every stage's dW by the norm over all stages (global_clipnorm)
     every device (s, r) applies dW[s][r] to its copy of stage s with its copy of the optimizer
 
-which is the gradient of the batch's loss as Keras reduces it: the step one device would take.
+which is the gradient of the batch's loss as Keras reduces it: the step one device would take
+(with several outputs, each output's loss is reduced so and weighted: ``objective.py``; the
+divisors are known from the labels before the backward starts, which carries the 1 / sum(den)).
 It differs from that sequential loop only in *when* things run: the schedule (``schedule.py``)
 orders each device's F/B actions, the step issues every action on its device with a control
 dependency on the device's previous action, so each device runs one action at a time in
@@ -37,13 +40,16 @@ from hybrid.engine import assembly, batches, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
-from hybrid.engine.losses import LossLike, as_keras_loss
+from hybrid.engine.losses import LossLike
+from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerLike, optimizer_copies
 from hybrid.engine.timing import TimedAction
 from hybrid.engine.variables import Placement, sum_tied
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
+
+Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
 
 
 class Pipeline:
@@ -57,7 +63,8 @@ class Pipeline:
       mesh: the S × R device mesh.
       loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch), a
         loss name, or ``callable(y_true, y_pred)`` returning per-example values (reduced as
-        ``compile`` reduces them: the mean over the batch).
+        ``compile`` reduces them: the mean over the batch); for several outputs, one for all
+        or a list (dict by output name) of them, as in ``compile``.
       optimizer: a Keras optimizer, used as one optimizer over the whole model: each device
         holds a copy for its variables (same class, configuration and weight-decay
         exclusions) and ``global_clipnorm`` clips by the norm over every stage; or a
@@ -70,6 +77,8 @@ class Pipeline:
       remat: "never" keeps activations, "always" keeps each stage input and recomputes its
         forward in the backward, "except_last" recomputes all but the last micro-batch.
       jit_compile: compile stage programs with XLA.
+      loss_weights: each output's weight in the loss (a list, or dict by output name), as
+        in ``compile``.
     """
 
     def __init__(
@@ -84,10 +93,12 @@ class Pipeline:
         remat: str = "except_last",
         jit_compile: bool = True,
         virtual_stages: int = 1,
+        loss_weights: Any = None,
     ) -> None:
         self._graph = graph_of(model)
         self.mesh = mesh
-        self._loss = as_keras_loss(loss)
+        graph = self._graph
+        self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
         self._optimizers = optimizer_copies(optimizer)
         counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
         self.config = validate_run(
@@ -166,20 +177,16 @@ class Pipeline:
         """
         if self.built:
             return
-        shapes = input_shape if _is_structure(input_shape) else [input_shape]
-        dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
-        self._build(
-            [
-                TensorSpec(tuple(shape[1:]), tf.as_dtype(d).name)
-                for shape, d in zip(shapes, dtypes, strict=True)
-            ]
-        )
+        self._build(batches.input_specs(input_shape, dtype))
 
     def _build(self, specs: Sequence[TensorSpec]) -> None:
-        if len(specs) != len(self._graph.inputs):
+        if len(specs) != len(self._graph.inputs) or any(None in s.shape for s in specs):
             raise ValueError(
-                f"the model takes {len(self._graph.inputs)} inputs, got {len(specs)} input specs"
+                f"the model takes {len(self._graph.inputs)} input(s), got the input shapes "
+                f"{[(None, *s.shape) for s in specs]}; give one shape per input, every "
+                "dimension but the batch known (each shape compiles its own programs)"
             )
+        self._shapes = [s.shape for s in specs]
         layout = assembly.lay_out(
             self._graph,
             specs,
@@ -190,6 +197,7 @@ class Pipeline:
             self.jit_compile,
         )
         self._balance, self._placement = layout.balance, layout.placement
+        self._loss = self._loss.bind(layout.output_shapes)
         self._stages = assembly.place(
             layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile
         )
@@ -242,21 +250,29 @@ class Pipeline:
         return {"loss": float(self._eval(*self._batch(x, y, sample_weight)))}
 
     def predict(self, x: Any) -> Any:
-        """The model's outputs for the batch x, in example order (a list for a model with
-        several outputs)."""
+        """The model's outputs for the batch x, in example order, structured as the model
+        returns them (one array, a list, or a dict by output name)."""
         xs, _, _ = self._batch(x)
         outputs = [t.numpy() for t in self._predict(xs)]
-        return outputs[0] if len(outputs) == 1 else outputs
+        return batches.structured(outputs, self._graph.output_names)
 
     def _batch(
         self, x: Any, y: Any = None, sample_weight: Any = None
-    ) -> tuple[list[tf.Tensor], tf.Tensor | None, tf.Tensor | None]:
-        """The batch as tensors, checked against the run; builds the pipeline on first use."""
-        graph = self._graph
-        xs = batches.flat_inputs(x, len(graph.inputs), graph.input_names)
+    ) -> tuple[list[tf.Tensor], list[tf.Tensor] | None, list[tf.Tensor] | None]:
+        """The batch as flat lists of tensors (inputs, labels and sample weights per
+        output), checked against the run; builds the pipeline on first use."""
+        xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
+        shapes = [tuple(t.shape[1:]) for t in xs]
         if not self.built:
-            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs])
-        return batches.prepare(self.config, xs, y, sample_weight)
+            self._build(
+                [TensorSpec(shape, t.dtype.name) for shape, t in zip(shapes, xs, strict=True)]
+            )
+        elif shapes != self._shapes:
+            raise ValueError(
+                f"the pipeline was built for inputs of shapes {self._shapes} (without the "
+                f"batch), got {shapes}; build another Pipeline for another shape"
+            )
+        return batches.prepare(self.config, xs, ys, ws)
 
     def get_weights(self) -> list[np.ndarray]:
         """All weights, in the order of ``model.get_weights()`` (a tied variable once)."""
@@ -284,32 +300,16 @@ class Pipeline:
 
     # -- the step functions ----------------------------------------------------------------
 
-    def _remat(self, microbatch: int) -> bool:
-        if self.remat == "always":
-            return True
-        if self.remat == "except_last":
-            return microbatch != self.micro_batches - 1
-        return False
-
     def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
-        step = self._step.read_value()
-        units = {}
+        return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
 
-        def seed(microbatch: int) -> tf.Tensor:
-            if microbatch not in units:
-                unit = tf.constant(replica * self.micro_batches + microbatch, tf.int64)
-                units[microbatch] = tf.stack([step, unit])
-            return units[microbatch]
-
-        return seed
-
-    def _train_step(self, x: list[tf.Tensor], y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
+    def _train_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
         loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
         self._apply(grads)
         return loss
 
     def _timed_step(
-        self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None
+        self, x: Flat, y: Flat, w: Flat | None
     ) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
         loss, grads, events = self._pipelined_gradients(x, y, w, record=True)
         self._apply(grads)
@@ -335,15 +335,13 @@ class Pipeline:
         with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
-    def _gradient_step(
-        self, x: tf.Tensor, y: tf.Tensor, w: tf.Tensor | None
-    ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    def _gradient_step(self, x: Flat, y: Flat, w: Flat | None) -> tuple[tf.Tensor, list[tf.Tensor]]:
         loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
         placement = self.placement
         return loss, [grads[k][0][j] for k, j in placement.gradient_order()]
 
     def _pipelined_gradients(
-        self, x: list[tf.Tensor], y: tf.Tensor, w: tf.Tensor | None, record: bool
+        self, x: Flat, y: Flat, w: Flat | None, record: bool
     ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any]]:
         """Runs the schedule on every replica, then reduces over the mesh.
 
@@ -354,6 +352,7 @@ class Pipeline:
         """
         R = self.mesh.num_replicas
         xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w)
+        divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
         steps = [
             lowering.lower_training(
                 self.schedule,
@@ -363,18 +362,19 @@ class Pipeline:
                 xs[r],
                 labels[r],
                 self._seeds(r),
-                self._remat,
+                lowering.remat_policy(self.remat, self.micro_batches),
+                self._loss.seed(divisors),
                 clocks=self._clocks if record and r == 0 else None,
             )
             for r in range(R)
         ]
-        loss, scale = reduction.global_loss(self._loss, [t for s in steps for t in s.losses])
+        loss = reduction.global_loss(self._loss, [t for s in steps for t in s.losses], divisors)
         grads, penalties = [], []
         for k, row in enumerate(self._stages):
             device_row = self.schedule.device_of(k)
             with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
                 summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
-            stage_grads, penalty = reduction.stage_gradients(row, summed, scale)
+            stage_grads, penalty = reduction.stage_gradients(row, summed)
             grads.append(stage_grads)
             penalties += [penalty] if penalty is not None else []
         if penalties:  # the weight regularization Keras adds to the loss, once per step
@@ -384,9 +384,7 @@ class Pipeline:
             sum_tied(by_stage, [row[r].device for row in self._stages], self._ties)
         return loss, grads, steps[0].events
 
-    def _forward_pass(
-        self, x: list[tf.Tensor], y: tf.Tensor | None, w: tf.Tensor | None
-    ) -> list[list[tf.Tensor]]:
+    def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None) -> list[list[tf.Tensor]]:
         """Runs the forward-only schedule on every replica; the last stage's outputs (the
         loss terms when ``y`` is given) per micro-batch, replica-major."""
         xs = batches.split_inputs(self.config, x)
@@ -403,17 +401,13 @@ class Pipeline:
             )
         return outs
 
-    def _eval_step(self, x: list[tf.Tensor], y: tf.Tensor, w: tf.Tensor | None) -> tf.Tensor:
+    def _eval_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
         terms = [out[0] for out in self._forward_pass(x, y, w)]
-        loss, _ = reduction.global_loss(self._loss, terms)
+        divisors = self._loss.divisors(tf.add_n(terms)[:, 1])
+        loss = reduction.global_loss(self._loss, terms, divisors)
         penalties = [p for p in (row[0].weight_penalty() for row in self._stages) if p]
         return loss + tf.add_n([p[0] for p in penalties]) if penalties else loss
 
     def _predict_step(self, x: list[tf.Tensor]) -> list[tf.Tensor]:
         parts = self._forward_pass(x, None, None)
         return [tf.concat(list(pieces), axis=0) for pieces in zip(*parts, strict=True)]
-
-
-def _is_structure(shape: Any) -> bool:
-    """Whether ``shape`` is a list of shapes rather than one shape."""
-    return isinstance(shape, (list, tuple)) and any(isinstance(d, (list, tuple)) for d in shape)

@@ -1,11 +1,12 @@
-"""What is reduced across the mesh after the micro-batches ran: the loss over the global
-batch, the gradients' scale, and the gradient norm over every stage.
+"""What is reduced across the mesh around the micro-batches: the loss's divisors before,
+the loss of the global batch and the gradient norm over every stage after.
 
-Conceptually, for one step on the global batch::
+Conceptually, for one step on the global batch (``hybrid.engine.objective``)::
 
-    numerator, denominator = sums over replicas and micro-batches of each micro-batch's terms
-    loss  = divide_no_nan(numerator, divisor)         # exactly Keras's reduction of the batch
-    grads = (sum over replicas of each stage's summed gradients) · divide_no_nan(1, divisor)
+    divisor_i = Keras's divisor of output i's loss over the global batch  (labels only)
+    backward from d loss / d numerator_i = w_i / divisor_i  -> gradients already scaled
+    loss  = sum_i w_i · numerator_i / divisor_i, numerators summed over every micro-batch
+    grads = sum over replicas of each stage's summed gradients
     loss += weight penalties (kernel/bias regularizers); grads += their gradients
     global_clipnorm: grads ·= clip · min(1 / norm, 1 / clip), norm over every stage's grads
 """
@@ -14,49 +15,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import keras
 import tensorflow as tf
 
-from hybrid.engine.losses import divisor
-from hybrid.engine.stage import StageReplica
+from hybrid.engine.objective import Objective
+from hybrid.engine.stage import Labels, StageReplica
 
-__all__ = ["clip_by_global_norm", "global_loss", "stage_gradients"]
+__all__ = ["clip_by_global_norm", "global_loss", "loss_divisors", "stage_gradients"]
 
 
-def global_loss(loss: keras.losses.Loss, terms: Sequence[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
-    """The loss of the global batch and the factor its gradients are scaled by.
+def loss_divisors(
+    objective: Objective, copies: Sequence[StageReplica], labels: Sequence[Sequence[Labels]]
+) -> tf.Tensor:
+    """Each output's divisor over the global batch (from labels and sample weights alone).
 
     Args:
-      loss: the Keras loss (its reduction decides the divisor).
-      terms: every micro-batch's ``[numerator, denominator]``, from every replica.
-
-    Returns:
-      ``(loss, scale)``: the batch's loss, and ``d loss / d numerator``.
+      copies: the last stage's copy on each replica (where its labels go).
+      labels: ``labels[r][m]``: micro-batch m's labels on replica r.
     """
-    numerator, denominator = tf.unstack(tf.add_n(list(terms)))
-    by = divisor(loss, denominator)
-    return tf.math.divide_no_nan(numerator, by), tf.math.divide_no_nan(tf.ones_like(by), by)
+    denominators = []
+    for copy, row in zip(copies, labels, strict=True):
+        with tf.device(copy.device):
+            denominators += [objective.denominators(y, w) for y, w in row]
+    with tf.device(copies[0].device):
+        return objective.divisors(tf.add_n(denominators))
+
+
+def global_loss(objective: Objective, terms: Sequence[tf.Tensor], divisors: tf.Tensor) -> tf.Tensor:
+    """The loss of the global batch from every micro-batch's terms (every replica's)."""
+    return objective.value(tf.add_n(list(terms)), divisors)
 
 
 def stage_gradients(
-    copies: Sequence[StageReplica], summed: Sequence[Sequence[tf.Tensor]], scale: tf.Tensor
+    copies: Sequence[StageReplica], summed: Sequence[Sequence[tf.Tensor]]
 ) -> tuple[list[list[tf.Tensor]], tf.Tensor | None]:
     """One stage's gradients of the step's whole loss on every replica's copy.
 
     Args:
       copies: the stage's copy on each replica.
-      summed: each copy's all-reduced (summed) data-loss gradients.
-      scale: ``d loss / d numerator`` (:func:`global_loss`).
+      summed: each copy's all-reduced (summed, already scaled) data-loss gradients.
 
     Returns:
-      ``grads[r]`` = ``summed[r] · scale`` + the gradient of the stage's weight penalty
-      (kernel and bias regularizers, identical on every replica), and that penalty (replica
-      0's), or None when no variable of the stage is regularized.
+      ``grads[r]`` = ``summed[r]`` + the gradient of the stage's weight penalty (kernel and
+      bias regularizers, identical on every replica), and that penalty (replica 0's), or
+      None when no variable of the stage is regularized.
     """
     grads, penalty = [], None
     for r, (stage, stage_grads) in enumerate(zip(copies, summed, strict=True)):
         with tf.device(stage.device):
-            scaled = [g * scale for g in stage_grads]
+            scaled = list(stage_grads)
             regularization = stage.weight_penalty()
             if regularization is not None:
                 scaled = [g + p for g, p in zip(scaled, regularization[1], strict=True)]

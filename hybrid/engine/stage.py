@@ -5,8 +5,8 @@ A :class:`StageReplica` holds, on its device, a copy of every variable that mode
 ``k``'s layer calls read (a segment of the user's model, ``hybrid.engine.graph``), and the
 XLA programs that run the segment there:
 
-    forward(xs, seed)                 -> ys           (the last stage: [[numerator, denominator]]
-                                                       of the micro-batch's loss)
+    forward(xs, seed)                 -> ys           (the last stage: [[numerator, denominator]
+                                                       of each output's loss])
     backward(saved, dys, dx?, dW?)    -> dxs, [dW]    (B, W, or both: the schedule decides)
     forward_backward(xs, dys, seed)   -> ys, dxs, [dW] (one program, nothing stored in between)
     apply_gradients([dW])             -> updates the copy with its own optimizer
@@ -40,12 +40,12 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private
 from hybrid.engine.graph import Segment
-from hybrid.engine.losses import loss_terms
+from hybrid.engine.objective import Objective
 from hybrid.engine.template import seed_generators
 
 __all__ = ["Saved", "StageReplica", "TensorSpec"]
 
-Labels = tuple[Any, Any]  # (y_true, sample_weight or None) of one micro-batch
+Labels = tuple[Any, Any]  # ([y_true per output], [sample_weight per output] or None)
 Tensors = list[tf.Tensor]
 Grads = tuple[list[tf.Tensor | None] | None, list[tf.Tensor]]
 
@@ -110,8 +110,9 @@ class StageReplica:
       make_optimizer: ``make_optimizer(template variables, this copy's variables)`` returns
         this copy's optimizer (the engine's copy of the one logical optimizer); called once,
         on ``device``.
-      loss: the Keras loss, only on the last stage: its forward returns the micro-batch's
-        ``[[numerator, denominator]]`` (``hybrid.engine.losses``).
+      loss: the model's objective, only on the last stage: its forward returns the
+        micro-batch's ``[[numerator_i, denominator_i]]``, one row per model output
+        (``hybrid.engine.objective``).
       jit_compile: compile forward, backward and update into XLA programs on ``device``.
       variables: the template variables the segment reads, in the model's order (default:
         its layers' weights in call order).
@@ -124,7 +125,7 @@ class StageReplica:
         device: str,
         input_specs: TensorSpec | Sequence[TensorSpec],
         make_optimizer: Callable[[Sequence[Any], Sequence[Any]], keras.optimizers.Optimizer] | None,
-        loss: keras.losses.Loss | None,
+        loss: Objective | None,
         jit_compile: bool = True,
         variables: Sequence[Any] | None = None,
     ) -> None:
@@ -223,7 +224,7 @@ class StageReplica:
             return ys
         assert self.loss is not None
         y_true, sample_weight = labels
-        return [tf.stack(loss_terms(self.loss, y_true, ys[0], sample_weight))]
+        return [self.loss.terms(y_true, ys, sample_weight)]
 
     def _forward_and_backward(
         self,

@@ -72,6 +72,12 @@ def _define_model_flags() -> None:
     flags.DEFINE_float(
         "dropout", 0.0, "Transformer dropout rate.", lower_bound=0.0, upper_bound=0.9
     )
+    flags.DEFINE_boolean(
+        "tie_embeddings",
+        False,
+        "Transformer: the output head reads the token embedding matrix (one variable on the "
+        "first and the last stage, its gradients summed across them).",
+    )
 
 
 def _define_run_flags() -> None:

@@ -1,13 +1,17 @@
-"""A decoder-only Transformer language model as a list of layers that cuts into stages.
+"""A decoder-only Transformer language model that cuts into stages.
 
     tokens (B, T) int ─ Embedding(token) + Embedding(position) ─┐
                                                                  │  (B, T, d)
         block_0 … block_{N-1}:  x += attn(LN(x))  (causal)       │
                                 x += mlp(LN(x))                  │
-        LayerNorm ─ Dense(vocab)  ─> logits (B, T, vocab)        ┘
+        LayerNorm ─ head  ─> logits (B, T, vocab)                ┘
 
-Each residual block is one Keras layer (its skip connections stay inside it), so the model
-is a plain sequence of N + 3 layers and every cut between layers is a valid stage boundary.
+``transformer()`` returns either a list of N + 3 layers (each residual block one layer, its
+skip connections inside it: every cut between layers is a stage boundary), or with
+``graph=True`` a functional model with the residual structure spelled out (LayerNorm,
+attention, Add, ...), so a cut can fall inside a block and the residual stream crosses it.
+With ``tie_embeddings=True`` the head is :class:`TiedHead`: logits are the final features
+times the transposed token embedding matrix, one variable read on the first and last stage.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import keras
 
-__all__ = ["PositionalEmbedding", "TransformerBlock", "transformer"]
+__all__ = ["PositionalEmbedding", "TiedHead", "TransformerBlock", "transformer"]
 
 
 @keras.saving.register_keras_serializable(package="hybrid")
@@ -137,6 +141,58 @@ class TransformerBlock(keras.layers.Layer):
         }
 
 
+class TiedHead(keras.layers.Layer):
+    """Logits from features (B, T, d): ``features · embedding.embeddings^T`` (B, T, vocab).
+
+    The standard weight tying of language models: the head has no variable of its own and
+    reads the token embedding's matrix, wherever the pipeline puts the two.
+    """
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, features: Any) -> Any:
+        return keras.ops.matmul(features, keras.ops.transpose(self.embedding.embeddings))
+
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
+        return (*input_shape[:-1], self.embedding.input_dim)
+
+
+def _head(
+    vocab_size: int, embedding: PositionalEmbedding, tie: bool, seed: int
+) -> keras.layers.Layer:
+    if tie:
+        return TiedHead(embedding.tokens, name="head")
+    return keras.layers.Dense(
+        vocab_size, kernel_initializer=keras.initializers.GlorotUniform(seed=seed), name="head"
+    )
+
+
+def _graph(
+    embedding: PositionalEmbedding,
+    blocks: list[TransformerBlock],
+    final: keras.layers.Layer,
+    head: keras.layers.Layer,
+    seq_len: int,
+) -> keras.Model:
+    """The same layers' computation as a functional graph: each block's sublayers are called
+    one by one, with its two residual additions as Add layers."""
+    ids = keras.Input((seq_len,), dtype="int32", name="tokens")
+    x = embedding(ids)
+    for block in blocks:
+        h = block.norm_attn(x)
+        h = block.attn(h, h, use_causal_mask=True)
+        if block.drop is not None:
+            h = block.drop(h)
+        x = keras.layers.Add(name=f"{block.name}_attn_residual")([x, h])
+        h = block.out(block.hidden(block.norm_mlp(x)))
+        if block.drop is not None:
+            h = block.drop(h)
+        x = keras.layers.Add(name=f"{block.name}_mlp_residual")([x, h])
+    return keras.Model(ids, head(final(x)), name="transformer")
+
+
 def transformer(
     vocab_size: int = 256,
     seq_len: int = 64,
@@ -146,28 +202,29 @@ def transformer(
     mlp_ratio: int = 4,
     dropout: float = 0.0,
     seed: int = 0,
-) -> list[keras.layers.Layer]:
+    tie_embeddings: bool = False,
+    graph: bool = False,
+) -> Any:
     """Embedding, ``num_blocks`` Transformer blocks, a final LayerNorm and the vocabulary head.
 
     The model maps token ids (B, seq_len) to next-token logits (B, seq_len, vocab_size);
     train it with ``SparseCategoricalCrossentropy(from_logits=True)`` against the ids shifted
-    by one. ``num_blocks + 3`` layers.
+    by one.
+
+    Returns:
+      ``num_blocks + 3`` layers; with ``graph=True`` a functional ``keras.Model`` of the
+      same layers whose blocks are spelled out as calls of their sublayers (7 calls per
+      block, 9 with dropout, + 3), computing the same function.
     """
-    layers: list[keras.layers.Layer] = [
-        PositionalEmbedding(vocab_size, seq_len, d_model, seed=seed, name="embedding")
-    ]
-    layers += [
+    embedding = PositionalEmbedding(vocab_size, seq_len, d_model, seed=seed, name="embedding")
+    blocks = [
         TransformerBlock(
             d_model, num_heads, mlp_ratio, dropout, seed=seed + 10 + i, name=f"block_{i}"
         )
         for i in range(num_blocks)
     ]
-    layers += [
-        keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm"),
-        keras.layers.Dense(
-            vocab_size,
-            kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2),
-            name="head",
-        ),
-    ]
-    return layers
+    final = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")
+    head = _head(vocab_size, embedding, tie_embeddings, seed + 2)
+    if graph:
+        return _graph(embedding, blocks, final, head, seq_len)
+    return [embedding, *blocks, final, head]

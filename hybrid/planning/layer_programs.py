@@ -66,7 +66,7 @@ class StagePrograms:
     ) -> None:
         seed = tf.constant([0, 0], tf.int64)
         self.stage, self._seed = stage, seed
-        self.labels = labels = (labels, None) if labels is not None else None
+        self.labels = labels = ([labels], None) if labels is not None else None
 
         def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
             return stage.forward([x], labels, seed, True, False).output
@@ -183,9 +183,9 @@ class Probe:
             labels = None
             if labels_shape is not None:
                 labels = tf.zeros((batch,) + labels_shape, labels_dtype)
-                # The last stage outputs its loss's [numerator, denominator]; the engine's
-                # backward starts from d(numerator) = 1.
-                self.dy = tf.constant([1.0, 0.0])
+                # The last stage outputs its loss's [[numerator, denominator]]; the
+                # engine's backward starts from d(numerator) = 1 / divisor.
+                self.dy = tf.constant([[1.0 / batch, 0.0]])
             else:
                 self.dy = tf.ones(out_shape, out_spec.dtype)
         self.programs = StagePrograms(stage, labels, self.need_dx, chain)

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from hybrid.engine.layer_costs import block
-from hybrid.engine.losses import as_keras_loss
+from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import optimizer_copies
 from hybrid.planning.layer_programs import (
@@ -252,7 +252,7 @@ def _probe_layers(
             setup.device,
             specs[i],
             optimizer_copies(setup.optimizer) if setup.optimizer else None,
-            as_keras_loss(loss) if loss is not None else None,
+            Objective.of(loss, None, None, 1) if loss is not None else None,
             setup.jit_compile,
         )
         probes = []

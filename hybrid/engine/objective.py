@@ -1,0 +1,110 @@
+"""The objective of a step: each model output's Keras loss, weighted as ``compile`` weighs it.
+
+Keras's compiled loss reduces each output's loss over the whole batch on its own, then adds
+them with the ``loss_weights``::
+
+    loss = sum over outputs i of  w_i · numerator_i / divisor_i
+    numerator_i, denominator_i = sums over the global batch of each micro-batch's terms
+    divisor_i = denominator_i  (1 for reduction "sum")         (hybrid.engine.losses)
+
+A divisor depends only on the labels, the sample weights and the shape of the output (never
+on the predicted values), so the step computes the divisors first, from the labels and zero
+predictions of each output's shape, and starts the backward from ``d loss / d numerator_i =
+w_i / divisor_i``: the gradients come out of the pipeline already scaled as the loss is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from hybrid.engine.losses import as_keras_loss, divisor, loss_terms
+
+__all__ = ["Objective"]
+
+
+def _per_output(value: Any, names: tuple[str, ...] | None, count: int, what: str) -> list[Any]:
+    """``value`` given per output (a list, or a dict by output name) or once for all."""
+    if isinstance(value, dict):
+        if names is None or sorted(value) != list(names):
+            expected = list(names) if names else f"{count} outputs (a list)"
+            raise ValueError(
+                f"{what} is a dict with keys {sorted(value)}; the model has {expected}"
+            )
+        return [value[name] for name in names]
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{what} has {len(value)} entries; the model has {count} outputs")
+        return list(value)
+    return [value] * count
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The Keras losses of a model's outputs and their weights.
+
+    Attributes:
+      losses: one Keras loss per output (in ``model.outputs`` order).
+      weights: the ``loss_weights`` of each output (1 by default).
+      shapes: each output's shape without the batch dimension (known once built).
+    """
+
+    losses: tuple[keras.losses.Loss, ...]
+    weights: tuple[float, ...]
+    shapes: tuple[tuple[int | None, ...], ...] = ()
+
+    @classmethod
+    def of(
+        cls, loss: Any, loss_weights: Any, names: tuple[str, ...] | None, count: int
+    ) -> Objective:
+        """The objective ``compile(loss=loss, loss_weights=loss_weights)`` gives a model
+        with ``count`` outputs (named ``names`` when the model returns a dict).
+
+        Raises:
+          ValueError: a list or dict of losses or weights that does not match the outputs.
+        """
+        losses = tuple(as_keras_loss(one) for one in _per_output(loss, names, count, "loss"))
+        weights = _per_output(
+            1.0 if loss_weights is None else loss_weights, names, count, "loss_weights"
+        )
+        return cls(losses, tuple(float(w) for w in weights))
+
+    def bind(self, shapes: Sequence[tuple[int | None, ...]]) -> Objective:
+        """This objective for outputs of the given shapes."""
+        return dataclasses.replace(self, shapes=tuple(tuple(s) for s in shapes))
+
+    def terms(self, y_true: Sequence[Any], y_pred: Sequence[Any], weights: Any) -> tf.Tensor:
+        """``[[numerator_i, denominator_i]]`` of one micro-batch, one row per output."""
+        weights = [None] * len(self.losses) if weights is None else list(weights)
+        parts = zip(self.losses, y_true, y_pred, weights, strict=True)
+        return tf.stack([tf.stack(loss_terms(loss, t, p, w)) for loss, t, p, w in parts])
+
+    def denominators(self, y_true: Sequence[Any], weights: Any) -> tf.Tensor:
+        """Each output's denominator on one micro-batch, from its labels and weights alone."""
+        preds = [
+            tf.zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
+            for t, shape in zip(y_true, self.shapes, strict=True)
+        ]
+        return self.terms(y_true, preds, weights)[:, 1]
+
+    def divisors(self, denominators: tf.Tensor) -> tf.Tensor:
+        """What each output's summed numerator is divided by (:func:`losses.divisor`)."""
+        return tf.stack(
+            [
+                divisor(loss, d)
+                for loss, d in zip(self.losses, tf.unstack(denominators), strict=True)
+            ]
+        )
+
+    def seed(self, divisors: tf.Tensor) -> tf.Tensor:
+        """``d loss / d terms``: ``[[w_i / divisor_i, 0]]`` (0 where a divisor is 0)."""
+        scale = tf.math.divide_no_nan(tf.constant(self.weights, tf.float32), divisors)
+        return tf.stack([scale, tf.zeros_like(scale)], axis=1)
+
+    def value(self, terms: tf.Tensor, divisors: tf.Tensor) -> tf.Tensor:
+        """The loss from the summed ``terms`` of the global batch and its divisors."""
+        return tf.reduce_sum(self.seed(divisors)[:, 0] * terms[:, 0])
