@@ -36,6 +36,7 @@ SMALL_TRANSFORMER = (
 def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     run = launch(
         *SMALL_TRANSFORMER,
+        "--tie_embeddings",  # the head reads the embedding: one variable on stages 0 and 1
         "--learning_rate=0.01",
         "--log_every=10",
         f"--model_dir={tmp_path}",
@@ -53,7 +54,7 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     assert any(name.startswith("events.out.tfevents") for name in events)
     traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
     assert any(f.endswith(".xplane.pb") for f in traces), traces
-    again = launch(*SMALL_TRANSFORMER, f"--model_dir={tmp_path}")  # already at step 30
+    again = launch(*SMALL_TRANSFORMER, "--tie_embeddings", f"--model_dir={tmp_path}")  # at 30
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained to step 30" in again.stdout
 

@@ -76,7 +76,9 @@ def test_transformer_graph_spells_out_the_layer_list(tie):
         [keras.Input((8,), dtype="int32"), *small_transformer(tie_embeddings=tie)]
     )
     graph = small_transformer(tie_embeddings=tie, graph=True)  # same seeds, same weights
-    assert len(graph.get_weights()) == len(chain.get_weights()) == (15 if tie else 17)
+    assert (
+        len(graph.get_weights()) == len(chain.get_weights()) == (36 if tie else 38)
+    )  # tied: no head kernel, bias
     assert len(graph.layers) > 2 * len(chain.layers)  # blocks called sublayer by sublayer
     np.testing.assert_allclose(graph(x), chain(x), atol=1e-5)
 

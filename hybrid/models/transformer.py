@@ -100,15 +100,20 @@ class TransformerBlock(keras.layers.Layer):
             seed,
         )
         init = keras.initializers.GlorotUniform(seed=seed)
-        self.norm_attn = keras.layers.LayerNormalization(epsilon=1e-5, name="norm_attn")
+        self.norm_attn = keras.layers.LayerNormalization(
+            epsilon=1e-5, name=f"{self.name}_norm_attn"
+        )
         self.attn = keras.layers.MultiHeadAttention(
-            num_heads, d_model // num_heads, kernel_initializer=init, name="attn"
+            num_heads, d_model // num_heads, kernel_initializer=init, name=f"{self.name}_attn"
         )
-        self.norm_mlp = keras.layers.LayerNormalization(epsilon=1e-5, name="norm_mlp")
+        self.norm_mlp = keras.layers.LayerNormalization(epsilon=1e-5, name=f"{self.name}_norm_mlp")
         self.hidden = keras.layers.Dense(
-            mlp_ratio * d_model, activation="gelu", kernel_initializer=init, name="hidden"
+            mlp_ratio * d_model,
+            activation="gelu",
+            kernel_initializer=init,
+            name=f"{self.name}_hidden",
         )
-        self.out = keras.layers.Dense(d_model, kernel_initializer=init, name="out")
+        self.out = keras.layers.Dense(d_model, kernel_initializer=init, name=f"{self.name}_out")
         self.drop = keras.layers.Dropout(dropout, seed=seed) if dropout else None
 
     def build(self, input_shape: tuple[int | None, ...]) -> None:
