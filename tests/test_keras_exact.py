@@ -16,6 +16,7 @@ Recipes:
   clipvalue              Adam with clipvalue
   regularizers           kernel (L2) and bias (L1) regularizers on two stages
   accumulation           SGD with gradient_accumulation_steps=2 (applied every other step)
+The mixed_bfloat16 policy is compared to bfloat16 round-off (its own test below).
 What the pipeline cannot honour yet is refused when it is built (see the end of this file).
 """
 
@@ -157,6 +158,67 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule)
         assert [int(copy.optimizer.iterations.numpy()) for copy in row] == [iterations] * len(row)
 
 
+def bfloat16_model(seed=0):
+    """The layers under the mixed_bfloat16 policy, with the usual float32 head."""
+    keras.utils.set_random_seed(seed)
+    half = "mixed_bfloat16"
+    return keras.Sequential(
+        [
+            keras.Input((ref.IN_FEATURES,)),
+            keras.layers.Dense(16, activation="relu", dtype=half),
+            keras.layers.Dense(16, activation="tanh", dtype=half),
+            keras.layers.LayerNormalization(dtype=half),
+            keras.layers.Dense(ref.CLASSES, dtype="float32"),
+        ]
+    )
+
+
+def assert_within_update(actual, expected, initial, fraction):
+    """Each array within ``fraction`` of the largest change Keras made to it."""
+    for i, (a, e, w0) in enumerate(zip(actual, expected, initial, strict=True)):
+        update = np.max(np.abs(e - w0))
+        assert update > 0, f"weight {i} did not move"
+        assert np.max(np.abs(a - e)) <= fraction * update, (i, np.max(np.abs(a - e)), update)
+
+
+@pytest.mark.parametrize(
+    "stages,replicas,micro_batches,schedule",
+    [
+        pytest.param(s, r, m, sched, id=f"{s}x{r}-M{m}-{sched}")
+        for (s, r), m, sched in covering.all_pairs(MESHES, [1, 2, 4], ["gpipe", "1f1b"])
+    ],
+)
+def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
+    stages, replicas, micro_batches, schedule
+):
+    """bfloat16 keeps 8 bits of mantissa: a micro-batch's sums round differently from the
+    whole batch's, so the pipeline equals Keras to bfloat16 round-off (loss within 2^-8,
+    weights within 3 % of Keras's update), and computes in bfloat16 as Keras does."""
+    keras_model = bfloat16_model()
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss_for(None))
+    initial = keras_model.get_weights()
+    template = bfloat16_model(seed=1)
+    template.set_weights(initial)
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        loss=loss_for(None),
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        jit_compile=False,
+    )
+    for step in range(STEPS):
+        x, y = ref.batch(BATCH, seed=step + 1)
+        want = keras_model.train_on_batch(x, y)
+        np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=2**-8)
+    assert_within_update(pipe.get_weights(), keras_model.get_weights(), initial, 0.03)
+    assert [w.dtype for w in pipe.get_weights()] == [w.dtype for w in initial]  # float32
+    for row in pipe.stages[1:]:  # activations cross the cuts in bfloat16: half the bytes
+        assert [spec.dtype for spec in row[0].input_specs] == ["bfloat16"]
+    assert pipe.predict(x).dtype == keras_model.predict(x, verbose=0).dtype
+
+
 def test_the_comparison_can_fail():
     """A pipeline with another reduction must not pass as the Keras run."""
     keras_model = model()
@@ -226,10 +288,10 @@ def build(model_layers, **kwargs):
         ),
         (
             lambda: [
-                keras.layers.Dense(8, dtype="mixed_bfloat16", name="half"),
+                keras.layers.Dense(8, dtype="mixed_float16", name="half"),
                 keras.layers.Dense(2),
             ],
-            r"layer 'half' \(Dense\) computes in bfloat16",
+            r"layer 'half' \(Dense\) computes in float16 .* use the 'mixed_bfloat16' policy",
         ),
     ],
 )

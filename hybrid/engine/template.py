@@ -107,17 +107,19 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
       x, y: that call's input and output.
 
     Raises:
-      NotImplementedError: mixed precision, non-trainable state updated in the forward pass
+      NotImplementedError: float16 compute (mixed_float16 needs one loss scale over every
+        stage, not supported yet; mixed_bfloat16 is), non-trainable state updated in the
+        forward pass
         (BatchNormalization's moving statistics), activity regularization or ``add_loss``
         losses, or a mask on its output; the message names the layer and the way around it.
     """
     name = f"layer {layer.name!r} ({type(layer).__name__})"
     policy = layer.dtype_policy
-    if policy.compute_dtype != policy.variable_dtype:
+    if policy.compute_dtype == "float16":
         raise NotImplementedError(
-            f"{name} computes in {policy.compute_dtype} with {policy.variable_dtype} variables "
-            f"(dtype policy {policy.name!r}); mixed precision is not supported by the pipeline "
-            "yet: build the model with the float32 policy"
+            f"{name} computes in float16 (dtype policy {policy.name!r}), which needs loss "
+            "scaling with one scale over every stage, not supported by the pipeline yet: use "
+            "the 'mixed_bfloat16' policy (no loss scaling needed) or float32"
         )
     if isinstance(layer, keras.layers.BatchNormalization) or _updates_state(layer, x):
         raise NotImplementedError(
