@@ -268,8 +268,11 @@ def build(model_layers, **kwargs):
     "make,match",
     [
         (
-            lambda: [keras.layers.Dense(8), keras.layers.BatchNormalization(name="bn")],
-            r"layer 'bn' \(BatchNormalization\) updates its non-trainable state",
+            lambda: [
+                keras.layers.Dense(8),
+                keras.layers.BatchNormalization(renorm=True, name="bn"),
+            ],
+            r"layer 'bn' \(BatchNormalization\) updates its non-trainable state .* cannot combine",
         ),
         (
             lambda: [AddsLoss(name="adds"), *layers()],

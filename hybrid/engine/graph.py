@@ -81,10 +81,15 @@ class Segment:
 
     def run(self, inputs: Sequence[Any], training: bool) -> list[Any]:
         """The segment's output tensors from its input tensors (both in key order)."""
+        values = self.trace(inputs, training)
+        return [values[key] for key in self.outputs]
+
+    def trace(self, inputs: Sequence[Any], training: bool) -> dict[int, Any]:
+        """Every tensor the segment reads or makes, by key."""
         values = dict(zip(self.inputs, inputs, strict=True))
         for call in self.calls:
             call.run(values, training)
-        return [values[key] for key in self.outputs]
+        return values
 
 
 @dataclasses.dataclass(frozen=True)

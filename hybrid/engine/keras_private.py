@@ -12,6 +12,7 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   graph (``_functional``, there once the Sequential is built) and a functional model's input
   and output structures (``_inputs_struct``, ``_outputs_struct``, which
   ``keras.tree.flatten`` orders as ``model.inputs`` and ``model.outputs``).
+- ``batch_norm_moments``: the moments BatchNormalization normalizes with (``_moments``).
 - ``set_variable_path``: a variable made outside a layer gets the path of the template
   variable it copies (``_path``), so an optimizer names its slots as for the original.
 - ``copy_weight_decay_exclusions``: ``Optimizer.exclude_from_weight_decay`` keeps the
@@ -32,6 +33,7 @@ from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional, operation_fn
 
 __all__ = [
+    "batch_norm_moments",
     "copy_weight_decay_exclusions",
     "functional_of",
     "input_structure",
@@ -64,6 +66,11 @@ def input_structure(model: keras.Model) -> Any:
 def output_structure(model: keras.Model) -> Any:
     """The structure (a tensor, list or dict) of a functional model's outputs."""
     return model._outputs_struct
+
+
+def batch_norm_moments(layer: keras.layers.BatchNormalization, x: Any) -> tuple[Any, Any]:
+    """The mean and (biased) variance a training-mode BatchNormalization call takes of ``x``."""
+    return layer._moments(x, None)
 
 
 def set_variable_path(variable: Any, path: str) -> None:

@@ -60,6 +60,7 @@ class ReplicaStep:
       losses: each micro-batch's loss [numerator, denominator], in completion order.
       grads: ``grads[k]``: model stage k's gradients summed over micro-batches.
       tails: ``tails[d]``: the last outputs of device d's chain (the all-reduce waits on them).
+      stats: ``stats[k]``: model stage k's BatchNormalization statistics, one per forward.
       events: (device, action, start, end) timestamps when recording, else empty.
     """
 
@@ -67,6 +68,7 @@ class ReplicaStep:
     grads: list[list[tf.Tensor]]
     tails: list[list[tf.Tensor]]
     events: list[tuple[int, Action, tf.Tensor, tf.Tensor]]
+    stats: list[list[tf.Tensor]]
 
 
 Outputs = tuple[list[tf.Tensor], list[tf.Tensor]]  # (what the action computed, the chain tail)
@@ -94,6 +96,7 @@ class _TrainingLowering:
         self.grads: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
         self.losses: list[tf.Tensor] = []
+        self.stats: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.outputs: dict[tuple[int, int], list[tf.Tensor]] = {}
         self.saved: dict[tuple[int, int], Saved] = {}
         self.upstream: dict[tuple[int, int], list[tf.Tensor | None]] = {}
@@ -116,7 +119,10 @@ class _TrainingLowering:
         return [g for g in dx if g is not None]
 
     def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
-        out, dx, dw = self.stages[k].forward_backward(x, labels, seed, self.loss_scale, k > 0)
+        out, dx, dw, stats = self.stages[k].forward_backward(
+            x, labels, seed, self.loss_scale, k > 0
+        )
+        self.stats[k] += stats
         loss = out[0]
         self.losses.append(loss)
         self.accumulate(k, dw)
@@ -134,6 +140,7 @@ class _TrainingLowering:
     ) -> Outputs:
         record = self.stages[k].forward(x, labels, seed, remat, self.split)
         self.saved[(k, m)] = record
+        self.stats[k] += record.stats
         if self.stages[k].is_last:
             self.losses.append(record.output[0])
         else:
@@ -217,7 +224,7 @@ def lower_training(
                     direct, done = state.weight(k, m)
             recorder.end(d, action, start, direct)
             state.tails[d] = list(done)
-    return ReplicaStep(state.losses, state.grads, state.tails, recorder.events)
+    return ReplicaStep(state.losses, state.grads, state.tails, recorder.events, state.stats)
 
 
 def lower_inference(

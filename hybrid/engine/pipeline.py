@@ -36,7 +36,7 @@ import tensorflow as tf
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine import assembly, batches, lowering, reduction, timing
+from hybrid.engine import assembly, batch_norm, batches, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
@@ -205,6 +205,9 @@ class Pipeline:
             device_row = self.schedule.device_of(k)
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
         self._ties = layout.placement.ties()
+        norms = [layer for row in self._stages for layer, _ in row[0].norms]
+        if norms and self.config.replicas * self.micro_batches > 1:
+            batch_norm.warn_micro_batches(norms, self.config.replicas * self.micro_batches)
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
 
     # -- public steps ----------------------------------------------------------------------
@@ -222,15 +225,10 @@ class Pipeline:
     def timed_train_step(
         self, x: Any, y: Any, sample_weight: Any = None
     ) -> tuple[dict[str, float], list[TimedAction]]:
-        """A training step that also records when each of replica 0's actions ran.
-
-        Every action is bracketed by timestamps taken on its device: the start once the
-        device's previous action has ended and the action's inputs are ready, the end once
-        its outputs are. Times are seconds from the step's first start; on a host whose
-        threads are all busy a timestamp can run late by the length of a queued kernel. The
-        step itself is a real one (weights update), traced separately from
-        :meth:`train_step`.
-        """
+        """A real training step that also records when each of replica 0's actions ran:
+        timestamps on its device once its previous action ended and its inputs are ready,
+        and once its outputs are (seconds from the step's first start; on a busy host a
+        timestamp can run late by one queued kernel)."""
         loss, stamps = self._timed(*self._batch(x, y, sample_weight))
         return {"loss": float(loss)}, timing.timeline(
             self._event_keys, stamps, self.mesh.num_stages
@@ -304,23 +302,24 @@ class Pipeline:
         return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
 
     def _train_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
-        loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
-        self._apply(grads)
+        loss, grads, _, stats = self._pipelined_gradients(x, y, w, record=False)
+        self._apply(grads, stats)
         return loss
 
     def _timed_step(
         self, x: Flat, y: Flat, w: Flat | None
     ) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
-        loss, grads, events = self._pipelined_gradients(x, y, w, record=True)
-        self._apply(grads)
+        loss, grads, events, stats = self._pipelined_gradients(x, y, w, record=True)
+        self._apply(grads, stats)
         # Which (device, action) each timestamp pair belongs to: the same in every trace,
         # since it follows only from the schedule.
         self._event_keys = [(device, action) for device, action, _, _ in events]
         return loss, [[start, end] for _, _, start, end in events]
 
-    def _apply(self, grads: list[list[list[tf.Tensor]]]) -> None:
+    def _apply(self, grads: list[list[list[tf.Tensor]]], stats: list[Any]) -> None:
         """Every device applies its stage's gradients (clipped by the global norm when the
-        optimizer asks) with its copy of the optimizer; then the step counter moves."""
+        optimizer asks) with its copy of the optimizer and updates its BatchNormalization
+        moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
         clip = self._optimizers.global_clipnorm
         if clip:
             for r in range(self.mesh.num_replicas):
@@ -332,23 +331,28 @@ class Pipeline:
             for r, stage in enumerate(row):
                 with tf.device(stage.device):
                     stage.apply_gradients(grads[k][r])
+                    if stats[k]:
+                        stage.update_norms(
+                            stats[k][r][0], self.config.replicas * self.micro_batches
+                        )
         with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
     def _gradient_step(self, x: Flat, y: Flat, w: Flat | None) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        loss, grads, _ = self._pipelined_gradients(x, y, w, record=False)
+        loss, grads, _, _ = self._pipelined_gradients(x, y, w, record=False)
         placement = self.placement
         return loss, [grads[k][0][j] for k, j in placement.gradient_order()]
 
     def _pipelined_gradients(
         self, x: Flat, y: Flat, w: Flat | None, record: bool
-    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any]]:
+    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any], list[Any]]:
         """Runs the schedule on every replica, then reduces over the mesh.
 
         Returns:
           The loss of the global batch, ``grads[k][r]``: model stage k's gradients of that
-          loss on replica r's device (a tied variable's: the sum over its stages), and
-          replica 0's timing events when ``record``.
+          loss on replica r's device (a tied variable's: the sum over its stages), replica
+          0's timing events when ``record``, and ``stats[k][r]``: stage k's BatchNormalization
+          statistics summed over the global batch (empty for a stage without).
         """
         R = self.mesh.num_replicas
         xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w)
@@ -369,11 +373,13 @@ class Pipeline:
             for r in range(R)
         ]
         loss = reduction.global_loss(self._loss, [t for s in steps for t in s.losses], divisors)
-        grads, penalties = [], []
+        grads, penalties, stats = [], [], []
         for k, row in enumerate(self._stages):
             device_row = self.schedule.device_of(k)
             with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
                 summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
+                norms = [[tf.add_n(step.stats[k])] for step in steps if step.stats[k]]
+                stats.append(self._groups[k].all_reduce_sum(norms) if norms else [])
             stage_grads, penalty = reduction.stage_gradients(row, summed)
             grads.append(stage_grads)
             penalties += [penalty] if penalty is not None else []
@@ -382,7 +388,7 @@ class Pipeline:
         for r in range(R):
             by_stage = [g[r] for g in grads]
             sum_tied(by_stage, [row[r].device for row in self._stages], self._ties)
-        return loss, grads, steps[0].events
+        return loss, grads, steps[0].events, stats
 
     def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None) -> list[list[tf.Tensor]]:
         """Runs the forward-only schedule on every replica; the last stage's outputs (the

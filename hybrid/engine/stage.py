@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine import keras_private
+from hybrid.engine import batch_norm, keras_private
 from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.template import seed_generators
@@ -72,6 +72,8 @@ class Saved:
       seed: the random seed the forward used, for an exact recomputation.
       tape: the tape that recorded the forward (None when the backward recomputes).
       weights: the weight values the taped forward read (its gradient sources).
+      stats: the micro-batch's BatchNormalization statistics (``batch_norm.statistics``),
+        when the stage has BatchNormalization layers.
     """
 
     inputs: Tensors
@@ -80,6 +82,7 @@ class Saved:
     seed: tf.Tensor
     tape: tf.GradientTape | None = None
     weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    stats: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 def _differentiable(t: Any) -> bool:
@@ -159,6 +162,9 @@ class StageReplica:
         # Seed-generator state variable -> its initial seed: each program sets the state
         # from (this base, step, micro-batch), so a recomputation draws the same numbers.
         self._seeds = [(g.state, int(g.state.numpy()[0])) for g in seed_generators(self.layers)]
+        # BatchNormalization calls: each training forward also returns their statistics.
+        self.norms = batch_norm.norms_of(self.segment)
+        self._outputs = 1 if loss is not None else len(self.segment.outputs)
 
         def program(fn: Callable[..., Any]) -> Any:
             return tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -219,12 +225,14 @@ class StageReplica:
             ]
         )
         with keras.StatelessScope(state_mapping=mapping):
-            ys = self.segment.run(list(xs), training)
+            values = self.segment.trace(list(xs), training)
+        ys = [values[key] for key in self.segment.outputs]
+        stats = [batch_norm.statistics(self.norms, values)] if training and self.norms else []
         if labels is None:
-            return ys
+            return ys + stats
         assert self.loss is not None
         y_true, sample_weight = labels
-        return [self.loss.terms(y_true, ys, sample_weight)]
+        return [self.loss.terms(y_true, ys, sample_weight)] + stats
 
     def _forward_and_backward(
         self,
@@ -235,14 +243,16 @@ class StageReplica:
         need_dx: bool,
         need_dw: bool,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
-        """One program: the forward, then its gradients against ``dys``; nothing kept between."""
+        """One program: the forward, then its gradients against ``dys``; nothing kept between.
+        Returns the forward's outputs (BatchNormalization statistics last), dx and dW."""
         weights = self._read_weights()
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if _differentiable(x)])
             tape.watch(weights)
-            ys = self._run(xs, labels, seed, weights)
+            out = self._run(xs, labels, seed, weights)
+        ys = out[: self._outputs]
         dx, dw = self._gradients(tape, xs, ys, dys, weights, need_dx, need_dw)
-        return ys, dx, dw
+        return out, dx, dw
 
     @staticmethod
     def _gradients(
@@ -289,12 +299,14 @@ class StageReplica:
         """
         weights = self._read_weights()
         if remat:
-            return Saved(xs, self._forward(xs, labels, seed, weights), labels, seed)
+            out = self._forward(xs, labels, seed, weights)
+            return Saved(xs, out[: self._outputs], labels, seed, stats=out[self._outputs :])
         with tf.GradientTape(persistent=split) as tape:
             tape.watch([x for x in xs if _differentiable(x)])
             tape.watch(weights)
-            ys = self._forward(xs, labels, seed, weights)
-        return Saved(xs, ys, labels, seed, tape, weights)
+            out = self._forward(xs, labels, seed, weights)
+        ys, stats = out[: self._outputs], out[self._outputs :]
+        return Saved(xs, ys, labels, seed, tape, weights, stats)
 
     def infer(self, xs: Tensors, labels: Labels | None, seed: tf.Tensor) -> Tensors:
         """Forward in inference mode (``training=False``), nothing kept for a backward."""
@@ -323,18 +335,26 @@ class StageReplica:
         seed: tf.Tensor,
         dys: list[tf.Tensor | None],
         need_dx: bool,
-    ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
-        """F immediately followed by its whole backward, as one program.
+    ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor], Tensors]:
+        """F immediately followed by its whole backward, as one program: its outputs, dx,
+        dW and its BatchNormalization statistics.
 
         Used when the schedule runs a micro-batch's backward right after its forward on the
         same device (the last stage, whose output gradient is known): no activation is
         stored and nothing is recomputed.
         """
-        return self._forward_backward(xs, dys, labels, seed, need_dx, True)
+        out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True)
+        return out[: self._outputs], dx, dw, out[self._outputs :]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""
         self._apply(grads)
+
+    def update_norms(self, summed: tf.Tensor, count: int) -> None:
+        """Updates this copy's BatchNormalization moving statistics once for the step, from
+        their statistics summed over the step's ``count`` micro-batches (``batch_norm``)."""
+        copies = dict(zip(map(id, self.templates), self.variables, strict=True))
+        batch_norm.update_moving(self.norms, copies, summed, count)
 
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization, as Keras adds it to the loss once per step:

@@ -109,9 +109,9 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
     Raises:
       NotImplementedError: float16 compute (mixed_float16 needs one loss scale over every
         stage, not supported yet; mixed_bfloat16 is), non-trainable state updated in the
-        forward pass
-        (BatchNormalization's moving statistics), activity regularization or ``add_loss``
-        losses, or a mask on its output; the message names the layer and the way around it.
+        forward pass other than BatchNormalization's, activity regularization or
+        ``add_loss`` losses, or a mask on its output; the message names the layer and the
+        way around it.
     """
     name = f"layer {layer.name!r} ({type(layer).__name__})"
     policy = layer.dtype_policy
@@ -121,11 +121,12 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
             "scaling with one scale over every stage, not supported by the pipeline yet: use "
             "the 'mixed_bfloat16' policy (no loss scaling needed) or float32"
         )
-    if isinstance(layer, keras.layers.BatchNormalization) or _updates_state(layer, x):
+    batch_norm = isinstance(layer, keras.layers.BatchNormalization) and not layer.renorm
+    if not batch_norm and _updates_state(layer, x):
         raise NotImplementedError(
-            f"{name} updates its non-trainable state in the forward pass (e.g. moving "
-            "statistics), which the pipeline does not write back yet; use LayerNormalization, "
-            "or freeze the layer (trainable=False, called with training=False)"
+            f"{name} updates its non-trainable state in the forward pass, which the pipeline "
+            "cannot combine across micro-batches (BatchNormalization without renorm is "
+            "supported); freeze the layer (trainable=False) or use one without state"
         )
     penalties = sum(1 for v in layer.trainable_weights if getattr(v, "regularizer", None))
     if len(layer.losses) > penalties or getattr(layer, "activity_regularizer", None) is not None:

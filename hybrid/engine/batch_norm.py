@@ -1,0 +1,91 @@
+"""BatchNormalization under micro-batching: defined as GPipe and torchgpipe define it.
+
+Training normalizes each micro-batch with its own statistics (what each BN call computes on
+the examples it sees). The moving statistics are updated once per step, from the moments of
+the layer's inputs over the whole global batch, combined from every micro-batch and replica
+(torchgpipe's deferred batch norm)::
+
+    per micro-batch m of n examples:   mean_m, var_m = moments of the BN input (Keras's own)
+    over the R·M micro-batches:        mean = avg(mean_m)
+                                       var  = avg(var_m) + avg(mean_m²) - mean²
+    once per step, as Keras updates:   moving_mean = moving_mean·μ + mean·(1 - μ)
+                                       moving_var  = moving_var·μ  + var·(1 - μ)
+
+For a BN whose input does not itself depend on another BN in training mode, these are the
+moving statistics Keras computes on the whole batch; every replica holds the same ones; with
+R·M = 1 the whole step is exactly Keras's. The layer's own assignments inside the stage
+program (per micro-batch) are discarded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from hybrid.engine import keras_private
+from hybrid.engine.graph import Segment
+
+__all__ = ["Norm", "norms_of", "statistics", "update_moving", "warn_micro_batches"]
+
+Norm = tuple[keras.layers.BatchNormalization, int]  # a BN layer and the key of its input
+
+
+def norms_of(segment: Segment) -> list[Norm]:
+    """The BatchNormalization calls of ``segment``, with their input keys."""
+    return [
+        (call.layer, call.inputs[0])
+        for call in segment.calls
+        if isinstance(call.layer, keras.layers.BatchNormalization) and call.layer.trainable
+    ]
+
+
+def statistics(norms: Sequence[Norm], values: dict[int, Any]) -> tf.Tensor:
+    """One micro-batch's ``[mean, var, mean²]`` of every BN input, concatenated (float32)."""
+    parts = []
+    for layer, key in norms:
+        x = tf.cast(values[key], tf.float32)  # Keras upcasts before its moments too
+        mean, variance = keras_private.batch_norm_moments(layer, x)
+        parts += [tf.reshape(mean, [-1]), tf.reshape(variance, [-1]), tf.reshape(mean * mean, [-1])]
+    return tf.concat(parts, axis=0)
+
+
+def update_moving(
+    norms: Sequence[Norm], state: dict[int, Any], summed: tf.Tensor, count: int
+) -> list[Any]:
+    """Assigns every BN's moving statistics from ``summed`` (the sum of
+    :func:`statistics` over ``count`` micro-batches); returns the assignments.
+
+    Args:
+      state: id(template variable) -> this copy's variable.
+    """
+    average = summed / count
+    updates, start = [], 0
+    for layer, _ in norms:
+        size = int(layer.moving_mean.shape.num_elements())
+        mean, var, square = (
+            tf.reshape(average[start + i * size : start + (i + 1) * size], layer.moving_mean.shape)
+            for i in range(3)
+        )
+        start += 3 * size
+        variance = var + square - mean * mean
+        momentum = layer.momentum
+        for template, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+            copy = state[id(template)]
+            updates.append(copy.assign(copy * momentum + value * (1.0 - momentum)))
+    return updates
+
+
+def warn_micro_batches(layers: Sequence[keras.layers.Layer], parts: int) -> None:
+    """Warns that training-mode BatchNormalization sees 1/``parts`` of the global batch."""
+    names = [layer.name for layer in layers]
+    warnings.warn(
+        f"BatchNormalization layers {names} normalize each micro-batch (the global batch / "
+        f"replicas × micro_batches = 1/{parts} of it) with its own statistics in training, "
+        "not the whole batch as Keras on one device does; their moving statistics are "
+        "updated from the whole global batch. See the README's 'BatchNormalization' notes",
+        stacklevel=3,
+    )
