@@ -55,11 +55,16 @@ def _run(
 
 
 OPTIMIZER_NAMES = sorted(ref.OPTIMIZERS)
-DIMENSIONS = [MESHES, MICRO_BATCHES, REMATS, OPTIMIZER_NAMES]
+# Stage programs compiled with XLA or run as TensorFlow graphs: every other dimension's values
+# are covered with both (compiling is most of a cold test run's time).
+JIT = [False, True]
+DIMENSIONS = [MESHES, MICRO_BATCHES, REMATS, OPTIMIZER_NAMES, JIT]
 CELLS = covering.all_pairs(*DIMENSIONS)
 GRID = [
-    pytest.param(s, r, m, remat, opt, id=f"{s}x{r}-M{m}-{remat}-{opt}")
-    for (s, r), m, remat, opt in CELLS
+    pytest.param(
+        s, r, m, remat, opt, jit, id=f"{s}x{r}-M{m}-{remat}-{opt}-{'xla' if jit else 'graph'}"
+    )
+    for (s, r), m, remat, opt, jit in CELLS
 ]
 
 
@@ -71,9 +76,9 @@ def test_the_grid_covers_every_pair():
     assert len(CELLS) < len(list(itertools.product(*DIMENSIONS))) or covering.FULL
 
 
-@pytest.mark.parametrize("stages,replicas,micro_batches,remat,optimizer", GRID)
-def test_matches_single_device(stages, replicas, micro_batches, remat, optimizer):
-    pipe = _run(stages, replicas, micro_batches, remat, optimizer)
+@pytest.mark.parametrize("stages,replicas,micro_batches,remat,optimizer,jit", GRID)
+def test_matches_single_device(stages, replicas, micro_batches, remat, optimizer, jit):
+    pipe = _run(stages, replicas, micro_batches, remat, optimizer, jit=jit)
     assert len(pipe.balance) == stages and sum(pipe.balance) == len(ref.mlp_layers())
 
 

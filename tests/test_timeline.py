@@ -15,8 +15,13 @@ import runner
 
 
 def make(schedule):
-    return ref.pipeline(
-        2, 2, optimizer=keras.optimizers.SGD(0.1), micro_batches=4, schedule=schedule
+    return ref.pipeline(  # XLA for one schedule: the order of actions is the point here
+        2,
+        2,
+        optimizer=keras.optimizers.SGD(0.1),
+        micro_batches=4,
+        schedule=schedule,
+        jit_compile=schedule == "gpipe",
     )
 
 
