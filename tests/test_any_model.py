@@ -288,6 +288,36 @@ def test_untied_copies_would_fail():
         ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
 
 
+def test_to_keras_writes_the_training_into_the_users_model(tmp_path):
+    template = build(skip_model, seed=0)
+    before = template.get_weights()
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=loss(),
+        optimizer=keras.optimizers.SGD(0.1),
+        jit_compile=False,
+    )
+    x, y = classes_batch(0)
+    pipe.train_step(x, y)
+    ref.assert_weights_close(template.get_weights(), before, rtol=0, atol=0)  # not yet
+    model = pipe.to_keras()
+    assert model is template
+    ref.assert_weights_close(model.get_weights(), pipe.get_weights(), rtol=0, atol=0)
+    np.testing.assert_allclose(model.predict(x, verbose=0), pipe.predict(x), atol=1e-5)
+    model.save(tmp_path / "trained.keras")
+    loaded = keras.saving.load_model(tmp_path / "trained.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), pipe.predict(x), atol=1e-5)
+    layers = ref.mlp_layers()  # a list of layers comes back as a Sequential of them
+    listed = hybrid.Pipeline(
+        layers, mesh=hybrid.DeviceMesh.create(2, 1), loss=loss(), optimizer="sgd"
+    )
+    listed.train_step(x, y)
+    sequential = listed.to_keras()
+    assert isinstance(sequential, keras.Sequential) and sequential.layers == layers
+    np.testing.assert_allclose(sequential.predict(x, verbose=0), listed.predict(x), atol=1e-5)
+
+
 def test_layers_of_a_model_with_merges_are_refused():
     with pytest.raises(ValueError, match="pass the Keras model itself"):
         hybrid.Pipeline(

@@ -124,6 +124,13 @@ class Graph:
             seen.setdefault(id(v), v)
         return tuple(seen.values())
 
+    def keras_model(self, input_specs: Sequence[Any]) -> keras.Model:
+        """The model (a list of layers: a Sequential of them, for inputs of ``input_specs``)."""
+        if isinstance(self.source, keras.Model):
+            return self.source
+        (spec,) = input_specs
+        return keras.Sequential([keras.Input(spec.shape, dtype=spec.dtype), *self.source])
+
     def live(self, cut: int) -> tuple[int, ...]:
         """The tensors crossing the cut before call ``cut``: made before it (model inputs
         included), read at or after it or returned by the model; in the order made."""

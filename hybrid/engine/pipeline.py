@@ -129,9 +129,7 @@ class Pipeline:
         self._stages: list[list[StageReplica]] = []
         self._groups: list[ReplicaGroup] = []
         self._placement: Placement | None = None
-        with tf.device(host_cpu(mesh.device(0, 0))):
-            # Counts optimizer steps; with the micro-batch it seeds random layers, so a
-            # recomputed forward draws what the original forward drew.
+        with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._train = tf.function(self._train_step, autograph=False)
         self._timed = tf.function(self._timed_step, autograph=False)
@@ -147,18 +145,15 @@ class Pipeline:
 
     @property
     def balance(self) -> tuple[int, ...]:
-        """Layer calls per stage (known once built, or when given explicitly)."""
+        """Layer calls per stage (once built, or when given)."""
         if self._balance is None:
             raise RuntimeError("the balance is chosen when the pipeline is built; call build()")
         return self._balance
 
     @property
     def step_counter(self) -> tf.Variable:
-        """Optimizer steps taken; with the micro-batch it seeds the random layers.
-
-        A restored checkpoint sets it, so a resumed run draws the numbers the original
-        would have drawn.
-        """
+        """Optimizer steps taken; with the micro-batch it seeds the random layers (a restored
+        checkpoint sets it: a resumed run draws what the original would have drawn)."""
         return self._step
 
     @property
@@ -186,6 +181,7 @@ class Pipeline:
                 f"{[(None, *s.shape) for s in specs]}; give one shape per input, every "
                 "dimension but the batch known (each shape compiles its own programs)"
             )
+        self._specs = list(specs)
         self._shapes = [s.shape for s in specs]
         layout = assembly.lay_out(
             self._graph,
@@ -262,9 +258,7 @@ class Pipeline:
         xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
         shapes = [tuple(t.shape[1:]) for t in xs]
         if not self.built:
-            self._build(
-                [TensorSpec(shape, t.dtype.name) for shape, t in zip(shapes, xs, strict=True)]
-            )
+            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs])
         elif shapes != self._shapes:
             raise ValueError(
                 f"the pipeline was built for inputs of shapes {self._shapes} (without the "
@@ -286,8 +280,15 @@ class Pipeline:
 
     def replica_weights(self, replica: int) -> list[np.ndarray]:
         """The weights held by one replica's devices (all replicas should be identical)."""
-        placement = self.placement
-        return placement.read([row[replica].get_weights() for row in self._stages])
+        return self.placement.read([row[replica].get_weights() for row in self._stages])
+
+    def to_keras(self) -> keras.Model:
+        """The user's Keras model with the pipeline's weights (trainable and non-trainable
+        state: BatchNormalization's moving statistics) written into its variables: the very
+        model object passed in (a list of layers: a ``keras.Sequential`` of them)."""
+        for variable, value in zip(self.placement.variables, self.get_weights(), strict=True):
+            variable.assign(value)
+        return self._graph.keras_model(self._specs)
 
     @property
     def placement(self) -> Placement:
@@ -311,8 +312,7 @@ class Pipeline:
     ) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
         loss, grads, events, stats = self._pipelined_gradients(x, y, w, record=True)
         self._apply(grads, stats)
-        # Which (device, action) each timestamp pair belongs to: the same in every trace,
-        # since it follows only from the schedule.
+        # (device, action) of each timestamp pair: the schedule's, the same in every trace.
         self._event_keys = [(device, action) for device, action, _, _ in events]
         return loss, [[start, end] for _, _, start, end in events]
 

@@ -28,7 +28,7 @@ __all__ = [
     "seed_generators",
 ]
 
-OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer or a zero-argument factory
+OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer, a name, or a zero-argument factory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +62,15 @@ class OptimizerCopies:
 
 
 def optimizer_copies(optimizer: OptimizerLike) -> OptimizerCopies:
-    """The copies of ``optimizer``: an instance (used as the template) or a factory.
+    """The copies of ``optimizer``: an instance (used as the template), a name (as
+    ``compile`` takes it) or a factory.
 
     Raises:
       TypeError: neither an optimizer nor a zero-argument factory.
       NotImplementedError: loss scaling (``LossScaleOptimizer``), not supported yet.
     """
+    if isinstance(optimizer, str):  # a name, as compile takes it: "adam", "sgd", ...
+        optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         cls, config = optimizer.__class__, optimizer.get_config()
         probe, source = optimizer, optimizer
@@ -79,8 +82,8 @@ def optimizer_copies(optimizer: OptimizerLike) -> OptimizerCopies:
         probe, source, make = optimizer(), None, optimizer
     else:
         raise TypeError(
-            f"optimizer must be a keras.optimizers.Optimizer or a zero-argument factory, got "
-            f"{type(optimizer).__name__}"
+            "optimizer must be a keras.optimizers.Optimizer, a name or a zero-argument "
+            f"factory, got {type(optimizer).__name__}"
         )
     if isinstance(probe, keras.optimizers.LossScaleOptimizer):
         raise NotImplementedError(
