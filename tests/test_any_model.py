@@ -11,6 +11,9 @@ Models:
   tied_lm    a language model whose output head reads the embedding matrix (S=2 and S=4, R=2)
   two_outputs  a dict of two outputs with their own losses (one reduced by "sum") and
              loss_weights, trained with sample weights (S=2, R=2)
+  masked_tokens  Embedding(mask_zero=True): the mask crosses the cut with the activations
+             and the per-token loss is the mean over unmasked tokens (S=2, R=2)
+  masked_pool    the mask crosses the cut and a later stage's pooling consumes it
   shared     one Dense layer called on two different stages
   no_config  a custom layer without get_config (its constructor takes an argument)
 
@@ -132,6 +135,40 @@ def two_outputs_batch(step):
     return x, y
 
 
+def masked_tokens_model():
+    ids = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, WIDTH, mask_zero=True)(ids)
+    h = dense(WIDTH)(h)
+    h = dense(WIDTH)(h)
+    return keras.Model(ids, keras.layers.Dense(VOCAB)(h))
+
+
+def masked_pool_model():
+    ids = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, WIDTH, mask_zero=True)(ids)
+    h = dense(WIDTH)(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)  # averages the unmasked positions
+    return keras.Model(ids, keras.layers.Dense(ref.CLASSES)(h))
+
+
+def padded_ids(rng):
+    """Token ids with a padded (0) tail of random length per example."""
+    ids = rng.integers(1, VOCAB, size=(BATCH, LENGTH)).astype("int32")
+    lengths = rng.integers(1, LENGTH + 1, size=(BATCH,))
+    ids[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
+    return ids
+
+
+def masked_tokens_batch(step):
+    rng = np.random.default_rng(step + 1)
+    return padded_ids(rng), rng.integers(0, VOCAB, size=(BATCH, LENGTH)).astype("int32")
+
+
+def masked_pool_batch(step):
+    rng = np.random.default_rng(step + 1)
+    return padded_ids(rng), rng.integers(0, ref.CLASSES, size=(BATCH,)).astype("int32")
+
+
 def classes_batch(step):
     return ref.batch(BATCH, seed=step + 1)
 
@@ -158,6 +195,8 @@ MODELS = {
     "two_outputs": (two_outputs_model, two_outputs_batch, (2, 2), None),
     "tied_lm": (tied_lm_model, tokens_batch, (2, 2), None),
     "tied_lm_s4": (tied_lm_model, tokens_batch, (4, 2), None),
+    "masked_tokens": (masked_tokens_model, masked_tokens_batch, (2, 2), [1, 3]),
+    "masked_pool": (masked_pool_model, masked_pool_batch, (2, 1), [3, 2]),
     "shared": (shared_model, classes_batch, (2, 1), [3, 5]),
     "no_config": (no_config_model, classes_batch, (2, 1), None),
 }

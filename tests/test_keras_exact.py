@@ -286,10 +286,6 @@ def build(model_layers, **kwargs):
             r"layer 'act' \(Dense\) adds losses in its forward pass",
         ),
         (
-            lambda: [keras.layers.Masking(name="mask"), keras.layers.Dense(2)],
-            r"layer 'mask' \(Masking\) produces a mask",
-        ),
-        (
             lambda: [
                 keras.layers.Dense(8, dtype="mixed_float16", name="half"),
                 keras.layers.Dense(2),

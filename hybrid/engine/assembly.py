@@ -14,12 +14,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from hybrid.core import partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
-from hybrid.engine import layer_costs
+from hybrid.engine import keras_private, layer_costs
 from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
@@ -40,6 +41,7 @@ class Layout:
       variables: ``variables[k]``: the model variables stage k reads, in model order.
       placement: where every model variable lives.
       output_shapes: each model output's shape without the batch dimension.
+      masked: the keys of the tensors that carry a Keras mask (it crosses a cut with them).
     """
 
     balance: tuple[int, ...]
@@ -48,6 +50,7 @@ class Layout:
     variables: tuple[tuple[Any, ...], ...]
     placement: Placement
     output_shapes: tuple[tuple[int, ...], ...]
+    masked: frozenset[int]
 
 
 def spec_of(t: Any) -> TensorSpec:
@@ -103,7 +106,21 @@ def lay_out(
         tuple(held),
         Placement.of(variables, held),
         tuple(tuple(values[k].shape[1:]) for k in graph.outputs),
+        _masked(graph, values),
     )
+
+
+def _masked(graph: Graph, values: dict[int, Any]) -> frozenset[int]:
+    """The tensors with a mask; refuses a BatchNormalization of a masked tensor."""
+    masked = frozenset(k for k, v in values.items() if keras_private.output_mask(v) is not None)
+    for call in graph.calls:
+        if isinstance(call.layer, keras.layers.BatchNormalization) and call.inputs[0] in masked:
+            raise NotImplementedError(
+                f"layer {call.layer.name!r} (BatchNormalization) normalizes a masked tensor; "
+                "its statistics over the masked positions are not combined across "
+                "micro-batches yet: apply it before the masking layer or drop the mask"
+            )
+    return masked
 
 
 def place(
@@ -128,6 +145,7 @@ def place(
                 loss if k == K - 1 else None,
                 jit_compile,
                 layout.variables[k],
+                layout.masked,
             )
             for r in range(mesh.num_replicas)
         ]

@@ -34,7 +34,7 @@ class Call:
     """One call of a layer in the model.
 
     Attributes:
-      layer: the user's layer object.
+      layer: the user's layer object (or a ``keras.ops`` operation of a functional graph).
       inputs: keys of the tensors it reads.
       outputs: keys of the tensors it makes.
       node: the Keras node (its arguments, with the non-tensor ones), or None in a chain.
@@ -72,9 +72,12 @@ class Segment:
 
     @property
     def layers(self) -> list[keras.layers.Layer]:
-        """The distinct layers called, in call order."""
+        """The distinct layers called, in call order (not ``keras.ops`` operations, which
+        hold no variables)."""
         found: list[keras.layers.Layer] = []
         for call in self.calls:
+            if not isinstance(call.layer, keras.layers.Layer):
+                continue
             if not any(call.layer is seen for seen in found):
                 found.append(call.layer)
         return found

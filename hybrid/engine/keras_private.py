@@ -5,7 +5,9 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   (``keras.src.losses.loss.squeeze_or_expand_to_same_rank``).
 - ``loss_function``: the ``keras.losses.Loss`` that ``compile`` makes of a plain loss
   function (``keras.src.losses.losses.LossFunctionWrapper``, mean over the batch).
-- ``output_mask``: the mask a layer attaches to its output (``keras.src.backend``).
+- ``output_mask`` / ``set_mask``: the mask a layer attaches to its output
+  (``keras.src.backend``'s ``_keras_mask``), read where a stage ends and set again where
+  the next begins.
 - ``with_training``: how a functional model passes ``training`` to each layer it calls
   (``keras.src.models.functional.operation_fn``: only to layers whose call takes it).
 - ``functional_of`` / ``input_structure`` / ``output_structure``: a Sequential's functional
@@ -27,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
-from keras.src.backend import get_keras_mask
+from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional, operation_fn
@@ -41,6 +43,7 @@ __all__ = [
     "output_mask",
     "output_structure",
     "same_rank",
+    "set_mask",
     "set_variable_path",
     "with_training",
 ]
@@ -101,6 +104,11 @@ def copy_weight_decay_exclusions(
         source, "_exclude_from_weight_decay_pattern", None
     )
     target._exclude_from_weight_decay_cache = {}
+
+
+def set_mask(tensor: Any, mask: Any) -> None:
+    """Attaches ``mask`` to ``tensor`` as a layer attaches its output's mask."""
+    set_keras_mask(tensor, mask)
 
 
 def output_mask(tensor: Any) -> Any:

@@ -18,7 +18,10 @@ __all__ = ["block", "parameter_costs", "time_costs"]
 
 def parameter_costs(layers: Sequence[keras.layers.Layer]) -> list[float]:
     """The number of weights of each (built) layer."""
-    return [float(layer.count_params()) for layer in layers]
+    return [
+        float(layer.count_params()) if isinstance(layer, keras.layers.Layer) else 0.0
+        for layer in layers
+    ]
 
 
 def time_costs(
@@ -48,7 +51,7 @@ def time_costs(
                 target = tf.add_n(
                     [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)]
                 )
-            sources = floats + list(layer.trainable_variables)
+            sources = floats + list(getattr(layer, "trainable_variables", []))
             grads = tape.gradient(target, sources) if sources else []
             return [target] + [g for g in grads if g is not None]
 

@@ -67,19 +67,28 @@ def loss_terms(
 
     ``loss(y_true, y_pred, sample_weight)`` on the whole batch equals
     ``divide_no_nan(sum of numerators, sum of denominators)`` over its micro-batches, except
-    for ``"sum"``, whose divisor is 1 (:func:`divisor`).
+    for ``"sum"``, whose divisor is 1 (:func:`divisor`). A mask on ``y_pred`` (a layer's
+    ``compute_mask``) weighs the masked-out elements 0, and the mean is over the unmasked
+    ones, as Keras's ``apply_mask`` defines it.
     """
+    mask = keras_private.output_mask(y_pred)
     y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
     y_true = keras.ops.convert_to_tensor(y_true, dtype=loss.dtype)
     values = keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
-    weights = None
+    weights = None if mask is None else tf.cast(mask, values.dtype)
     if sample_weight is not None:
-        weights = tf.cast(sample_weight, values.dtype)
+        given = tf.cast(sample_weight, values.dtype)
+        if weights is not None:
+            weights, given = keras_private.same_rank(weights, given)
+        weights = given if weights is None else weights * given
+    if weights is not None:
         values, weights = keras_private.same_rank(values, weights)
         values = values * weights
     numerator = tf.reduce_sum(values)
     if loss.reduction == "mean_with_sample_weight" and weights is not None:
         denominator = tf.reduce_sum(weights)
+    elif mask is not None:  # the unmasked elements
+        denominator = tf.reduce_sum(tf.cast(mask, values.dtype))
     else:
         denominator = tf.cast(tf.size(values), values.dtype)
     return tf.cast(numerator, tf.float32), tf.cast(denominator, tf.float32)

@@ -11,6 +11,11 @@ A divisor depends only on the labels, the sample weights and the shape of the ou
 on the predicted values), so the step computes the divisors first, from the labels and zero
 predictions of each output's shape, and starts the backward from ``d loss / d numerator_i =
 w_i / divisor_i``: the gradients come out of the pipeline already scaled as the loss is.
+
+A masked output (``Embedding(mask_zero=True)``...) is the exception: its divisor counts the
+unmasked elements, known only after the forward. The model's single output is then "late":
+the backward starts from ``w``, and the summed gradients are divided by the divisor once
+every micro-batch has run (:meth:`Objective.late_scale`).
 """
 
 from __future__ import annotations
@@ -51,11 +56,13 @@ class Objective:
       losses: one Keras loss per output (in ``model.outputs`` order).
       weights: the ``loss_weights`` of each output (1 by default).
       shapes: each output's shape without the batch dimension (known once built).
+      late: the output carries a mask, so its divisor is known only after the forward.
     """
 
     losses: tuple[keras.losses.Loss, ...]
     weights: tuple[float, ...]
     shapes: tuple[tuple[int | None, ...], ...] = ()
+    late: bool = False
 
     @classmethod
     def of(
@@ -73,9 +80,19 @@ class Objective:
         )
         return cls(losses, tuple(float(w) for w in weights))
 
-    def bind(self, shapes: Sequence[tuple[int | None, ...]]) -> Objective:
-        """This objective for outputs of the given shapes."""
-        return dataclasses.replace(self, shapes=tuple(tuple(s) for s in shapes))
+    def bind(self, shapes: Sequence[tuple[int | None, ...]], masked: Sequence[bool]) -> Objective:
+        """This objective for outputs of the given shapes, some carrying masks.
+
+        Raises:
+          NotImplementedError: a masked output among several.
+        """
+        if any(masked) and len(masked) > 1:
+            raise NotImplementedError(
+                f"outputs {[i for i, m in enumerate(masked) if m]} of the model's "
+                f"{len(masked)} carry masks; a masked loss is supported on a model with one "
+                "output (its divisor counts the unmasked elements, known after the forward)"
+            )
+        return dataclasses.replace(self, shapes=tuple(tuple(s) for s in shapes), late=any(masked))
 
     def terms(self, y_true: Sequence[Any], y_pred: Sequence[Any], weights: Any) -> tf.Tensor:
         """``[[numerator_i, denominator_i]]`` of one micro-batch, one row per output."""
@@ -100,11 +117,19 @@ class Objective:
             ]
         )
 
-    def seed(self, divisors: tf.Tensor) -> tf.Tensor:
-        """``d loss / d terms``: ``[[w_i / divisor_i, 0]]`` (0 where a divisor is 0)."""
-        scale = tf.math.divide_no_nan(tf.constant(self.weights, tf.float32), divisors)
+    def seed(self, divisors: tf.Tensor | None) -> tf.Tensor:
+        """``d loss / d terms``: ``[[w_i / divisor_i, 0]]`` (0 where a divisor is 0); for a
+        late output (``divisors`` None) ``[[w, 0]]``."""
+        scale = tf.constant(self.weights, tf.float32)
+        if divisors is not None:
+            scale = tf.math.divide_no_nan(scale, divisors)
         return tf.stack([scale, tf.zeros_like(scale)], axis=1)
+
+    def late_scale(self, divisors: tf.Tensor) -> tf.Tensor | None:
+        """What a late output's summed gradients are multiplied by (1 / divisor), else None."""
+        return tf.math.divide_no_nan(1.0, divisors[0]) if self.late else None
 
     def value(self, terms: tf.Tensor, divisors: tf.Tensor) -> tf.Tensor:
         """The loss from the summed ``terms`` of the global batch and its divisors."""
-        return tf.reduce_sum(self.seed(divisors)[:, 0] * terms[:, 0])
+        scale = tf.math.divide_no_nan(tf.constant(self.weights, tf.float32), divisors)
+        return tf.reduce_sum(scale * terms[:, 0])

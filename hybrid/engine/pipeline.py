@@ -193,7 +193,8 @@ class Pipeline:
             self.jit_compile,
         )
         self._balance, self._placement = layout.balance, layout.placement
-        self._loss = self._loss.bind(layout.output_shapes)
+        masked = [k in layout.masked for k in self._graph.outputs]
+        self._loss = self._loss.bind(layout.output_shapes, masked)
         self._stages = assembly.place(
             layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile
         )
@@ -372,22 +373,23 @@ class Pipeline:
             )
             for r in range(R)
         ]
-        loss = reduction.global_loss(self._loss, [t for s in steps for t in s.losses], divisors)
-        grads, penalties, stats = [], [], []
+        loss, divisors = reduction.global_loss(
+            self._loss, [t for s in steps for t in s.losses], divisors
+        )
+        scale, grads, penalties, stats = self._loss.late_scale(divisors), [], [], []
         for k, row in enumerate(self._stages):
             device_row = self.schedule.device_of(k)
             with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
                 summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
                 norms = [[tf.add_n(step.stats[k])] for step in steps if step.stats[k]]
                 stats.append(self._groups[k].all_reduce_sum(norms) if norms else [])
-            stage_grads, penalty = reduction.stage_gradients(row, summed)
+            stage_grads, penalty = reduction.stage_gradients(row, summed, scale)
             grads.append(stage_grads)
             penalties += [penalty] if penalty is not None else []
         if penalties:  # the weight regularization Keras adds to the loss, once per step
             loss = loss + tf.add_n(penalties)
         for r in range(R):
-            by_stage = [g[r] for g in grads]
-            sum_tied(by_stage, [row[r].device for row in self._stages], self._ties)
+            sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
         return loss, grads, steps[0].events, stats
 
     def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None) -> list[list[tf.Tensor]]:
@@ -409,8 +411,7 @@ class Pipeline:
 
     def _eval_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
         terms = [out[0] for out in self._forward_pass(x, y, w)]
-        divisors = self._loss.divisors(tf.add_n(terms)[:, 1])
-        loss = reduction.global_loss(self._loss, terms, divisors)
+        loss, _ = reduction.global_loss(self._loss, terms, None)
         penalties = [p for p in (row[0].weight_penalty() for row in self._stages) if p]
         return loss + tf.add_n([p[0] for p in penalties]) if penalties else loss
 

@@ -25,13 +25,16 @@ __all__ = ["clip_by_global_norm", "global_loss", "loss_divisors", "stage_gradien
 
 def loss_divisors(
     objective: Objective, copies: Sequence[StageReplica], labels: Sequence[Sequence[Labels]]
-) -> tf.Tensor:
-    """Each output's divisor over the global batch (from labels and sample weights alone).
+) -> tf.Tensor | None:
+    """Each output's divisor over the global batch (from labels and sample weights alone);
+    None for a late (masked) output, whose divisor comes from the forward.
 
     Args:
       copies: the last stage's copy on each replica (where its labels go).
       labels: ``labels[r][m]``: micro-batch m's labels on replica r.
     """
+    if objective.late:
+        return None
     denominators = []
     for copy, row in zip(copies, labels, strict=True):
         with tf.device(copy.device):
@@ -40,19 +43,28 @@ def loss_divisors(
         return objective.divisors(tf.add_n(denominators))
 
 
-def global_loss(objective: Objective, terms: Sequence[tf.Tensor], divisors: tf.Tensor) -> tf.Tensor:
-    """The loss of the global batch from every micro-batch's terms (every replica's)."""
-    return objective.value(tf.add_n(list(terms)), divisors)
+def global_loss(
+    objective: Objective, terms: Sequence[tf.Tensor], divisors: tf.Tensor | None
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The loss of the global batch from every micro-batch's terms (every replica's), and
+    the divisors (from the summed terms when not known before)."""
+    total = tf.add_n(list(terms))
+    if divisors is None:
+        divisors = objective.divisors(total[:, 1])
+    return objective.value(total, divisors), divisors
 
 
 def stage_gradients(
-    copies: Sequence[StageReplica], summed: Sequence[Sequence[tf.Tensor]]
+    copies: Sequence[StageReplica],
+    summed: Sequence[Sequence[tf.Tensor]],
+    scale: tf.Tensor | None = None,
 ) -> tuple[list[list[tf.Tensor]], tf.Tensor | None]:
     """One stage's gradients of the step's whole loss on every replica's copy.
 
     Args:
       copies: the stage's copy on each replica.
-      summed: each copy's all-reduced (summed, already scaled) data-loss gradients.
+      summed: each copy's all-reduced (summed) data-loss gradients, already scaled unless
+        ``scale`` (a late output's 1 / divisor) is given.
 
     Returns:
       ``grads[r]`` = ``summed[r]`` + the gradient of the stage's weight penalty (kernel and
@@ -62,7 +74,7 @@ def stage_gradients(
     grads, penalty = [], None
     for r, (stage, stage_grads) in enumerate(zip(copies, summed, strict=True)):
         with tf.device(stage.device):
-            scaled = list(stage_grads)
+            scaled = list(stage_grads) if scale is None else [g * scale for g in stage_grads]
             regularization = stage.weight_penalty()
             if regularization is not None:
                 scaled = [g + p for g, p in zip(scaled, regularization[1], strict=True)]

@@ -119,6 +119,8 @@ class StageReplica:
       jit_compile: compile forward, backward and update into XLA programs on ``device``.
       variables: the template variables the segment reads, in the model's order (default:
         its layers' weights in call order).
+      masked: keys of the tensors that carry a Keras mask: the masks of the stage's inputs
+        come after them (in key order), and the outputs' masks after the outputs.
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class StageReplica:
         loss: Objective | None,
         jit_compile: bool = True,
         variables: Sequence[Any] | None = None,
+        masked: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.device = device
@@ -164,7 +167,9 @@ class StageReplica:
         self._seeds = [(g.state, int(g.state.numpy()[0])) for g in seed_generators(self.layers)]
         # BatchNormalization calls: each training forward also returns their statistics.
         self.norms = batch_norm.norms_of(self.segment)
-        self._outputs = 1 if loss is not None else len(self.segment.outputs)
+        self._in_masks = [i for i, k in enumerate(self.segment.inputs) if k in masked]
+        self._out_masks = [k for k in self.segment.outputs if k in masked and loss is None]
+        self._outputs = 1 if loss is not None else len(self.segment.outputs) + len(self._out_masks)
 
         def program(fn: Callable[..., Any]) -> Any:
             return tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -224,9 +229,14 @@ class StageReplica:
                 for state, base in self._seeds
             ]
         )
+        inputs = list(xs[: len(self.segment.inputs)])
+        for i, mask in zip(self._in_masks, xs[len(self.segment.inputs) :], strict=True):
+            inputs[i] = tf.identity(inputs[i])  # a tensor of this program, to carry the mask
+            keras_private.set_mask(inputs[i], mask)
         with keras.StatelessScope(state_mapping=mapping):
-            values = self.segment.trace(list(xs), training)
+            values = self.segment.trace(inputs, training)
         ys = [values[key] for key in self.segment.outputs]
+        ys += [keras_private.output_mask(values[key]) for key in self._out_masks]
         stats = [batch_norm.statistics(self.norms, values)] if training and self.norms else []
         if labels is None:
             return ys + stats

@@ -113,9 +113,10 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
       NotImplementedError: float16 compute (mixed_float16 needs one loss scale over every
         stage, not supported yet; mixed_bfloat16 is), non-trainable state updated in the
         forward pass other than BatchNormalization's, activity regularization or
-        ``add_loss`` losses, or a mask on its output; the message names the layer and the
-        way around it.
+        ``add_loss`` losses; the message names the layer and the way around it.
     """
+    if not isinstance(layer, keras.layers.Layer):
+        return  # a keras.ops operation in a functional graph: no variables, no state
     name = f"layer {layer.name!r} ({type(layer).__name__})"
     policy = layer.dtype_policy
     if policy.compute_dtype == "float16":
@@ -137,11 +138,6 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
             f"{name} adds losses in its forward pass (an activity regularizer or add_loss), "
             "which the pipeline does not count yet (kernel and bias regularizers are); remove "
             "them or add the penalty to the loss"
-        )
-    if keras_private.output_mask(y) is not None:
-        raise NotImplementedError(
-            f"{name} produces a mask, which the pipeline does not carry between layers yet; "
-            "remove the masking layer (mask_zero=False) or fold the mask into sample_weight"
         )
 
 
