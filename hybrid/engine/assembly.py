@@ -151,5 +151,12 @@ def place(
         ]
         for copy in row:
             copy.owned = layout.placement.owned(k)
+            copy.activity_scale = 1.0 / (mesh.num_replicas * schedule.num_microbatches)
+            if copy.regularized and loss.late:
+                raise NotImplementedError(
+                    f"layers {[layer.name for layer in copy.regularized]} have activity "
+                    "regularizers and the model's output a masked loss; the pipeline does not "
+                    "combine the two yet: drop the activity regularizer or the mask"
+                )
         stages.append(row)
     return stages

@@ -26,7 +26,14 @@ from hybrid.core.schedule import Action, Op, Schedule
 from hybrid.engine.stage import Labels, Saved, StageReplica
 from hybrid.engine.timing import DeviceClock, Recorder
 
-__all__ = ["ReplicaStep", "lower_inference", "lower_training", "remat_policy", "seeds"]
+__all__ = [
+    "ReplicaStep",
+    "lower_inference",
+    "lower_replicas_inference",
+    "lower_training",
+    "remat_policy",
+    "seeds",
+]
 
 
 def remat_policy(mode: str, micro_batches: int) -> Callable[[int], bool]:
@@ -61,6 +68,7 @@ class ReplicaStep:
       grads: ``grads[k]``: model stage k's gradients summed over micro-batches.
       tails: ``tails[d]``: the last outputs of device d's chain (the all-reduce waits on them).
       stats: ``stats[k]``: model stage k's BatchNormalization statistics, one per forward.
+      activity: every forward's activity-regularization penalty (unweighted).
       events: (device, action, start, end) timestamps when recording, else empty.
     """
 
@@ -69,6 +77,7 @@ class ReplicaStep:
     tails: list[list[tf.Tensor]]
     events: list[tuple[int, Action, tf.Tensor, tf.Tensor]]
     stats: list[list[tf.Tensor]]
+    activity: list[tf.Tensor]
 
 
 Outputs = tuple[list[tf.Tensor], list[tf.Tensor]]  # (what the action computed, the chain tail)
@@ -97,6 +106,7 @@ class _TrainingLowering:
         self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
         self.losses: list[tf.Tensor] = []
         self.stats: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
+        self.activity: list[tf.Tensor] = []
         self.outputs: dict[tuple[int, int], list[tf.Tensor]] = {}
         self.saved: dict[tuple[int, int], Saved] = {}
         self.upstream: dict[tuple[int, int], list[tf.Tensor | None]] = {}
@@ -119,10 +129,11 @@ class _TrainingLowering:
         return [g for g in dx if g is not None]
 
     def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
-        out, dx, dw, stats = self.stages[k].forward_backward(
+        out, dx, dw, activity, stats = self.stages[k].forward_backward(
             x, labels, seed, self.loss_scale, k > 0
         )
         self.stats[k] += stats
+        self.activity += activity
         loss = out[0]
         self.losses.append(loss)
         self.accumulate(k, dw)
@@ -141,6 +152,7 @@ class _TrainingLowering:
         record = self.stages[k].forward(x, labels, seed, remat, self.split)
         self.saved[(k, m)] = record
         self.stats[k] += record.stats
+        self.activity += record.activity
         if self.stages[k].is_last:
             self.losses.append(record.output[0])
         else:
@@ -224,7 +236,9 @@ def lower_training(
                     direct, done = state.weight(k, m)
             recorder.end(d, action, start, direct)
             state.tails[d] = list(done)
-    return ReplicaStep(state.losses, state.grads, state.tails, recorder.events, state.stats)
+    return ReplicaStep(
+        state.losses, state.grads, state.tails, recorder.events, state.stats, state.activity
+    )
 
 
 def lower_inference(
@@ -234,11 +248,13 @@ def lower_inference(
     xs: Sequence[list[tf.Tensor]],
     ys: Sequence[Labels] | None,
     seed: Callable[[int], tf.Tensor],
-) -> list[list[tf.Tensor]]:
+) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
     """Issues a forward-only schedule; returns the last stage's outputs per micro-batch
-    (``[[numerator, denominator]]`` of its loss when ``ys`` is given)."""
+    (``[[numerator, denominator]]`` of its loss when ``ys`` is given) and every forward's
+    weighted activity-regularization penalty."""
     K = schedule.num_model_stages
     outputs: dict[tuple[int, int], list[tf.Tensor]] = {}
+    activity: list[tf.Tensor] = []
     tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
     for action in order:
         k, m = action.stage, action.microbatch
@@ -247,6 +263,28 @@ def lower_inference(
         with tf.device(stage.device), tf.control_dependencies(tails[d]):
             inputs = list(xs[m]) if k == 0 else outputs.pop((k - 1, m))
             labels = ys[m] if (ys is not None and stage.is_last) else None
-            outputs[(k, m)] = stage.infer(inputs, labels, seed(m))
-            tails[d] = list(outputs[(k, m)])
-    return [outputs[(K - 1, m)] for m in range(schedule.num_microbatches)]
+            outputs[(k, m)], penalty = stage.infer(inputs, labels, seed(m))
+            activity += penalty
+            tails[d] = list(outputs[(k, m)]) + penalty
+    return [outputs[(K - 1, m)] for m in range(schedule.num_microbatches)], activity
+
+
+def lower_replicas_inference(
+    schedule: Schedule,
+    order: Sequence[Action],
+    stages: Sequence[Sequence[StageReplica]],
+    xs: Sequence[Sequence[list[tf.Tensor]]],
+    ys: Sequence[Sequence[Labels]] | None,
+    seed: Callable[[int], Callable[[int], tf.Tensor]],
+) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
+    """:func:`lower_inference` on every replica r (``stages[r]``, ``xs[r]``, ``ys[r]``,
+    ``seed(r)``): the last stage's outputs per micro-batch, replica-major, and every
+    forward's weighted activity penalty."""
+    outputs: list[list[tf.Tensor]] = []
+    activity: list[tf.Tensor] = []
+    for r, replica in enumerate(stages):
+        out, penalty = lower_inference(
+            schedule, order, replica, xs[r], ys[r] if ys is not None else None, seed(r)
+        )
+        outputs, activity = outputs + out, activity + penalty
+    return outputs, activity

@@ -386,35 +386,31 @@ class Pipeline:
             stage_grads, penalty = reduction.stage_gradients(row, summed, scale)
             grads.append(stage_grads)
             penalties += [penalty] if penalty is not None else []
-        if penalties:  # the weight regularization Keras adds to the loss, once per step
+        penalties += [
+            tf.add_n(s.activity) * self._stages[0][0].activity_scale for s in steps if s.activity
+        ]
+        if penalties:  # the regularization Keras adds to the loss, once per step
             loss = loss + tf.add_n(penalties)
         for r in range(R):
             sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
         return loss, grads, steps[0].events, stats
 
-    def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None) -> list[list[tf.Tensor]]:
-        """Runs the forward-only schedule on every replica; the last stage's outputs (the
-        loss terms when ``y`` is given) per micro-batch, replica-major."""
-        xs = batches.split_inputs(self.config, x)
+    def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None) -> Any:
+        """The forward-only schedule on every replica (``lower_replicas_inference``)."""
         labels = batches.labels(self.config, y, w) if y is not None else None
-        outs = []
-        for r in range(self.mesh.num_replicas):
-            outs += lowering.lower_inference(
-                self._inference,
-                self._inference_order,
-                [row[r] for row in self._stages],
-                xs[r],
-                labels[r] if labels is not None else None,
-                self._seeds(r),
-            )
-        return outs
+        copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
+        xs = batches.split_inputs(self.config, x)
+        order = self._inference_order
+        return lowering.lower_replicas_inference(
+            self._inference, order, copies, xs, labels, self._seeds
+        )
 
     def _eval_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
-        terms = [out[0] for out in self._forward_pass(x, y, w)]
-        loss, _ = reduction.global_loss(self._loss, terms, None)
-        penalties = [p for p in (row[0].weight_penalty() for row in self._stages) if p]
-        return loss + tf.add_n([p[0] for p in penalties]) if penalties else loss
+        outs, activity = self._forward_pass(x, y, w)
+        loss, _ = reduction.global_loss(self._loss, [out[0] for out in outs], None)
+        penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
+        return loss + tf.add_n(penalties + activity) if penalties + activity else loss
 
     def _predict_step(self, x: list[tf.Tensor]) -> list[tf.Tensor]:
-        parts = self._forward_pass(x, None, None)
+        parts, _ = self._forward_pass(x, None, None)
         return [tf.concat(list(pieces), axis=0) for pieces in zip(*parts, strict=True)]

@@ -30,7 +30,6 @@ numbers as the forward it repeats.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,48 +40,13 @@ import tensorflow as tf
 from hybrid.engine import batch_norm, keras_private
 from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
+from hybrid.engine.records import Labels, Saved, TensorSpec
 from hybrid.engine.template import seed_generators
 
-__all__ = ["Saved", "StageReplica", "TensorSpec"]
+__all__ = ["Labels", "Saved", "StageReplica", "TensorSpec"]
 
-Labels = tuple[Any, Any]  # ([y_true per output], [sample_weight per output] or None)
 Tensors = list[tf.Tensor]
 Grads = tuple[list[tf.Tensor | None] | None, list[tf.Tensor]]
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """Shape (without the batch dimension) and dtype of a tensor crossing a stage boundary."""
-
-    shape: tuple[int | None, ...]
-    dtype: str
-
-    def zeros(self, batch: int = 1) -> np.ndarray:
-        return np.zeros((batch,) + tuple(d or 1 for d in self.shape), dtype=self.dtype)
-
-
-@dataclasses.dataclass
-class Saved:
-    """What one micro-batch's forward leaves for its backward on this stage.
-
-    Attributes:
-      inputs: the stage inputs (kept in every remat mode).
-      output: the stage outputs; on the last stage ``[[numerator, denominator]]``.
-      labels: the micro-batch's (labels, sample weights) (last stage only).
-      seed: the random seed the forward used, for an exact recomputation.
-      tape: the tape that recorded the forward (None when the backward recomputes).
-      weights: the weight values the taped forward read (its gradient sources).
-      stats: the micro-batch's BatchNormalization statistics (``batch_norm.statistics``),
-        when the stage has BatchNormalization layers.
-    """
-
-    inputs: Tensors
-    output: Tensors
-    labels: Labels | None
-    seed: tf.Tensor
-    tape: tf.GradientTape | None = None
-    weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
-    stats: list[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 def _differentiable(t: Any) -> bool:
@@ -170,6 +134,14 @@ class StageReplica:
         self._in_masks = [i for i, k in enumerate(self.segment.inputs) if k in masked]
         self._out_masks = [k for k in self.segment.outputs if k in masked and loss is None]
         self._outputs = 1 if loss is not None else len(self.segment.outputs) + len(self._out_masks)
+        # Layers whose activity regularizers add a penalty: Keras adds each micro-batch's
+        # penalty (already divided by its size) to the loss, weighted 1 / (R·M) here.
+        self.regularized = [
+            call.layer
+            for call in self.segment.calls
+            if getattr(call.layer, "activity_regularizer", None) is not None
+        ]
+        self.activity_scale = 1.0
 
         def program(fn: Callable[..., Any]) -> Any:
             return tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -233,16 +205,30 @@ class StageReplica:
         for i, mask in zip(self._in_masks, xs[len(self.segment.inputs) :], strict=True):
             inputs[i] = tf.identity(inputs[i])  # a tensor of this program, to carry the mask
             keras_private.set_mask(inputs[i], mask)
-        with keras.StatelessScope(state_mapping=mapping):
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             values = self.segment.trace(inputs, training)
         ys = [values[key] for key in self.segment.outputs]
         ys += [keras_private.output_mask(values[key]) for key in self._out_masks]
+        activity = []
+        if self.regularized:
+            penalties = [tf.cast(p, tf.float32) for p in scope.losses]
+            activity = [tf.add_n([tf.constant(0.0)] + penalties)]
         stats = [batch_norm.statistics(self.norms, values)] if training and self.norms else []
-        if labels is None:
-            return ys + stats
-        assert self.loss is not None
-        y_true, sample_weight = labels
-        return [self.loss.terms(y_true, ys, sample_weight)] + stats
+        if labels is not None:
+            assert self.loss is not None
+            y_true, sample_weight = labels
+            ys = [self.loss.terms(y_true, ys, sample_weight)]
+        return ys + activity + stats
+
+    def _split(self, out: Tensors, labels: bool = True) -> tuple[Tensors, Tensors, Tensors]:
+        """A program's outputs as (stage outputs, activity penalty, BN statistics); the
+        last stage without ``labels`` outputs the model's outputs, not the loss terms."""
+        n = self._outputs if labels or not self.is_last else len(self.segment.outputs)
+        a = len(self.regularized[:1])
+        return out[:n], out[n : n + a], out[n + a :]
+
+    def _activity_seed(self, activity: Tensors) -> list[tf.Tensor | None]:
+        return [tf.constant(self.activity_scale)] * len(activity)
 
     def _forward_and_backward(
         self,
@@ -253,15 +239,17 @@ class StageReplica:
         need_dx: bool,
         need_dw: bool,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
-        """One program: the forward, then its gradients against ``dys``; nothing kept between.
-        Returns the forward's outputs (BatchNormalization statistics last), dx and dW."""
+        """One program: the forward, then its gradients against ``dys`` (and the activity
+        penalty's weight); nothing kept between. Returns the forward's outputs (activity
+        penalty and BatchNormalization statistics last), dx and dW."""
         weights = self._read_weights()
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if _differentiable(x)])
             tape.watch(weights)
             out = self._run(xs, labels, seed, weights)
-        ys = out[: self._outputs]
-        dx, dw = self._gradients(tape, xs, ys, dys, weights, need_dx, need_dw)
+        ys, activity, _ = self._split(out)
+        dys = list(dys) + self._activity_seed(activity)
+        dx, dw = self._gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
         return out, dx, dw
 
     @staticmethod
@@ -309,18 +297,20 @@ class StageReplica:
         """
         weights = self._read_weights()
         if remat:
-            out = self._forward(xs, labels, seed, weights)
-            return Saved(xs, out[: self._outputs], labels, seed, stats=out[self._outputs :])
+            ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
+            return Saved(xs, ys, labels, seed, stats=stats, activity=activity)
         with tf.GradientTape(persistent=split) as tape:
             tape.watch([x for x in xs if _differentiable(x)])
             tape.watch(weights)
-            out = self._forward(xs, labels, seed, weights)
-        ys, stats = out[: self._outputs], out[self._outputs :]
-        return Saved(xs, ys, labels, seed, tape, weights, stats)
+            ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
+        return Saved(xs, ys, labels, seed, tape, weights, stats, activity)
 
-    def infer(self, xs: Tensors, labels: Labels | None, seed: tf.Tensor) -> Tensors:
-        """Forward in inference mode (``training=False``), nothing kept for a backward."""
-        return self._forward(xs, labels, seed, self._read_weights(), training=False)
+    def infer(self, xs: Tensors, labels: Labels | None, seed: tf.Tensor) -> tuple[Tensors, Tensors]:
+        """Forward in inference mode (``training=False``), nothing kept for a backward: the
+        outputs and the activity penalty (weighted as in the loss; empty without)."""
+        out = self._forward(xs, labels, seed, self._read_weights(), training=False)
+        ys, activity, _ = self._split(out, labels is not None)
+        return ys, [p * self.activity_scale for p in activity]
 
     def backward(
         self, saved: Saved, dys: list[tf.Tensor | None], need_dx: bool, need_dw: bool
@@ -334,9 +324,8 @@ class StageReplica:
                 saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw
             )
             return dx, dw
-        return self._gradients(
-            saved.tape, saved.inputs, saved.output, dys, saved.weights, need_dx, need_dw
-        )
+        ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
+        return self._gradients(saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw)
 
     def forward_backward(
         self,
@@ -345,16 +334,17 @@ class StageReplica:
         seed: tf.Tensor,
         dys: list[tf.Tensor | None],
         need_dx: bool,
-    ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor], Tensors]:
+    ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor], Tensors, Tensors]:
         """F immediately followed by its whole backward, as one program: its outputs, dx,
-        dW and its BatchNormalization statistics.
+        dW, its activity penalty and its BatchNormalization statistics.
 
         Used when the schedule runs a micro-batch's backward right after its forward on the
         same device (the last stage, whose output gradient is known): no activation is
         stored and nothing is recomputed.
         """
         out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True)
-        return out[: self._outputs], dx, dw, out[self._outputs :]
+        ys, activity, stats = self._split(out)
+        return ys, dx, dw, activity, stats
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""

@@ -133,11 +133,14 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
             "supported); freeze the layer (trainable=False) or use one without state"
         )
     penalties = sum(1 for v in layer.trainable_weights if getattr(v, "regularizer", None))
-    if len(layer.losses) > penalties or getattr(layer, "activity_regularizer", None) is not None:
+    if layer.activity_regularizer is not None:
+        penalties += len(keras.tree.flatten(y))
+    if len(layer.losses) > penalties:
         raise NotImplementedError(
-            f"{name} adds losses in its forward pass (an activity regularizer or add_loss), "
-            "which the pipeline does not count yet (kernel and bias regularizers are); remove "
-            "them or add the penalty to the loss"
+            f"{name} adds losses in its forward pass (add_loss), which the pipeline cannot "
+            "combine across micro-batches (their scale over the batch is the layer's own); "
+            "kernel, bias and activity regularizers are supported: express the loss as one, "
+            "or add it to the model's loss"
         )
 
 

@@ -77,7 +77,7 @@ class StagePrograms:
             return saved.output + _present(dx) + dw
 
         def fused(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            y, dx, dw, _ = stage.forward_backward([x], labels, seed, [dy], need_dx)
+            y, dx, dw, _, _ = stage.forward_backward([x], labels, seed, [dy], need_dx)
             return y + _present(dx) + dw
 
         def input_only(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:

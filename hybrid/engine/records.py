@@ -1,0 +1,53 @@
+"""The records that cross between a stage and the lowering: a boundary tensor's spec, and
+what one micro-batch's forward leaves for its backward."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["Labels", "Saved", "TensorSpec"]
+
+Labels = tuple[Any, Any]  # ([y_true per output], [sample_weight per output] or None)
+Tensors = list[tf.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Shape (without the batch dimension) and dtype of a tensor crossing a stage boundary."""
+
+    shape: tuple[int | None, ...]
+    dtype: str
+
+    def zeros(self, batch: int = 1) -> np.ndarray:
+        return np.zeros((batch,) + tuple(d or 1 for d in self.shape), dtype=self.dtype)
+
+
+@dataclasses.dataclass
+class Saved:
+    """What one micro-batch's forward leaves for its backward on this stage.
+
+    Attributes:
+      inputs: the stage inputs (kept in every remat mode).
+      output: the stage outputs; on the last stage ``[[numerator, denominator]]``.
+      labels: the micro-batch's (labels, sample weights) (last stage only).
+      seed: the random seed the forward used, for an exact recomputation.
+      tape: the tape that recorded the forward (None when the backward recomputes).
+      weights: the weight values the taped forward read (its gradient sources).
+      stats: the micro-batch's BatchNormalization statistics (``batch_norm.statistics``),
+        when the stage has BatchNormalization layers.
+      activity: the micro-batch's activity-regularization penalty, when the stage has
+        layers with an ``activity_regularizer``.
+    """
+
+    inputs: Tensors
+    output: Tensors
+    labels: Labels | None
+    seed: tf.Tensor
+    tape: tf.GradientTape | None = None
+    weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    stats: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    activity: list[tf.Tensor] = dataclasses.field(default_factory=list)
