@@ -152,6 +152,12 @@ def place(
         for copy in row:
             copy.owned = layout.placement.owned(k)
             copy.activity_scale = 1.0 / (mesh.num_replicas * schedule.num_microbatches)
+            if copy.regularized and optimizers.loss_scaling:
+                raise NotImplementedError(
+                    f"layers {[layer.name for layer in copy.regularized]} have activity "
+                    "regularizers and the optimizer scales the loss (LossScaleOptimizer, "
+                    "mixed_float16); the pipeline does not combine the two yet"
+                )
             if copy.regularized and loss.late:
                 raise NotImplementedError(
                     f"layers {[layer.name for layer in copy.regularized]} have activity "

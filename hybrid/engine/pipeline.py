@@ -99,7 +99,8 @@ class Pipeline:
         self.mesh = mesh
         graph = self._graph
         self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
-        self._optimizers = optimizer_copies(optimizer)
+        policy = getattr(getattr(model, "dtype_policy", None), "name", None)
+        self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")
         counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
         self.config = validate_run(
             RunConfig(
@@ -321,13 +322,10 @@ class Pipeline:
         """Every device applies its stage's gradients (clipped by the global norm when the
         optimizer asks) with its copy of the optimizer and updates its BatchNormalization
         moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
-        clip = self._optimizers.global_clipnorm
-        if clip:
-            for r in range(self.mesh.num_replicas):
-                copies = [row[r] for row in self._stages]
-                clipped = reduction.clip_by_global_norm([g[r] for g in grads], copies, clip)
-                for k, stage_grads in enumerate(clipped):
-                    grads[k][r] = stage_grads
+        optimizers = self._optimizers
+        reduction.whole_model(
+            grads, self._stages, optimizers.global_clipnorm, optimizers.loss_scaling
+        )
         for k, row in enumerate(self._stages):
             for r, stage in enumerate(row):
                 with tf.device(stage.device):
@@ -358,6 +356,8 @@ class Pipeline:
         R = self.mesh.num_replicas
         xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w)
         divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
+        loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
+        seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
         steps = [
             lowering.lower_training(
                 self.schedule,
@@ -368,7 +368,7 @@ class Pipeline:
                 labels[r],
                 self._seeds(r),
                 lowering.remat_policy(self.remat, self.micro_batches),
-                self._loss.seed(divisors),
+                seed,
                 clocks=self._clocks if record and r == 0 else None,
             )
             for r in range(R)
@@ -383,7 +383,7 @@ class Pipeline:
                 summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
                 norms = [[tf.add_n(step.stats[k])] for step in steps if step.stats[k]]
                 stats.append(self._groups[k].all_reduce_sum(norms) if norms else [])
-            stage_grads, penalty = reduction.stage_gradients(row, summed, scale)
+            stage_grads, penalty = reduction.stage_gradients(row, summed, scale, loss_scale)
             grads.append(stage_grads)
             penalties += [penalty] if penalty is not None else []
         penalties += [

@@ -15,12 +15,70 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import keras
 import tensorflow as tf
 
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import Labels, StageReplica
 
-__all__ = ["clip_by_global_norm", "global_loss", "loss_divisors", "stage_gradients"]
+__all__ = [
+    "clip_by_global_norm",
+    "global_loss",
+    "loss_divisors",
+    "loss_scale",
+    "nan_unless_finite",
+    "stage_gradients",
+    "whole_model",
+]
+
+
+def whole_model(
+    grads: list[list[list[tf.Tensor]]],
+    stages: Sequence[Sequence[StageReplica]],
+    clip_norm: float | None,
+    loss_scaling: bool,
+) -> None:
+    """In place, on every replica: what the one logical optimizer does over the whole model
+    before its update: the global finite check of loss scaling (:func:`nan_unless_finite`)
+    and ``global_clipnorm`` (:func:`clip_by_global_norm`). ``grads[k][r]``: stage k's
+    gradients on replica r (``stages[k][r]``)."""
+    for r in range(len(stages[0])):
+        copies = [row[r] for row in stages]
+        replica = [g[r] for g in grads]
+        if loss_scaling:
+            replica = nan_unless_finite(replica, copies)
+        if clip_norm:
+            replica = clip_by_global_norm(replica, copies, clip_norm)
+        for k, stage_grads in enumerate(replica):
+            grads[k][r] = stage_grads
+
+
+def loss_scale(copy: StageReplica) -> tf.Tensor | None:
+    """The dynamic loss scale of a LossScaleOptimizer copy (every copy holds the same one),
+    or None without loss scaling."""
+    optimizer = copy.optimizer
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    return tf.convert_to_tensor(optimizer.dynamic_scale)
+
+
+def nan_unless_finite(
+    grads: list[list[tf.Tensor]], copies: Sequence[StageReplica]
+) -> list[list[tf.Tensor]]:
+    """One replica's gradients of every stage, all NaN unless all are finite: the finite
+    check of a LossScaleOptimizer made global, so every stage's copy skips the same steps
+    and moves its scale the same way (Keras checks the whole model's gradients at once)."""
+    flags = []
+    for stage_grads, copy in zip(grads, copies, strict=True):
+        with tf.device(copy.device):
+            flags.append(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in stage_grads]))
+    with tf.device(copies[0].device):
+        factor = tf.where(tf.reduce_all(flags), 1.0, float("nan"))
+    out = []
+    for stage_grads, copy in zip(grads, copies, strict=True):
+        with tf.device(copy.device):
+            out.append([g * tf.cast(factor, g.dtype) for g in stage_grads])
+    return out
 
 
 def loss_divisors(
@@ -58,6 +116,7 @@ def stage_gradients(
     copies: Sequence[StageReplica],
     summed: Sequence[Sequence[tf.Tensor]],
     scale: tf.Tensor | None = None,
+    loss_scale: tf.Tensor | None = None,
 ) -> tuple[list[list[tf.Tensor]], tf.Tensor | None]:
     """One stage's gradients of the step's whole loss on every replica's copy.
 
@@ -65,6 +124,8 @@ def stage_gradients(
       copies: the stage's copy on each replica.
       summed: each copy's all-reduced (summed) data-loss gradients, already scaled unless
         ``scale`` (a late output's 1 / divisor) is given.
+      loss_scale: the dynamic loss scale the data gradients carry; the penalty's gradient
+        is scaled by it too.
 
     Returns:
       ``grads[r]`` = ``summed[r]`` + the gradient of the stage's weight penalty (kernel and
@@ -77,7 +138,10 @@ def stage_gradients(
             scaled = list(stage_grads) if scale is None else [g * scale for g in stage_grads]
             regularization = stage.weight_penalty()
             if regularization is not None:
-                scaled = [g + p for g, p in zip(scaled, regularization[1], strict=True)]
+                extra = regularization[1]
+                if loss_scale is not None:
+                    extra = [p * loss_scale for p in extra]
+                scaled = [g + p for g, p in zip(scaled, extra, strict=True)]
                 penalty = regularization[0] if r == 0 else penalty
         grads.append(scaled)
     return grads, penalty

@@ -10,6 +10,7 @@ at build time, naming the layer or setting and what to do instead.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
@@ -42,41 +43,60 @@ class OptimizerCopies:
         None for a factory (each of its optimizers configures itself).
       global_clipnorm: the clip norm over every stage's gradients (the engine clips; the
         copies never clip by their own stage's norm), or None.
+      loss_scaling: the copies are ``LossScaleOptimizer``s: the engine scales the loss by
+        their (equal) dynamic scale and makes the finite check global (a non-finite gradient
+        on any stage is one on every stage).
     """
 
     make: Callable[[], keras.optimizers.Optimizer]
     source: keras.optimizers.Optimizer | None
     global_clipnorm: float | None
+    loss_scaling: bool = False
 
     def __call__(
         self, source_variables: Sequence[Any], stage_variables: Sequence[Any]
     ) -> keras.optimizers.Optimizer:
         """A copy for the stage variables ``stage_variables`` (copies of ``source_variables``)."""
         copy = self.make()
-        copy.global_clipnorm = None
-        if self.source is not None:
+        inner, source = _inner(copy), _inner(self.source) if self.source else None
+        inner.global_clipnorm = None
+        if source is not None:
             keras_private.copy_weight_decay_exclusions(
-                self.source, copy, source_variables, stage_variables
+                source, inner, source_variables, stage_variables
             )
         return copy
 
 
-def optimizer_copies(optimizer: OptimizerLike) -> OptimizerCopies:
+def _inner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The optimizer that updates the variables (a LossScaleOptimizer's inner one)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def optimizer_copies(optimizer: OptimizerLike, scale_loss: bool = False) -> OptimizerCopies:
     """The copies of ``optimizer``: an instance (used as the template), a name (as
     ``compile`` takes it) or a factory.
 
+    Args:
+      scale_loss: wrap the optimizer in a ``LossScaleOptimizer`` unless it is one, as
+        ``compile`` does for a model whose dtype policy is ``mixed_float16``.
+
     Raises:
       TypeError: neither an optimizer nor a zero-argument factory.
-      NotImplementedError: loss scaling (``LossScaleOptimizer``), not supported yet.
+      NotImplementedError: ``global_clipnorm`` on a LossScaleOptimizer's inner optimizer.
     """
     if isinstance(optimizer, str):  # a name, as compile takes it: "adam", "sgd", ...
         optimizer = keras.optimizers.get(optimizer)
+    if scale_loss and isinstance(optimizer, keras.optimizers.Optimizer):
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         cls, config = optimizer.__class__, optimizer.get_config()
         probe, source = optimizer, optimizer
 
         def make() -> keras.optimizers.Optimizer:
-            return cls.from_config(config)
+            return cls.from_config(copy.deepcopy(config))  # from_config may consume it
 
     elif callable(optimizer):
         probe, source, make = optimizer(), None, optimizer
@@ -85,12 +105,14 @@ def optimizer_copies(optimizer: OptimizerLike) -> OptimizerCopies:
             "optimizer must be a keras.optimizers.Optimizer, a name or a zero-argument "
             f"factory, got {type(optimizer).__name__}"
         )
-    if isinstance(probe, keras.optimizers.LossScaleOptimizer):
+    scaling = isinstance(probe, keras.optimizers.LossScaleOptimizer)
+    if scaling and _inner(probe).global_clipnorm:
         raise NotImplementedError(
-            "a LossScaleOptimizer (mixed-precision loss scaling) is not supported by the "
-            "pipeline yet; train in float32 with the inner optimizer"
+            "global_clipnorm on the inner optimizer of a LossScaleOptimizer is not supported "
+            "by the pipeline yet (the norm must be taken after unscaling, over every stage); "
+            "use clipnorm per variable, or train without loss scaling (mixed_bfloat16)"
         )
-    return OptimizerCopies(make, source, probe.global_clipnorm)
+    return OptimizerCopies(make, source, _inner(probe).global_clipnorm, scaling)
 
 
 def seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
@@ -110,21 +132,13 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
       x, y: that call's input and output.
 
     Raises:
-      NotImplementedError: float16 compute (mixed_float16 needs one loss scale over every
-        stage, not supported yet; mixed_bfloat16 is), non-trainable state updated in the
-        forward pass other than BatchNormalization's, activity regularization or
-        ``add_loss`` losses; the message names the layer and the way around it.
+      NotImplementedError: non-trainable state updated in the forward pass other than
+        BatchNormalization's, or ``add_loss`` losses; the message names the layer and the
+        way around it.
     """
     if not isinstance(layer, keras.layers.Layer):
         return  # a keras.ops operation in a functional graph: no variables, no state
     name = f"layer {layer.name!r} ({type(layer).__name__})"
-    policy = layer.dtype_policy
-    if policy.compute_dtype == "float16":
-        raise NotImplementedError(
-            f"{name} computes in float16 (dtype policy {policy.name!r}), which needs loss "
-            "scaling with one scale over every stage, not supported by the pipeline yet: use "
-            "the 'mixed_bfloat16' policy (no loss scaling needed) or float32"
-        )
     batch_norm = isinstance(layer, keras.layers.BatchNormalization) and not layer.renorm
     if not batch_norm and _updates_state(layer, x):
         raise NotImplementedError(
