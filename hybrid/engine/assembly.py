@@ -20,11 +20,11 @@ import tensorflow as tf
 from hybrid.core import partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
-from hybrid.engine import keras_private, layer_costs
+from hybrid.engine import batch_norm, keras_private, layer_costs
 from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
-from hybrid.engine.template import OptimizerCopies, check_layer
+from hybrid.engine.template import OptimizerCopies, adds_loss, check_layer, warn_added_losses
 from hybrid.engine.variables import Placement
 
 __all__ = ["Layout", "lay_out", "place", "spec_of"]
@@ -131,7 +131,10 @@ def place(
     loss: Objective,
     jit_compile: bool,
 ) -> list[list[StageReplica]]:
-    """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row."""
+    """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row.
+
+    Warns when BatchNormalization or ``add_loss`` layers see micro-batches (R·M > 1).
+    """
     K = schedule.num_model_stages
     stages = []
     for k in range(K):
@@ -165,4 +168,11 @@ def place(
                     "combine the two yet: drop the activity regularizer or the mask"
                 )
         stages.append(row)
+    norms = [layer for row in stages for layer, _ in row[0].norms]
+    added = [layer for row in stages for layer in row[0].regularized if adds_loss(layer)]
+    parts = mesh.num_replicas * schedule.num_microbatches
+    if norms and parts > 1:
+        batch_norm.warn_micro_batches(norms, parts)
+    if added and parts > 1:
+        warn_added_losses(added, parts)
     return stages

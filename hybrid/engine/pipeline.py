@@ -36,7 +36,7 @@ import tensorflow as tf
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine import assembly, batch_norm, batches, lowering, reduction, timing
+from hybrid.engine import assembly, batches, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
@@ -203,9 +203,6 @@ class Pipeline:
             device_row = self.schedule.device_of(k)
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
         self._ties = layout.placement.ties()
-        norms = [layer for row in self._stages for layer, _ in row[0].norms]
-        if norms and self.config.replicas * self.micro_batches > 1:
-            batch_norm.warn_micro_batches(norms, self.config.replicas * self.micro_batches)
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
 
     # -- public steps ----------------------------------------------------------------------

@@ -41,7 +41,7 @@ from hybrid.engine import batch_norm, keras_private
 from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.records import Labels, Saved, TensorSpec
-from hybrid.engine.template import seed_generators
+from hybrid.engine.template import adds_loss, seed_generators
 
 __all__ = ["Labels", "Saved", "StageReplica", "TensorSpec"]
 
@@ -134,12 +134,12 @@ class StageReplica:
         self._in_masks = [i for i, k in enumerate(self.segment.inputs) if k in masked]
         self._out_masks = [k for k in self.segment.outputs if k in masked and loss is None]
         self._outputs = 1 if loss is not None else len(self.segment.outputs) + len(self._out_masks)
-        # Layers whose activity regularizers add a penalty: Keras adds each micro-batch's
-        # penalty (already divided by its size) to the loss, weighted 1 / (R·M) here.
+        # Layers that add to the loss in their call (activity regularizers, add_loss): each
+        # micro-batch's losses are added to the step's loss weighted 1 / (R·M).
         self.regularized = [
-            call.layer
-            for call in self.segment.calls
-            if getattr(call.layer, "activity_regularizer", None) is not None
+            layer
+            for layer in self.segment.layers
+            if layer.activity_regularizer is not None or adds_loss(layer)
         ]
         self.activity_scale = 1.0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -24,7 +25,9 @@ from hybrid.engine import keras_private
 __all__ = [
     "OptimizerCopies",
     "OptimizerLike",
+    "adds_loss",
     "check_layer",
+    "warn_added_losses",
     "optimizer_copies",
     "seed_generators",
 ]
@@ -133,8 +136,7 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
 
     Raises:
       NotImplementedError: non-trainable state updated in the forward pass other than
-        BatchNormalization's, or ``add_loss`` losses; the message names the layer and the
-        way around it.
+        BatchNormalization's; the message names the layer and the way around it.
     """
     if not isinstance(layer, keras.layers.Layer):
         return  # a keras.ops operation in a functional graph: no variables, no state
@@ -146,16 +148,28 @@ def check_layer(layer: keras.layers.Layer, x: Any, y: Any) -> None:
             "cannot combine across micro-batches (BatchNormalization without renorm is "
             "supported); freeze the layer (trainable=False) or use one without state"
         )
+
+
+def adds_loss(layer: Any) -> bool:
+    """Whether the layer's last call added losses with ``add_loss`` (beyond its weights'
+    and its activity regularizer's penalties)."""
+    if not isinstance(layer, keras.layers.Layer):
+        return False
     penalties = sum(1 for v in layer.trainable_weights if getattr(v, "regularizer", None))
     if layer.activity_regularizer is not None:
-        penalties += len(keras.tree.flatten(y))
-    if len(layer.losses) > penalties:
-        raise NotImplementedError(
-            f"{name} adds losses in its forward pass (add_loss), which the pipeline cannot "
-            "combine across micro-batches (their scale over the batch is the layer's own); "
-            "kernel, bias and activity regularizers are supported: express the loss as one, "
-            "or add it to the model's loss"
-        )
+        penalties += 1
+    return len(layer.losses) > penalties
+
+
+def warn_added_losses(layers: Sequence[keras.layers.Layer], parts: int) -> None:
+    """Warns how ``add_loss`` losses combine over ``parts`` micro-batches."""
+    warnings.warn(
+        f"layers {[layer.name for layer in layers]} add losses with add_loss; the pipeline "
+        f"adds each micro-batch's value weighted 1/{parts} (their mean over the "
+        "micro-batches), which is Keras's value on the whole batch when the added loss is a "
+        "mean over the batch's examples (divide a sum by the batch size)",
+        stacklevel=3,
+    )
 
 
 def _updates_state(layer: keras.layers.Layer, x: Any) -> bool:
