@@ -205,6 +205,7 @@ GRID = [
     pytest.param(name, schedule, m, id=f"{name}-{schedule}-M{m}")
     for name in MODELS
     for schedule, m in RUNS
+    if name != "tied_lm_s4" or schedule == "interleaved"  # S=4 R=2: the slowest to build
 ]
 
 

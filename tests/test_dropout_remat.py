@@ -56,7 +56,8 @@ def test_recomputation_draws_the_same_masks(schedule):
     weights = never.get_weights()
     x, y = ref.batch(BATCH, seed=3)
     want = never.gradients(x, y)
-    for remat in ("always", "except_last"):
+    # except_last mixes both paths in one step; "always" recomputes every micro-batch.
+    for remat in ("always", "except_last") if schedule == "1f1b" else ("always",):
         pipe = make(schedule, remat)
         pipe.set_weights(weights)
         for got, expected in zip(pipe.gradients(x, y), want, strict=True):
