@@ -283,15 +283,20 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     )
 
 
-def test_tied_variable_is_one_variable_held_by_two_stages():
-    template = build(tied_lm_model, seed=0)
-    pipe = hybrid.Pipeline(
+def sgd_pipeline(template):
+    """``template`` on a 2×1 mesh with plain SGD, without XLA."""
+    return hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(2, 1),
         loss=loss(),
         optimizer=keras.optimizers.SGD(0.1),
         jit_compile=False,
     )
+
+
+def test_tied_variable_is_one_variable_held_by_two_stages():
+    template = build(tied_lm_model, seed=0)
+    pipe = sgd_pipeline(template)
     x, y = tokens_batch(0)
     pipe.train_step(x, y)
     embedding = template.layers[1].embeddings
@@ -312,13 +317,7 @@ def test_untied_copies_would_fail():
     keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
     template = build(tied_lm_model, seed=1)
     template.set_weights(keras_model.get_weights())
-    pipe = hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss(),
-        optimizer=keras.optimizers.SGD(0.1),
-        jit_compile=False,
-    )
+    pipe = sgd_pipeline(template)
     pipe.build((None, LENGTH), "int32")
     pipe._ties = []  # what a pipeline that forgot the tie would do
     x, y = tokens_batch(0)
@@ -331,13 +330,7 @@ def test_untied_copies_would_fail():
 def test_to_keras_writes_the_training_into_the_users_model(tmp_path):
     template = build(skip_model, seed=0)
     before = template.get_weights()
-    pipe = hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss(),
-        optimizer=keras.optimizers.SGD(0.1),
-        jit_compile=False,
-    )
+    pipe = sgd_pipeline(template)
     x, y = classes_batch(0)
     pipe.train_step(x, y)
     ref.assert_weights_close(template.get_weights(), before, rtol=0, atol=0)  # not yet

@@ -180,19 +180,26 @@ PRECISION_GRID = [
 ]
 
 
-def bfloat16_model(seed=0):
-    """The layers under the mixed_bfloat16 policy, with the usual float32 head."""
+def policy_model(policy, seed=0):
+    """The layers under dtype policy ``policy``, with the usual float32 head."""
     keras.utils.set_random_seed(seed)
-    half = "mixed_bfloat16"
     return keras.Sequential(
         [
             keras.Input((ref.IN_FEATURES,)),
-            keras.layers.Dense(16, activation="relu", dtype=half),
-            keras.layers.Dense(16, activation="tanh", dtype=half),
-            keras.layers.LayerNormalization(dtype=half),
+            keras.layers.Dense(16, activation="relu", dtype=policy),
+            keras.layers.Dense(16, activation="tanh", dtype=policy),
+            keras.layers.LayerNormalization(dtype=policy),
             keras.layers.Dense(ref.CLASSES, dtype="float32"),
         ]
     )
+
+
+def bfloat16_model(seed=0):
+    return policy_model("mixed_bfloat16", seed)
+
+
+def float16_model(seed=0):
+    return policy_model("mixed_float16", seed)
 
 
 def assert_within_update(actual, expected, initial, fraction):
@@ -239,21 +246,6 @@ def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
     for row in pipe.stages[1:]:  # activations cross the cuts in bfloat16: half the bytes
         assert [spec.dtype for spec in row[0].input_specs] == ["bfloat16"]
     assert pipe.predict(x).dtype == keras_model.predict(x, verbose=0).dtype
-
-
-def float16_model(seed=0):
-    """The layers under the mixed_float16 policy, with the usual float32 head."""
-    keras.utils.set_random_seed(seed)
-    half = "mixed_float16"
-    return keras.Sequential(
-        [
-            keras.Input((ref.IN_FEATURES,)),
-            keras.layers.Dense(16, activation="relu", dtype=half),
-            keras.layers.Dense(16, activation="tanh", dtype=half),
-            keras.layers.LayerNormalization(dtype=half),
-            keras.layers.Dense(ref.CLASSES, dtype="float32"),
-        ]
-    )
 
 
 def scaled_sgd():
