@@ -4,7 +4,8 @@ What one checkpoint holds (``tf.train.Checkpoint`` object graph)::
 
     model/v0007                        model variable 7 (``model.weights[7]``), owner's copy
     optimizer/v0007/momentum           that variable's optimizer slot(s), by slot name
-    optimizer/iteration, learning_rate the optimizer's scalars (equal on every device)
+    optimizer/iteration, learning_rate the optimizer's scalars (equal on every device; under
+    optimizer/dynamic_scale, ...       a LossScaleOptimizer its scale, its inner's inner_*)
     meta/step, data_position, seed     optimizer steps taken, batches consumed, data seed
 
 Keys name model variables, never devices or stages: a checkpoint written on a 2×2 mesh
@@ -81,9 +82,9 @@ def _slots(stage: StageReplica, indices: list[int]) -> dict[tuple[int, str], Any
     found = {}
     optimizer = _optimizer(stage)
     for variable in optimizer.variables:
-        if _is_scalar(optimizer, variable):
-            continue
         matches = [p for p in prefixes if variable.name.startswith(p)]
+        if not matches and _is_scalar(variable):
+            continue
         if not matches:
             raise CheckpointError(
                 f"optimizer variable {variable.path!r} of stage {stage.index} belongs to no "
@@ -111,31 +112,41 @@ def _trackables(pipe: Pipeline, meta: dict[str, tf.Variable]) -> dict[str, Any]:
         for (i, slot), variable in _slots(row[0], indices[k]).items():
             if pipe.placement.holders[i][0][0] == k:
                 slots.setdefault(_variable_key(i), {})[slot] = variable.value
-    optimizer = _optimizer(pipe.stages[0][0])
-    slots["iteration"] = optimizer.iterations.value
-    for variable in optimizer.variables:
-        if variable.name == "learning_rate":
-            slots["learning_rate"] = variable.value
+    for path, variable in _scalars(pipe.stages[0][0]).items():
+        slots[path] = variable.value
     return {"model": model, "optimizer": slots, "meta": meta}
 
 
-def _is_scalar(optimizer: Any, variable: Any) -> bool:
-    """The optimizer's own scalars (step count, learning rate), not a per-weight slot."""
-    return variable is optimizer.iterations or variable.name == "learning_rate"
+def _is_scalar(variable: Any) -> bool:
+    return len(variable.shape) == 0
+
+
+def _scalars(stage: StageReplica) -> dict[str, Any]:
+    """The optimizer's own scalars (step count, learning rate, a LossScaleOptimizer's dynamic
+    scale and step counter): its variables of no model weight, by name (``inner_<name>`` for
+    a LossScaleOptimizer's inner optimizer; names, unlike paths, are equal on every copy)."""
+    optimizer = _optimizer(stage)
+    slots = {id(v) for v in _slots(stage, [0] * len(stage.variables)).values()}
+    inner = getattr(optimizer, "inner_optimizer", None)
+    nested = {id(v) for v in inner.variables} if inner is not None else set()
+    return {
+        ("inner_" if id(v) in nested else "") + v.name: v
+        for v in optimizer.variables
+        if id(v) not in slots and _is_scalar(v)
+    }
 
 
 def _copy_owners(pipe: Pipeline) -> None:
     """Every copy of a variable (other replicas, other stages of a tied one) and its slots
     take the owner's replica-0 values; every optimizer takes stage 0's scalars."""
-    first = _optimizer(pipe.stages[0][0])
-    scalars = {v.name: v for v in first.variables if _is_scalar(first, v)}
+    scalars = _scalars(pipe.stages[0][0])
     indices = _global_indices(pipe)
     slots = [[_slots(copy, indices[k]) for copy in row] for k, row in enumerate(pipe.stages)]
     for row in pipe.stages:
         for copy in row:
-            for variable in _optimizer(copy).variables:
-                if _is_scalar(copy.optimizer, variable) and variable is not scalars[variable.name]:
-                    variable.assign(scalars[variable.name])
+            for path, variable in _scalars(copy).items():
+                if variable is not scalars[path]:
+                    variable.assign(scalars[path])
     for i, ((k0, j0), *_) in enumerate(pipe.placement.holders):
         source = pipe.stages[k0][0].variables[j0]
         source_slots = {s: v for (n, s), v in slots[k0][0].items() if n == i}

@@ -92,6 +92,45 @@ def test_restored_training_matches_the_single_device_reference(tmp_path):
     reference.assert_weights_close(other.get_weights(), ref.model.get_weights())
 
 
+def scaled_pipeline(stages, replicas):
+    """A mixed_float16 model under a LossScaleOptimizer whose scale doubles every 2 steps."""
+    keras.utils.set_random_seed(0)
+    layers = [
+        keras.layers.Dense(16, activation="relu", dtype="mixed_float16"),
+        keras.layers.Dense(16, activation="tanh", dtype="mixed_float16"),
+        keras.layers.Dense(reference.CLASSES, dtype="float32"),
+    ]
+    inner = keras.optimizers.Adam(0.01)
+    return reference.pipeline(
+        stages,
+        replicas,
+        layers=layers,
+        optimizer=keras.optimizers.LossScaleOptimizer(inner, 2.0**4, dynamic_growth_steps=2),
+        micro_batches=2,
+        jit_compile=False,
+        build=True,
+    )
+
+
+def test_the_loss_scale_is_saved_and_restored(tmp_path):
+    """A LossScaleOptimizer's dynamic scale and step counter (and its inner optimizer's
+    state) are in the checkpoint: the restored run continues exactly."""
+    first = scaled_pipeline(2, 1)
+    train(first, batches(0, 3))
+    Checkpointer(first, str(tmp_path)).save(step=3)
+    expected_losses = train(first, batches(3, 2))
+    other = scaled_pipeline(1, 2)
+    Checkpointer(other, str(tmp_path)).restore_latest()
+    for copy in other.stages[0]:
+        optimizer = copy.optimizer
+        assert float(optimizer.dynamic_scale.numpy()) == 2.0**5  # doubled once in 3 steps
+        assert int(optimizer.step_counter.numpy()) == 1
+        assert int(optimizer.iterations.numpy()) == 3
+    # float16 micro-batches of another size round differently: equal to float16 round-off
+    np.testing.assert_allclose(train(other, batches(3, 2)), expected_losses, rtol=2**-10)
+    reference.assert_weights_close(other.get_weights(), first.get_weights(), rtol=1e-3)
+
+
 def test_keeps_the_newest_checkpoints(tmp_path):
     pipe = pipeline(2, 1)
     saver = Checkpointer(pipe, str(tmp_path), keep=2)

@@ -10,6 +10,7 @@ EMA copies, the iteration count). Each recipe runs on an all-pairs grid of meshe
 Recipes:
   sum / sum_over_batch_size / mean_with_sample_weight   loss reductions with sample weights
                                                         (zero weights included)
+  none                   reduction None: the gradient of the values' sum, their mean reported
   global_clipnorm        Adam clipped by the norm over every stage's gradients
   weight_decay           AdamW with exclude_from_weight_decay (variables and names)
   clipnorm_ema           SGD with clipnorm per variable, and use_ema
@@ -19,7 +20,8 @@ Recipes:
                          penalty (Keras divides it by the batch size) weighted 1 / (R·M)
   accumulation           SGD with gradient_accumulation_steps=2 (applied every other step)
 The mixed_bfloat16 and mixed_float16 policies are compared to their round-off (their own
-tests below; mixed_float16 with one dynamic loss scale, overflow step included).
+tests below; mixed_float16 with one dynamic loss scale, overflow step included, an activity
+regularizer and global_clipnorm on the LossScaleOptimizer's inner optimizer).
 What the pipeline cannot honour yet is refused when it is built (see the end of this file).
 """
 
@@ -70,6 +72,7 @@ def model(seed=0, recipe=None):
 
 def loss_for(recipe):
     reduction = recipe if recipe in ("sum", "mean_with_sample_weight") else "sum_over_batch_size"
+    reduction = None if recipe == "none" else reduction
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
@@ -98,6 +101,7 @@ def sample_weights(step):
 
 
 RECIPES = [
+    "none",
     "sum",
     "sum_over_batch_size",
     "mean_with_sample_weight",
@@ -144,7 +148,7 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule)
         schedule=schedule,
         jit_compile=False,
     )
-    weighted = recipe in ("sum", "sum_over_batch_size", "mean_with_sample_weight")
+    weighted = recipe in ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
     for step in range(STEPS):
         x, y = ref.batch(BATCH, seed=step + 1)
         w = sample_weights(step) if weighted else None
@@ -180,7 +184,7 @@ PRECISION_GRID = [
 ]
 
 
-def policy_model(policy, seed=0):
+def policy_model(policy, seed=0, activity=None):
     """The layers under dtype policy ``policy``, with the usual float32 head."""
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
@@ -189,7 +193,8 @@ def policy_model(policy, seed=0):
             keras.layers.Dense(16, activation="relu", dtype=policy),
             keras.layers.Dense(16, activation="tanh", dtype=policy),
             keras.layers.LayerNormalization(dtype=policy),
-            keras.layers.Dense(ref.CLASSES, dtype="float32"),
+            # (Keras fails adding a float16 activity penalty to the float32 loss)
+            keras.layers.Dense(ref.CLASSES, dtype="float32", activity_regularizer=activity),
         ]
     )
 
@@ -199,7 +204,7 @@ def bfloat16_model(seed=0):
 
 
 def float16_model(seed=0):
-    return policy_model("mixed_float16", seed)
+    return policy_model("mixed_float16", seed, activity=keras.regularizers.L2(0.05))
 
 
 def assert_within_update(actual, expected, initial, fraction):
@@ -249,8 +254,9 @@ def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
 
 
 def scaled_sgd():
-    """SGD under a dynamic loss scale that doubles after 2 finite steps."""
-    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    """SGD clipped by the global norm, under a dynamic loss scale that doubles after 2 finite
+    steps."""
+    inner = keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.5)
     return keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**6, dynamic_growth_steps=2)
 
 
@@ -268,8 +274,10 @@ def loss_scale_state(optimizer):
 def test_mixed_float16_has_one_loss_scale_as_keras_does(stages, replicas, micro_batches, schedule):
     """One dynamic scale for the whole model: the loss is scaled by it, a non-finite
     gradient on any stage skips the step on every stage and halves the scale everywhere, and
-    finite steps double it, step for step as Keras's LossScaleOptimizer does. float16 keeps 11
-    bits: losses within 2^-10, weights within 1 % of Keras's update."""
+    finite steps double it, step for step as Keras's LossScaleOptimizer does; the activity
+    penalty's gradient carries the scale too, and the inner optimizer clips by the norm of the
+    unscaled gradients. float16 keeps 11 bits: losses within 2^-10, weights within 1 % of
+    Keras's update."""
     keras_model = float16_model()
     keras_model.compile(optimizer=scaled_sgd(), loss=loss_for(None))
     initial = keras_model.get_weights()
@@ -421,14 +429,34 @@ def test_layers_the_pipeline_cannot_honour_yet_are_refused(make, match):
         build(make())
 
 
-def test_optimizers_and_losses_the_pipeline_cannot_honour_yet_are_refused():
-    clipped = keras.optimizers.SGD(0.1, global_clipnorm=1.0)
-    scaled = keras.optimizers.LossScaleOptimizer(clipped)
-    with pytest.raises(NotImplementedError, match="global_clipnorm on the inner optimizer"):
-        build(layers(), optimizer=scaled)
+class ScaledSGD(keras.optimizers.SGD):
+    """A subclass whose ``factor`` is left out of its config."""
+
+    def __init__(self, factor=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+
+class RootMeanSquare(keras.losses.MeanSquaredError):
+    """A reduction of its own: the square root of Keras's mean."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return keras.ops.sqrt(super().__call__(y_true, y_pred, sample_weight))
+
+
+def test_optimizers_and_losses_the_pipeline_cannot_honour_are_refused():
+    with pytest.raises(ValueError, match=r"ScaledSGD.*'factor': \(3.0, 1.0\).*factory"):
+        build(layers(), optimizer=ScaledSGD(3.0, learning_rate=0.1))
+    build(layers(), optimizer=lambda: ScaledSGD(3.0, learning_rate=0.1))  # a factory is fine
+    with pytest.raises(ValueError, match="RootMeanSquare.*overrides __call__"):
+        build(layers(), loss=RootMeanSquare())
     none = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    with pytest.raises(ValueError, match="reduction=None"):
-        build(layers(), loss=none)
+    with pytest.raises(ValueError, match=r"reduction None and \['dense_\d+/kernel'"):
+        build(layers(regularized=True), loss=none)
+    inputs = keras.Input((ref.IN_FEATURES,))
+    two = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(3)(inputs)])
+    with pytest.raises(ValueError, match="reduction None on a model with 2 outputs"):
+        hybrid.Pipeline(two, hybrid.DeviceMesh.create(1, 1), [none, "mse"], "sgd")
 
 
 if __name__ == "__main__":

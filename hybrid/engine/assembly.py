@@ -22,6 +22,7 @@ from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
 from hybrid.engine import batch_norm, keras_private, layer_costs
 from hybrid.engine.graph import Graph, Segment
+from hybrid.engine.losses import per_element
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerCopies, adds_loss, check_layer, warn_added_losses
@@ -123,6 +124,21 @@ def _masked(graph: Graph, values: dict[int, Any]) -> frozenset[int]:
     return masked
 
 
+def _refuse_per_element_with_penalties(loss: Objective, copies: Sequence[StageReplica]) -> None:
+    """Keras cannot add a scalar penalty to a reduction-None loss's per-element values (it
+    fails stacking them), so neither does the pipeline."""
+    if not any(per_element(one) for one in loss.losses):
+        return
+    layers = [layer.name for copy in copies for layer in copy.regularized]
+    layers += [v.path for copy in copies for v in copy.variables if getattr(v, "regularizer", None)]
+    if layers:
+        raise ValueError(
+            f"the loss has reduction None and {layers} add regularization losses; Keras cannot "
+            "add a scalar penalty to per-element loss values (it fails stacking them): use a "
+            "reduction over the batch (e.g. 'sum') or drop the regularizers"
+        )
+
+
 def place(
     layout: Layout,
     schedule: Schedule,
@@ -155,12 +171,6 @@ def place(
         for copy in row:
             copy.owned = layout.placement.owned(k)
             copy.activity_scale = 1.0 / (mesh.num_replicas * schedule.num_microbatches)
-            if copy.regularized and optimizers.loss_scaling:
-                raise NotImplementedError(
-                    f"layers {[layer.name for layer in copy.regularized]} have activity "
-                    "regularizers and the optimizer scales the loss (LossScaleOptimizer, "
-                    "mixed_float16); the pipeline does not combine the two yet"
-                )
             if copy.regularized and loss.late:
                 raise NotImplementedError(
                     f"layers {[layer.name for layer in copy.regularized]} have activity "
@@ -168,6 +178,7 @@ def place(
                     "combine the two yet: drop the activity regularizer or the mask"
                 )
         stages.append(row)
+    _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
     norms = [layer for row in stages for layer, _ in row[0].norms]
     added = [layer for row in stages for layer in row[0].regularized if adds_loss(layer)]
     parts = mesh.num_replicas * schedule.num_microbatches

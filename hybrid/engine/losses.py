@@ -7,6 +7,8 @@ Keras reduces a loss over the whole batch (``keras.losses.Loss.__call__``)::
     "sum":                     total = sum(values)
     "sum_over_batch_size":     total = sum(values) / size(values)
     "mean_with_sample_weight": total = sum(values) / sum(sample_weight)   (size without weights)
+    None / "none":             values, whose gradient in ``train_step`` is that of their sum
+                               and whose reported loss is their mean (Keras's loss tracker)
 
 Each reduction is ``numerator / denominator`` with both sums over the batch, so a pipeline
 computes ``(numerator, denominator)`` of every micro-batch on the last stage, adds them up over
@@ -24,11 +26,18 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private
 
-__all__ = ["REDUCTIONS", "LossLike", "as_keras_loss", "divisor", "loss_terms"]
+__all__ = ["REDUCTIONS", "LossLike", "as_keras_loss", "divisor", "loss_terms", "per_element"]
 
 LossLike: TypeAlias = keras.losses.Loss | str | Callable[[Any, Any], Any]
-# Reductions whose value is a sum divided by a count that adds up over micro-batches.
-REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
+# Reductions whose value is a sum divided by a count that adds up over micro-batches, and
+# the per-element values of reduction None (summed for the gradient, as Keras does).
+REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight", None, "none")
+
+
+def per_element(loss: keras.losses.Loss) -> bool:
+    """The loss returns per-element values (reduction None): Keras's ``train_step`` takes
+    the gradient of their sum and reports their mean."""
+    return loss.reduction in (None, "none")
 
 
 def as_keras_loss(loss: LossLike) -> keras.losses.Loss:
@@ -40,7 +49,8 @@ def as_keras_loss(loss: LossLike) -> keras.losses.Loss:
 
     Raises:
       TypeError: ``loss`` is none of these.
-      ValueError: a reduction that does not sum over the batch (``None``/``"none"``).
+      ValueError: a Loss subclass that overrides ``__call__`` (a reduction of its own,
+        which cannot be split over micro-batches).
     """
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
@@ -51,11 +61,17 @@ def as_keras_loss(loss: LossLike) -> keras.losses.Loss:
                 f"{type(loss).__name__}"
             )
         loss = keras_private.loss_function(loss)
-    if loss.reduction not in REDUCTIONS:
+    if type(loss).__call__ is not keras.losses.Loss.__call__:
         raise ValueError(
-            f"loss {loss.name!r} has reduction={loss.reduction!r}; a pipeline needs a loss that "
-            f"reduces over the batch, one of {list(REDUCTIONS)} (reduce per-example values "
-            "inside the loss's call() and use reduction='sum' for a custom reduction)"
+            f"loss {loss.name!r} ({type(loss).__name__}) overrides __call__, a reduction of "
+            "its own that the pipeline cannot split over micro-batches and replicas; compute "
+            "per-element values in call() and choose a Keras reduction (reduction='sum' for "
+            "a total you scale yourself, or one of "
+            f"{[r for r in REDUCTIONS if r is not None]})"
+        )
+    if loss.reduction not in REDUCTIONS:  # Keras validates it; a subclass may not
+        raise ValueError(
+            f"loss {loss.name!r} has reduction={loss.reduction!r}; use one of {list(REDUCTIONS)}"
         )
     return loss
 
@@ -67,9 +83,10 @@ def loss_terms(
 
     ``loss(y_true, y_pred, sample_weight)`` on the whole batch equals
     ``divide_no_nan(sum of numerators, sum of denominators)`` over its micro-batches, except
-    for ``"sum"``, whose divisor is 1 (:func:`divisor`). A mask on ``y_pred`` (a layer's
+    for ``"sum"`` and None, whose divisor is 1 (:func:`divisor`; None's denominator is the
+    number of values, what its reported mean divides by). A mask on ``y_pred`` (a layer's
     ``compute_mask``) weighs the masked-out elements 0, and the mean is over the unmasked
-    ones, as Keras's ``apply_mask`` defines it.
+    ones, as Keras's ``apply_mask`` defines it (None: over every value).
     """
     mask = keras_private.output_mask(y_pred)
     y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
@@ -87,7 +104,7 @@ def loss_terms(
     numerator = tf.reduce_sum(values)
     if loss.reduction == "mean_with_sample_weight" and weights is not None:
         denominator = tf.reduce_sum(weights)
-    elif mask is not None:  # the unmasked elements
+    elif mask is not None and not per_element(loss):  # the unmasked elements
         denominator = tf.reduce_sum(tf.cast(mask, values.dtype))
     else:
         denominator = tf.cast(tf.size(values), values.dtype)
@@ -95,8 +112,8 @@ def loss_terms(
 
 
 def divisor(loss: keras.losses.Loss, denominators: tf.Tensor) -> tf.Tensor:
-    """What the summed numerators are divided by: 1 for ``"sum"``, else the summed
+    """What the summed numerators are divided by: 1 for ``"sum"`` and None, else the summed
     denominators."""
-    if loss.reduction == "sum":
+    if loss.reduction == "sum" or per_element(loss):
         return tf.ones_like(denominators)
     return denominators

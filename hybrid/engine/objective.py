@@ -5,7 +5,7 @@ them with the ``loss_weights``::
 
     loss = sum over outputs i of  w_i · numerator_i / divisor_i
     numerator_i, denominator_i = sums over the global batch of each micro-batch's terms
-    divisor_i = denominator_i  (1 for reduction "sum")         (hybrid.engine.losses)
+    divisor_i = denominator_i  (1 for reductions "sum" and None) (hybrid.engine.losses)
 
 A divisor depends only on the labels, the sample weights and the shape of the output (never
 on the predicted values), so the step computes the divisors first, from the labels and zero
@@ -27,7 +27,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hybrid.engine.losses import as_keras_loss, divisor, loss_terms
+from hybrid.engine.losses import as_keras_loss, divisor, loss_terms, per_element
 
 __all__ = ["Objective"]
 
@@ -75,6 +75,13 @@ class Objective:
           ValueError: a list or dict of losses or weights that does not match the outputs.
         """
         losses = tuple(as_keras_loss(one) for one in _per_output(loss, names, count, "loss"))
+        if count > 1 and any(per_element(one) for one in losses):
+            raise ValueError(
+                f"losses {[one.name for one in losses if per_element(one)]} have reduction "
+                f"None on a model with {count} outputs; Keras adds the outputs' per-element "
+                "values together, which needs them in one shape: give every output a loss "
+                "that reduces over the batch (e.g. 'sum')"
+            )
         weights = _per_output(
             1.0 if loss_weights is None else loss_weights, names, count, "loss_weights"
         )
@@ -92,7 +99,8 @@ class Objective:
                 f"{len(masked)} carry masks; a masked loss is supported on a model with one "
                 "output (its divisor counts the unmasked elements, known after the forward)"
             )
-        return dataclasses.replace(self, shapes=tuple(tuple(s) for s in shapes), late=any(masked))
+        late = any(m and not per_element(loss) for m, loss in zip(masked, self.losses, strict=True))
+        return dataclasses.replace(self, shapes=tuple(tuple(s) for s in shapes), late=late)
 
     def terms(self, y_true: Sequence[Any], y_pred: Sequence[Any], weights: Any) -> tf.Tensor:
         """``[[numerator_i, denominator_i]]`` of one micro-batch, one row per output."""
@@ -130,6 +138,10 @@ class Objective:
         return tf.math.divide_no_nan(1.0, divisors[0]) if self.late else None
 
     def value(self, terms: tf.Tensor, divisors: tf.Tensor) -> tf.Tensor:
-        """The loss from the summed ``terms`` of the global batch and its divisors."""
+        """The loss from the summed ``terms`` of the global batch and its divisors (what
+        Keras reports: the mean of a reduction-None loss's values, whose gradient is that of
+        their sum)."""
+        means = tf.constant([per_element(loss) for loss in self.losses])
+        divisors = tf.where(means, terms[:, 1], divisors)
         scale = tf.math.divide_no_nan(tf.constant(self.weights, tf.float32), divisors)
         return tf.reduce_sum(scale * terms[:, 0])

@@ -48,7 +48,8 @@ def whole_model(
         if loss_scaling:
             replica = nan_unless_finite(replica, copies)
         if clip_norm:
-            replica = clip_by_global_norm(replica, copies, clip_norm)
+            scale = loss_scale(copies[0]) if loss_scaling else None
+            replica = clip_by_global_norm(replica, copies, clip_norm, scale)
         for k, stage_grads in enumerate(replica):
             grads[k][r] = stage_grads
 
@@ -148,12 +149,17 @@ def stage_gradients(
 
 
 def clip_by_global_norm(
-    grads: Sequence[Sequence[tf.Tensor]], copies: Sequence[StageReplica], clip_norm: float
+    grads: Sequence[Sequence[tf.Tensor]],
+    copies: Sequence[StageReplica],
+    clip_norm: float,
+    loss_scale: tf.Tensor | None = None,
 ) -> list[list[tf.Tensor]]:
     """``grads[k]`` (the gradients of stage copy ``copies[k]``) scaled as Keras's
     ``global_clipnorm`` scales a model's gradients: by ``clip · min(1/norm, 1/clip)`` with the
     norm over every model variable (a tied one counted once, by its owner), NaN when the norm
-    is not finite (so the update is too)."""
+    is not finite (so the update is too). Gradients that carry a dynamic ``loss_scale`` are
+    scaled by the factor of their unscaled norm, as the inner optimizer of a
+    LossScaleOptimizer clips after unscaling."""
     devices = [copy.device for copy in copies]
     squares = []
     for stage_grads, copy in zip(grads, copies, strict=True):
@@ -162,6 +168,8 @@ def clip_by_global_norm(
             squares += [tf.add_n([tf.reduce_sum(tf.square(g)) for g in owned])] if owned else []
     with tf.device(devices[0]):
         norm = tf.sqrt(tf.add_n(squares))
+        if loss_scale is not None:
+            norm = norm / loss_scale
         scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
     clipped = []
     for stage_grads, device in zip(grads, devices, strict=True):

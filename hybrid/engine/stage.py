@@ -228,7 +228,12 @@ class StageReplica:
         return out[:n], out[n : n + a], out[n + a :]
 
     def _activity_seed(self, activity: Tensors) -> list[tf.Tensor | None]:
-        return [tf.constant(self.activity_scale)] * len(activity)
+        """``d loss / d penalty``: its weight in the loss, times the dynamic loss scale the
+        data gradients carry under a LossScaleOptimizer."""
+        scale = tf.constant(self.activity_scale)
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            scale = scale * tf.convert_to_tensor(self.optimizer.dynamic_scale)
+        return [scale] * len(activity)
 
     def _forward_and_backward(
         self,

@@ -77,6 +77,37 @@ def _inner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     return optimizer
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's attributes that are plain values (hyper-parameters, flags), its inner
+    optimizer's under ``inner.``."""
+    found = {
+        name: value
+        for name, value in vars(optimizer).items()
+        if isinstance(value, _PLAIN) and name != "built"
+    }
+    inner = vars(optimizer).get("inner_optimizer")
+    if isinstance(inner, keras.optimizers.Optimizer):
+        found.update({f"inner.{k}": v for k, v in _settings(inner).items()})
+    return found
+
+
+def _check_copy(optimizer: keras.optimizers.Optimizer, made: keras.optimizers.Optimizer) -> None:
+    """Refuses an optimizer whose copies (``from_config(get_config())``) would differ from
+    it: a subclass holding a setting its ``get_config`` leaves out."""
+    given, copied = _settings(optimizer), _settings(made)
+    differ = {k: (v, copied.get(k)) for k, v in given.items() if copied.get(k, v) != v}
+    if differ or type(made) is not type(optimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__}.from_config(get_config()) does not reproduce the "
+            f"optimizer (attribute: (given, copy) = {differ}); every stage device needs its "
+            "own copy: return those settings from get_config(), or pass a zero-argument "
+            "factory that builds the optimizer"
+        )
+
+
 def optimizer_copies(optimizer: OptimizerLike, scale_loss: bool = False) -> OptimizerCopies:
     """The copies of ``optimizer``: an instance (used as the template), a name (as
     ``compile`` takes it) or a factory.
@@ -87,7 +118,8 @@ def optimizer_copies(optimizer: OptimizerLike, scale_loss: bool = False) -> Opti
 
     Raises:
       TypeError: neither an optimizer nor a zero-argument factory.
-      NotImplementedError: ``global_clipnorm`` on a LossScaleOptimizer's inner optimizer.
+      ValueError: an optimizer whose copies differ from it (a subclass that keeps
+        settings outside ``get_config``).
     """
     if isinstance(optimizer, str):  # a name, as compile takes it: "adam", "sgd", ...
         optimizer = keras.optimizers.get(optimizer)
@@ -101,6 +133,8 @@ def optimizer_copies(optimizer: OptimizerLike, scale_loss: bool = False) -> Opti
         def make() -> keras.optimizers.Optimizer:
             return cls.from_config(copy.deepcopy(config))  # from_config may consume it
 
+        _check_copy(optimizer, make())
+
     elif callable(optimizer):
         probe, source, make = optimizer(), None, optimizer
     else:
@@ -109,12 +143,6 @@ def optimizer_copies(optimizer: OptimizerLike, scale_loss: bool = False) -> Opti
             f"factory, got {type(optimizer).__name__}"
         )
     scaling = isinstance(probe, keras.optimizers.LossScaleOptimizer)
-    if scaling and _inner(probe).global_clipnorm:
-        raise NotImplementedError(
-            "global_clipnorm on the inner optimizer of a LossScaleOptimizer is not supported "
-            "by the pipeline yet (the norm must be taken after unscaling, over every stage); "
-            "use clipnorm per variable, or train without loss scaling (mixed_bfloat16)"
-        )
     return OptimizerCopies(make, source, _inner(probe).global_clipnorm, scaling)
 
 
