@@ -25,15 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 
+from hybrid.engine.graph import graph_of
 from hybrid.engine.pipeline import Pipeline
 from hybrid.engine.stage import StageReplica
 
-__all__ = ["CheckpointError", "Checkpointer", "Restored"]
+__all__ = ["CheckpointError", "Checkpointer", "Restored", "to_keras"]
+
+# The checkpoint key of a model variable's value.
+_MODEL_KEY = r"model/v\d+/\.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class CheckpointError(RuntimeError):
@@ -283,3 +289,34 @@ def latest_step(directory: str) -> int | None:
     """The step of the newest checkpoint in ``directory`` (None when there is none)."""
     path = tf.train.latest_checkpoint(directory) if os.path.isdir(directory) else None
     return int(path.rsplit("-", 1)[1]) if path else None
+
+
+def to_keras(directory: str, model: keras.Model, save_to: str | None = None) -> keras.Model:
+    """The model weights of the latest checkpoint in ``directory`` (or of the checkpoint
+    ``directory`` names) written into ``model``, a built Keras model of the same
+    architecture; no mesh or pipeline is needed. Saved as a ``.keras`` file when
+    ``save_to`` is given.
+
+    Raises:
+      CheckpointError: the checkpoint holds another number or shape of variables.
+    """
+    path = tf.train.latest_checkpoint(directory) or directory
+    reader = tf.train.load_checkpoint(path)
+    variables = graph_of(model).variables()
+    stored = [k for k in reader.get_variable_to_shape_map() if re.fullmatch(_MODEL_KEY, k)]
+    if len(stored) != len(variables):
+        raise CheckpointError(
+            f"{path} holds a model of {len(stored)} variables, the model given has "
+            f"{len(variables)}; build the model the checkpoint was written from"
+        )
+    for i, variable in enumerate(variables):
+        value = reader.get_tensor(f"model/{_variable_key(i)}/.ATTRIBUTES/VARIABLE_VALUE")
+        if tuple(value.shape) != tuple(variable.shape):
+            raise CheckpointError(
+                f"variable {i} ({variable.path}) has shape {tuple(variable.shape)} in the "
+                f"model and {tuple(value.shape)} in {path}"
+            )
+        variable.assign(value)
+    if save_to is not None:
+        model.save(save_to)
+    return model

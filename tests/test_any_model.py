@@ -267,11 +267,11 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
         ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights())
     x, y = batch(9)
     np.testing.assert_allclose(
-        pipe.evaluate(x, y)["loss"],
+        pipe.evaluate(x, y, verbose=0),
         keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)["loss"],
         rtol=1e-5,
     )
-    got, want = pipe.predict(x), keras_model.predict(x, verbose=0)
+    got, want = pipe.predict(x, verbose=0), keras_model.predict(x, verbose=0)
     if isinstance(want, dict):
         assert sorted(got) == sorted(want)
         got, want = [got[k] for k in sorted(got)], [want[k] for k in sorted(want)]
@@ -337,10 +337,10 @@ def test_to_keras_writes_the_training_into_the_users_model(tmp_path):
     model = pipe.to_keras()
     assert model is template
     ref.assert_weights_close(model.get_weights(), pipe.get_weights(), rtol=0, atol=0)
-    np.testing.assert_allclose(model.predict(x, verbose=0), pipe.predict(x), atol=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0), pipe.predict(x, verbose=0), atol=1e-5)
     model.save(tmp_path / "trained.keras")
     loaded = keras.saving.load_model(tmp_path / "trained.keras")
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), pipe.predict(x), atol=1e-5)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), pipe.predict(x, verbose=0), atol=1e-5)
     layers = ref.mlp_layers()  # a list of layers comes back as a Sequential of them
     listed = hybrid.Pipeline(
         layers, mesh=hybrid.DeviceMesh.create(2, 1), loss=loss(), optimizer="sgd"
@@ -348,7 +348,9 @@ def test_to_keras_writes_the_training_into_the_users_model(tmp_path):
     listed.train_step(x, y)
     sequential = listed.to_keras()
     assert isinstance(sequential, keras.Sequential) and sequential.layers == layers
-    np.testing.assert_allclose(sequential.predict(x, verbose=0), listed.predict(x), atol=1e-5)
+    np.testing.assert_allclose(
+        sequential.predict(x, verbose=0), listed.predict(x, verbose=0), atol=1e-5
+    )
 
 
 def test_layers_of_a_model_with_merges_are_refused():

@@ -6,7 +6,10 @@ replica's micro-batches.
 A model with several inputs takes them as the structure it was built with (a dict by name,
 a list); the engine handles them flat, in ``keras.tree.flatten`` order (``model.inputs``).
 
-Labels travel with their sample weights as ``(y, sample_weight)`` pairs to the last stage.
+Labels travel with their sample weights as ``(y, sample_weight, valid)`` to the last stage.
+A batch that does not split into R·M equal parts (the last batch of a dataset) is padded with
+zero examples, and ``valid`` (1 per real example, 0 per padding one) keeps the padding out of
+the loss, its gradient and the metrics: the step is that of the real examples alone.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from hybrid.engine.graph import Graph
 from hybrid.engine.stage import TensorSpec
 
 __all__ = [
+    "examples",
     "flat",
     "flat_batch",
     "input_specs",
+    "joined",
     "labels",
+    "pad",
     "prepare",
     "split",
     "split_inputs",
@@ -98,6 +104,58 @@ def flat(
     return [tf.convert_to_tensor(p) for p in parts]
 
 
+def pad(
+    config: RunConfig,
+    xs: list[tf.Tensor],
+    ys: list[tf.Tensor] | None,
+    ws: list[tf.Tensor] | None,
+    to: int | None = None,
+) -> tuple[list[tf.Tensor], list[tf.Tensor] | None, list[tf.Tensor] | None, tf.Tensor | None]:
+    """The batch padded with zero examples to ``to`` examples (default: the next multiple
+    of R·M; a batch of that size is left as it is) and ``valid`` (None when not padded).
+
+    Raises:
+      ValueError: ``to`` is smaller than the batch or not a multiple of R·M.
+    """
+    n, parts = int(xs[0].shape[0]), config.replicas * config.micro_batches
+    target = to if to is not None else -(-n // parts) * parts
+    if target % parts or target < n:
+        raise ValueError(
+            f"cannot pad a batch of {n} examples to {target}: not a multiple of {parts}"
+        )
+    if target == n:
+        return xs, ys, ws, None
+
+    def padded(t: tf.Tensor) -> tf.Tensor:
+        t = tf.convert_to_tensor(t)
+        if t.shape.rank == 0 or int(t.shape[0]) != n:
+            return t  # the shape check in prepare() names it
+        return tf.concat([t, tf.zeros([target - n, *t.shape[1:]], t.dtype)], axis=0)
+
+    valid = tf.concat([tf.ones([n]), tf.zeros([target - n])], axis=0)
+    return (
+        [padded(x) for x in xs],
+        None if ys is None else [padded(y) for y in ys],
+        None if ws is None else [padded(w) for w in ws],
+        valid,
+    )
+
+
+def examples(xs: list[tf.Tensor], valid: tf.Tensor | None) -> tf.Tensor:
+    """How many real examples the (possibly padded) batch has."""
+    if valid is None:
+        return tf.shape(xs[0])[0]
+    return tf.cast(tf.reduce_sum(valid), tf.int32)
+
+
+def joined(parts: list[list[tf.Tensor]]) -> list[tf.Tensor] | None:
+    """Each output's pieces (``parts[i]``: piece i, one tensor per output, in example
+    order) concatenated into the batch's; None when the pieces carry no outputs."""
+    if not parts or not parts[0]:
+        return None
+    return [tf.concat(list(pieces), axis=0) for pieces in zip(*parts, strict=True)]
+
+
 def prepare(
     config: RunConfig,
     xs: list[tf.Tensor],
@@ -144,12 +202,24 @@ def split_inputs(config: RunConfig, xs: list[tf.Tensor]) -> list[list[list[tf.Te
 
 
 def labels(
-    config: RunConfig, ys: list[tf.Tensor], weights: list[tf.Tensor] | None
-) -> list[list[tuple[list[tf.Tensor], list[tf.Tensor] | None]]]:
-    """``labels[r][m]``: micro-batch m's (labels, sample weights or None) on replica r, each
-    a list with one tensor per model output."""
+    config: RunConfig,
+    ys: list[tf.Tensor],
+    weights: list[tf.Tensor] | None,
+    valid: tf.Tensor | None = None,
+) -> list[list[tuple[list[tf.Tensor], list[tf.Tensor] | None, tf.Tensor | None]]]:
+    """``labels[r][m]``: micro-batch m's (labels, sample weights or None, valid or None) on
+    replica r, labels and sample weights a list with one tensor per model output."""
     y_parts = split_inputs(config, ys)
-    if weights is None:
-        return [[(part, None) for part in row] for row in y_parts]
-    w_parts = split_inputs(config, weights)
-    return [list(zip(a, b, strict=True)) for a, b in zip(y_parts, w_parts, strict=True)]
+    w_parts = split_inputs(config, weights) if weights is not None else None
+    v_parts = split(config, valid) if valid is not None else None
+    return [
+        [
+            (
+                y_parts[r][m],
+                w_parts[r][m] if w_parts is not None else None,
+                v_parts[r][m] if v_parts is not None else None,
+            )
+            for m in range(config.micro_batches)
+        ]
+        for r in range(config.replicas)
+    ]

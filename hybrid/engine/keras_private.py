@@ -21,6 +21,15 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   excluded variables by identity and the name patterns as a regex in private attributes, which
   ``get_config`` does not carry; a copy of the optimizer for a stage's variables gets the
   same exclusions, mapped onto the stage's copies of the variables.
+- ``compile_metrics``: the object ``compile(metrics=..., weighted_metrics=...)`` makes
+  (``keras.src.trainers.compile_utils.CompileMetrics``): it resolves "accuracy" from the
+  shapes of labels and predictions, names each metric (with its output's name on a model
+  of several outputs) and updates them as ``fit`` does.
+- ``epoch_iterator`` / ``unpack_x_y_sample_weight`` / ``train_validation_split``: how
+  ``fit``, ``evaluate`` and ``predict`` batch their data (``keras.src.trainers``'
+  ``EpochIterator`` over a data adapter: arrays, dicts, ``tf.data``, generators,
+  ``PyDataset``; shuffling, ``steps_per_epoch``, ``class_weight``, the partial last batch),
+  yielding TensorFlow tensors as Keras's TensorFlow trainer does.
 """
 
 from __future__ import annotations
@@ -33,9 +42,21 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional, operation_fn
+from keras.src.trainers.compile_utils import CompileMetrics
+from keras.src.trainers.data_adapters.array_slicing import (
+    train_validation_split as _train_validation_split,
+)
+from keras.src.trainers.data_adapters.data_adapter_utils import (
+    unpack_x_y_sample_weight as _unpack,
+)
+from keras.src.trainers.epoch_iterator import EpochIterator
 
 __all__ = [
     "batch_norm_moments",
+    "compile_metrics",
+    "epoch_iterator",
+    "train_validation_split",
+    "unpack_x_y_sample_weight",
     "copy_weight_decay_exclusions",
     "functional_of",
     "input_structure",
@@ -119,3 +140,31 @@ def output_mask(tensor: Any) -> Any:
 def loss_function(fn: Callable[[Any, Any], Any]) -> keras.losses.Loss:
     """``fn(y_true, y_pred)`` (per-example values) as the Loss ``compile`` would use."""
     return LossFunctionWrapper(fn, reduction="sum_over_batch_size")
+
+
+def compile_metrics(metrics: Any, weighted_metrics: Any, output_names: Any) -> Any:
+    """What ``compile(metrics=metrics, weighted_metrics=weighted_metrics)`` makes of them
+    (built on the first labels and predictions it sees)."""
+    return CompileMetrics(metrics, weighted_metrics, output_names=output_names)
+
+
+class _TensorEpochIterator(EpochIterator):  # type: ignore[misc]
+    """Keras's epoch iterator yielding TensorFlow tensors (its TensorFlow trainer's)."""
+
+    def _get_iterator(self) -> Any:
+        return iter(self.data_adapter.get_tf_dataset())
+
+
+def epoch_iterator(**kwargs: Any) -> Any:
+    """Keras's iterator over one epoch's batches: ``(first step, last step, [batch])``."""
+    return _TensorEpochIterator(**kwargs)
+
+
+def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` of one batch as ``fit`` unpacks it."""
+    return tuple(_unpack(data))  # type: ignore[return-value]
+
+
+def train_validation_split(arrays: Any, validation_split: float) -> Any:
+    """``fit(validation_split=...)``'s split of arrays: the last fraction for validation."""
+    return _train_validation_split(arrays, validation_split=validation_split)

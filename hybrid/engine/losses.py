@@ -77,7 +77,11 @@ def as_keras_loss(loss: LossLike) -> keras.losses.Loss:
 
 
 def loss_terms(
-    loss: keras.losses.Loss, y_true: Any, y_pred: Any, sample_weight: Any = None
+    loss: keras.losses.Loss,
+    y_true: Any,
+    y_pred: Any,
+    sample_weight: Any = None,
+    valid: Any = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """``(numerator, denominator)`` of ``loss`` on one micro-batch, in float32.
 
@@ -86,29 +90,41 @@ def loss_terms(
     for ``"sum"`` and None, whose divisor is 1 (:func:`divisor`; None's denominator is the
     number of values, what its reported mean divides by). A mask on ``y_pred`` (a layer's
     ``compute_mask``) weighs the masked-out elements 0, and the mean is over the unmasked
-    ones, as Keras's ``apply_mask`` defines it (None: over every value).
+    ones, as Keras's ``apply_mask`` defines it (None: over every value). ``valid`` (1 per
+    real example, 0 per padding example of a partial batch) leaves the padding out of both
+    sums: the terms are those of the real examples alone.
     """
     mask = keras_private.output_mask(y_pred)
     y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
     y_true = keras.ops.convert_to_tensor(y_true, dtype=loss.dtype)
     values = keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
     weights = None if mask is None else tf.cast(mask, values.dtype)
-    if sample_weight is not None:
-        given = tf.cast(sample_weight, values.dtype)
-        if weights is not None:
-            weights, given = keras_private.same_rank(weights, given)
-        weights = given if weights is None else weights * given
+    weighted = mask is not None or sample_weight is not None
+    for given in (sample_weight, valid):
+        if given is not None:
+            given = tf.cast(given, values.dtype)
+            if weights is not None:
+                weights, given = keras_private.same_rank(weights, given)
+            weights = given if weights is None else weights * given
     if weights is not None:
         values, weights = keras_private.same_rank(values, weights)
         values = values * weights
     numerator = tf.reduce_sum(values)
-    if loss.reduction == "mean_with_sample_weight" and weights is not None:
+    if loss.reduction == "mean_with_sample_weight" and weighted:
         denominator = tf.reduce_sum(weights)
     elif mask is not None and not per_element(loss):  # the unmasked elements
-        denominator = tf.reduce_sum(tf.cast(mask, values.dtype))
+        denominator = _count(values, tf.cast(mask, values.dtype), valid)
     else:
-        denominator = tf.cast(tf.size(values), values.dtype)
+        denominator = _count(values, tf.ones_like(values), valid)
     return tf.cast(numerator, tf.float32), tf.cast(denominator, tf.float32)
+
+
+def _count(values: tf.Tensor, counted: tf.Tensor, valid: Any) -> tf.Tensor:
+    """How many elements of ``values`` are ``counted`` (1) among the real examples."""
+    if valid is None:
+        return tf.reduce_sum(counted)
+    counted, real = keras_private.same_rank(counted, tf.cast(valid, values.dtype))
+    return tf.reduce_sum(tf.broadcast_to(counted * real, tf.shape(values)))
 
 
 def divisor(loss: keras.losses.Loss, denominators: tf.Tensor) -> tf.Tensor:

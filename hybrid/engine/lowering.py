@@ -70,6 +70,8 @@ class ReplicaStep:
       stats: ``stats[k]``: model stage k's BatchNormalization statistics, one per forward.
       activity: every forward's activity-regularization penalty (unweighted).
       events: (device, action, start, end) timestamps when recording, else empty.
+      predictions: ``predictions[m]``: micro-batch m's model outputs (when the last stage
+        returns them, for metrics), else empty.
     """
 
     losses: list[tf.Tensor]
@@ -78,6 +80,7 @@ class ReplicaStep:
     events: list[tuple[int, Action, tf.Tensor, tf.Tensor]]
     stats: list[list[tf.Tensor]]
     activity: list[tf.Tensor]
+    predictions: dict[int, list[tf.Tensor]]
 
 
 Outputs = tuple[list[tf.Tensor], list[tf.Tensor]]  # (what the action computed, the chain tail)
@@ -101,7 +104,10 @@ class _TrainingLowering:
         self.split = schedule.splits_backward
         # The last stage outputs [numerator, denominator] of each output's loss; the
         # backward starts from d loss / d terms (``Objective.seed``).
-        self.loss_scale: list[tf.Tensor | None] = [loss_seed]
+        # The model's outputs after the terms (for metrics) get no gradient.
+        returned = len(stages[-1].segment.outputs) if stages[-1].predicts else 0
+        self.loss_scale: list[tf.Tensor | None] = [loss_seed] + [None] * returned
+        self.predictions: dict[int, list[tf.Tensor]] = {}
         self.grads: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.tails: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_stages)]
         self.losses: list[tf.Tensor] = []
@@ -136,6 +142,7 @@ class _TrainingLowering:
         self.activity += activity
         loss = out[0]
         self.losses.append(loss)
+        self.predictions[m] = out[1:]
         self.accumulate(k, dw)
         sent = self.pass_down(k, m, dx)
         return [loss] + sent + dw, [loss] + sent + self.grads[k]
@@ -155,6 +162,7 @@ class _TrainingLowering:
         self.activity += record.activity
         if self.stages[k].is_last:
             self.losses.append(record.output[0])
+            self.predictions[m] = record.output[1:]
         else:
             self.outputs[(k, m)] = record.output
         return list(record.output), list(record.output)
@@ -237,7 +245,13 @@ def lower_training(
             recorder.end(d, action, start, direct)
             state.tails[d] = list(done)
     return ReplicaStep(
-        state.losses, state.grads, state.tails, recorder.events, state.stats, state.activity
+        state.losses,
+        state.grads,
+        state.tails,
+        recorder.events,
+        state.stats,
+        state.activity,
+        state.predictions,
     )
 
 

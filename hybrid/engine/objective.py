@@ -102,19 +102,22 @@ class Objective:
         late = any(m and not per_element(loss) for m, loss in zip(masked, self.losses, strict=True))
         return dataclasses.replace(self, shapes=tuple(tuple(s) for s in shapes), late=late)
 
-    def terms(self, y_true: Sequence[Any], y_pred: Sequence[Any], weights: Any) -> tf.Tensor:
-        """``[[numerator_i, denominator_i]]`` of one micro-batch, one row per output."""
+    def terms(
+        self, y_true: Sequence[Any], y_pred: Sequence[Any], weights: Any, valid: Any = None
+    ) -> tf.Tensor:
+        """``[[numerator_i, denominator_i]]`` of one micro-batch, one row per output (of its
+        ``valid`` examples: the real ones of a padded batch)."""
         weights = [None] * len(self.losses) if weights is None else list(weights)
         parts = zip(self.losses, y_true, y_pred, weights, strict=True)
-        return tf.stack([tf.stack(loss_terms(loss, t, p, w)) for loss, t, p, w in parts])
+        return tf.stack([tf.stack(loss_terms(loss, t, p, w, valid)) for loss, t, p, w in parts])
 
-    def denominators(self, y_true: Sequence[Any], weights: Any) -> tf.Tensor:
+    def denominators(self, y_true: Sequence[Any], weights: Any, valid: Any = None) -> tf.Tensor:
         """Each output's denominator on one micro-batch, from its labels and weights alone."""
         preds = [
             tf.zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
             for t, shape in zip(y_true, self.shapes, strict=True)
         ]
-        return self.terms(y_true, preds, weights)[:, 1]
+        return self.terms(y_true, preds, weights, valid)[:, 1]
 
     def divisors(self, denominators: tf.Tensor) -> tf.Tensor:
         """What each output's summed numerator is divided by (:func:`losses.divisor`)."""

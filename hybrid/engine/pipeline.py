@@ -26,8 +26,9 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import keras
 import numpy as np
@@ -41,18 +42,21 @@ from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
 from hybrid.engine.losses import LossLike
+from hybrid.engine.metrics import StepMetrics
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerLike, optimizer_copies
 from hybrid.engine.timing import TimedAction
 from hybrid.engine.variables import Placement, sum_tied
+from hybrid.engine.workflow import Workflow
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
 
 Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
+Valid: TypeAlias = tf.Tensor | None  # 1 per real example, 0 per padding one (None: all real)
 
 
-class Pipeline:
+class Pipeline(Workflow):
     """A Keras model cut into ``mesh.num_stages`` stages and replicated on the mesh.
 
     Args:
@@ -79,6 +83,8 @@ class Pipeline:
       jit_compile: compile stage programs with XLA.
       loss_weights: each output's weight in the loss (a list, or dict by output name), as
         in ``compile``.
+      metrics, weighted_metrics: as ``compile`` takes them; ``fit``, ``evaluate`` and
+        ``train_step`` report them, computed on the global batch (``metrics.py``).
     """
 
     def __init__(
@@ -94,10 +100,12 @@ class Pipeline:
         jit_compile: bool = True,
         virtual_stages: int = 1,
         loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
     ) -> None:
-        self._graph = graph_of(model)
+        super().__init__()
+        self._graph = graph = graph_of(model)
         self.mesh = mesh
-        graph = self._graph
         self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
         policy = getattr(getattr(model, "dtype_policy", None), "name", None)
         self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")
@@ -132,8 +140,10 @@ class Pipeline:
         self._placement: Placement | None = None
         with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+            names = getattr(model, "output_names", None) if isinstance(model, keras.Model) else None
+            self._metrics = StepMetrics(metrics, weighted_metrics, names, graph.output_names)
         self._train = tf.function(self._train_step, autograph=False)
-        self._timed = tf.function(self._timed_step, autograph=False)
+        self._timed = tf.function(functools.partial(self._train_step, record=True), autograph=False)
         self._grads = tf.function(self._gradient_step, autograph=False)
         self._eval = tf.function(self._eval_step, autograph=False)
         self._predict = tf.function(self._predict_step, autograph=False)
@@ -204,18 +214,29 @@ class Pipeline:
             self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
         self._ties = layout.placement.ties()
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
+        if self._metrics.needs_predictions:
+            if any(masked):
+                raise NotImplementedError(
+                    "metrics on a masked output are not supported yet (the mask does not "
+                    "reach the metrics); compute them with evaluate() on to_keras()"
+                )
+            for copy in self._stages[-1]:
+                copy.predicts = True
 
     # -- public steps ----------------------------------------------------------------------
 
     def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, float]:
-        """One training step on the global batch; returns its loss, as Keras reduces it.
+        """One training step on the global batch (any number of examples), as
+        ``keras.Model.train_on_batch(x, y, sample_weight, return_dict=True)`` takes it: the
+        loss as Keras reduces it and the metrics, on this batch alone.
 
         Args:
           x, y: the global batch of inputs and labels.
-          sample_weight: per-example (or per-timestep) weights, as in
-            ``keras.Model.train_on_batch``; None weighs every example 1.
+          sample_weight: per-example (or per-timestep) weights; None weighs every example 1.
         """
-        return {"loss": float(self._train(*self._batch(x, y, sample_weight)))}
+        self._metrics.reset()
+        self._train(*self._batch(x, y, sample_weight))
+        return self._metrics.result()
 
     def timed_train_step(
         self, x: Any, y: Any, sample_weight: Any = None
@@ -224,10 +245,10 @@ class Pipeline:
         timestamps on its device once its previous action ended and its inputs are ready,
         and once its outputs are (seconds from the step's first start; on a busy host a
         timestamp can run late by one queued kernel)."""
-        loss, stamps = self._timed(*self._batch(x, y, sample_weight))
-        return {"loss": float(loss)}, timing.timeline(
-            self._event_keys, stamps, self.mesh.num_stages
-        )
+        self._metrics.reset()
+        stamps = self._timed(*self._batch(x, y, sample_weight))
+        logs = self._metrics.result()
+        return logs, timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
 
     def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
         """The gradients of the batch's loss, without updating anything.
@@ -238,22 +259,13 @@ class Pipeline:
         _, grads = self._grads(*self._batch(x, y, sample_weight))
         return [g.numpy() for g in grads]
 
-    def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, float]:
-        """The batch's loss in inference mode; no variable changes."""
-        return {"loss": float(self._eval(*self._batch(x, y, sample_weight)))}
-
-    def predict(self, x: Any) -> Any:
-        """The model's outputs for the batch x, in example order, structured as the model
-        returns them (one array, a list, or a dict by output name)."""
-        xs, _, _ = self._batch(x)
-        outputs = [t.numpy() for t in self._predict(xs)]
-        return batches.structured(outputs, self._graph.output_names)
-
     def _batch(
-        self, x: Any, y: Any = None, sample_weight: Any = None
-    ) -> tuple[list[tf.Tensor], list[tf.Tensor] | None, list[tf.Tensor] | None]:
+        self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: int | None = None
+    ) -> tuple[Flat, Flat | None, Flat | None, Valid]:
         """The batch as flat lists of tensors (inputs, labels and sample weights per
-        output), checked against the run; builds the pipeline on first use."""
+        output) and which examples are real: a batch that does not split into R·M equal
+        parts is padded (to ``pad_to`` examples, or the next multiple of R·M) with
+        examples that count for nothing. Builds the pipeline on first use."""
         xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
         shapes = [tuple(t.shape[1:]) for t in xs]
         if not self.built:
@@ -263,7 +275,13 @@ class Pipeline:
                 f"the pipeline was built for inputs of shapes {self._shapes} (without the "
                 f"batch), got {shapes}; build another Pipeline for another shape"
             )
-        return batches.prepare(self.config, xs, ys, ws)
+        if ys is not None:
+            self._metrics.build(ys, self._loss.shapes)
+        xs, ys, ws, valid = batches.pad(self.config, xs, ys, ws, pad_to)
+        return (*batches.prepare(self.config, xs, ys, ws), valid)
+
+    def _output_structure(self, outputs: list[Any]) -> Any:
+        return batches.structured(outputs, self._graph.output_names)
 
     def get_weights(self) -> list[np.ndarray]:
         """All weights, in the order of ``model.get_weights()`` (a tied variable once)."""
@@ -301,28 +319,21 @@ class Pipeline:
     def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
         return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
 
-    def _train_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
-        loss, grads, _, stats = self._pipelined_gradients(x, y, w, record=False)
+    def _train_step(
+        self, x: Flat, y: Flat, w: Flat | None, valid: Valid, record: bool = False
+    ) -> list[list[tf.Tensor]]:
+        loss, grads, events, stats, predictions = self._pipelined_gradients(x, y, w, valid, record)
         self._apply(grads, stats)
-        return loss
-
-    def _timed_step(
-        self, x: Flat, y: Flat, w: Flat | None
-    ) -> tuple[tf.Tensor, list[list[tf.Tensor]]]:
-        loss, grads, events, stats = self._pipelined_gradients(x, y, w, record=True)
-        self._apply(grads, stats)
-        # (device, action) of each timestamp pair: the schedule's, the same in every trace.
-        self._event_keys = [(device, action) for device, action, _, _ in events]
-        return loss, [[start, end] for _, _, start, end in events]
+        self._metrics.update(loss, batches.examples(x, valid), y, predictions, w)
+        if record:  # (device, action) of each timestamp pair: the same in every trace
+            self._event_keys = [(device, action) for device, action, _, _ in events]
+        return [[start, end] for _, _, start, end in events]
 
     def _apply(self, grads: list[list[list[tf.Tensor]]], stats: list[Any]) -> None:
         """Every device applies its stage's gradients (clipped by the global norm when the
         optimizer asks) with its copy of the optimizer and updates its BatchNormalization
         moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
-        optimizers = self._optimizers
-        reduction.whole_model(
-            grads, self._stages, optimizers.global_clipnorm, optimizers.loss_scaling
-        )
+        reduction.whole_model(grads, self._stages, self._optimizers)
         for k, row in enumerate(self._stages):
             for r, stage in enumerate(row):
                 with tf.device(stage.device):
@@ -334,24 +345,26 @@ class Pipeline:
         with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
-    def _gradient_step(self, x: Flat, y: Flat, w: Flat | None) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        loss, grads, _, _ = self._pipelined_gradients(x, y, w, record=False)
-        placement = self.placement
-        return loss, [grads[k][0][j] for k, j in placement.gradient_order()]
+    def _gradient_step(
+        self, x: Flat, y: Flat, w: Flat | None, valid: Valid
+    ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        loss, grads, _, _, _ = self._pipelined_gradients(x, y, w, valid, record=False)
+        return loss, [grads[k][0][j] for k, j in self.placement.gradient_order()]
 
     def _pipelined_gradients(
-        self, x: Flat, y: Flat, w: Flat | None, record: bool
-    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any], list[Any]]:
+        self, x: Flat, y: Flat, w: Flat | None, valid: Valid, record: bool
+    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any], list[Any], Flat | None]:
         """Runs the schedule on every replica, then reduces over the mesh.
 
         Returns:
           The loss of the global batch, ``grads[k][r]``: model stage k's gradients of that
           loss on replica r's device (a tied variable's: the sum over its stages), replica
-          0's timing events when ``record``, and ``stats[k][r]``: stage k's BatchNormalization
-          statistics summed over the global batch (empty for a stage without).
+          0's timing events when ``record``, ``stats[k][r]``: stage k's BatchNormalization
+          statistics summed over the global batch (empty for a stage without), and the
+          batch's predictions per output when the last stage returns them (else None).
         """
         R = self.mesh.num_replicas
-        xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w)
+        xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w, valid)
         divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
         loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
         seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
@@ -373,28 +386,20 @@ class Pipeline:
         loss, divisors = reduction.global_loss(
             self._loss, [t for s in steps for t in s.losses], divisors
         )
-        scale, grads, penalties, stats = self._loss.late_scale(divisors), [], [], []
-        for k, row in enumerate(self._stages):
-            device_row = self.schedule.device_of(k)
-            with tf.control_dependencies([t for step in steps for t in step.tails[device_row]]):
-                summed = self._groups[k].all_reduce_sum([step.grads[k] for step in steps])
-                norms = [[tf.add_n(step.stats[k])] for step in steps if step.stats[k]]
-                stats.append(self._groups[k].all_reduce_sum(norms) if norms else [])
-            stage_grads, penalty = reduction.stage_gradients(row, summed, scale, loss_scale)
-            grads.append(stage_grads)
-            penalties += [penalty] if penalty is not None else []
-        penalties += [
-            tf.add_n(s.activity) * self._stages[0][0].activity_scale for s in steps if s.activity
-        ]
-        if penalties:  # the regularization Keras adds to the loss, once per step
-            loss = loss + tf.add_n(penalties)
+        rows = [self.schedule.device_of(k) for k in range(len(self._stages))]
+        grads, stats, penalty = reduction.all_stages(
+            steps, self._stages, self._groups, rows, self._loss.late_scale(divisors), loss_scale
+        )
+        if penalty is not None:  # the regularization Keras adds to the loss, once per step
+            loss = loss + penalty
         for r in range(R):
             sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
-        return loss, grads, steps[0].events, stats
+        parts = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
+        return loss, grads, steps[0].events, stats, batches.joined(parts)
 
-    def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None) -> Any:
+    def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None, valid: Valid) -> Any:
         """The forward-only schedule on every replica (``lower_replicas_inference``)."""
-        labels = batches.labels(self.config, y, w) if y is not None else None
+        labels = batches.labels(self.config, y, w, valid) if y is not None else None
         copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
         xs = batches.split_inputs(self.config, x)
         order = self._inference_order
@@ -402,12 +407,14 @@ class Pipeline:
             self._inference, order, copies, xs, labels, self._seeds
         )
 
-    def _eval_step(self, x: Flat, y: Flat, w: Flat | None) -> tf.Tensor:
-        outs, activity = self._forward_pass(x, y, w)
+    def _eval_step(self, x: Flat, y: Flat, w: Flat | None, valid: Valid) -> None:
+        outs, activity = self._forward_pass(x, y, w, valid)
         loss, _ = reduction.global_loss(self._loss, [out[0] for out in outs], None)
         penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
-        return loss + tf.add_n(penalties + activity) if penalties + activity else loss
+        loss = loss + tf.add_n(penalties + activity) if penalties + activity else loss
+        predictions = batches.joined([out[1:] for out in outs])
+        self._metrics.update(loss, batches.examples(x, valid), y, predictions, w)
 
-    def _predict_step(self, x: list[tf.Tensor]) -> list[tf.Tensor]:
-        parts, _ = self._forward_pass(x, None, None)
-        return [tf.concat(list(pieces), axis=0) for pieces in zip(*parts, strict=True)]
+    def _predict_step(self, x: Flat, valid: Valid) -> Flat:
+        parts, _ = self._forward_pass(x, None, None, valid)
+        return [t[: batches.examples(x, valid)] for t in batches.joined(parts) or []]

@@ -11,7 +11,9 @@ import tensorflow as tf
 
 __all__ = ["Labels", "Saved", "TensorSpec"]
 
-Labels = tuple[Any, Any]  # ([y_true per output], [sample_weight per output] or None)
+# ([y_true per output], [sample_weight per output] or None, valid or None): ``valid`` is 1
+# per real example and 0 per padding example of a partial batch (None: all are real).
+Labels = tuple[Any, Any, Any]
 Tensors = list[tf.Tensor]
 
 

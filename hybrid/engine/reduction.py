@@ -14,14 +14,19 @@ Conceptually, for one step on the global batch (``hybrid.engine.objective``)::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
 
+from hybrid.engine.collectives import ReplicaGroup
+from hybrid.engine.lowering import ReplicaStep
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import Labels, StageReplica
+from hybrid.engine.template import OptimizerCopies
 
 __all__ = [
+    "all_stages",
     "clip_by_global_norm",
     "global_loss",
     "loss_divisors",
@@ -35,8 +40,7 @@ __all__ = [
 def whole_model(
     grads: list[list[list[tf.Tensor]]],
     stages: Sequence[Sequence[StageReplica]],
-    clip_norm: float | None,
-    loss_scaling: bool,
+    optimizers: OptimizerCopies,
 ) -> None:
     """In place, on every replica: what the one logical optimizer does over the whole model
     before its update: the global finite check of loss scaling (:func:`nan_unless_finite`)
@@ -45,11 +49,11 @@ def whole_model(
     for r in range(len(stages[0])):
         copies = [row[r] for row in stages]
         replica = [g[r] for g in grads]
-        if loss_scaling:
+        if optimizers.loss_scaling:
             replica = nan_unless_finite(replica, copies)
-        if clip_norm:
-            scale = loss_scale(copies[0]) if loss_scaling else None
-            replica = clip_by_global_norm(replica, copies, clip_norm, scale)
+        if optimizers.global_clipnorm:
+            scale = loss_scale(copies[0]) if optimizers.loss_scaling else None
+            replica = clip_by_global_norm(replica, copies, optimizers.global_clipnorm, scale)
         for k, stage_grads in enumerate(replica):
             grads[k][r] = stage_grads
 
@@ -97,7 +101,7 @@ def loss_divisors(
     denominators = []
     for copy, row in zip(copies, labels, strict=True):
         with tf.device(copy.device):
-            denominators += [objective.denominators(y, w) for y, w in row]
+            denominators += [objective.denominators(y, w, valid) for y, w, valid in row]
     with tf.device(copies[0].device):
         return objective.divisors(tf.add_n(denominators))
 
@@ -111,6 +115,38 @@ def global_loss(
     if divisors is None:
         divisors = objective.divisors(total[:, 1])
     return objective.value(total, divisors), divisors
+
+
+def all_stages(
+    steps: Sequence[ReplicaStep],
+    stages: Sequence[Sequence[StageReplica]],
+    groups: Sequence[ReplicaGroup],
+    device_rows: Sequence[int],
+    scale: tf.Tensor | None,
+    loss_scale: tf.Tensor | None,
+) -> tuple[list[list[list[tf.Tensor]]], list[Any], tf.Tensor | None]:
+    """After every replica's schedule (``steps[r]``): each model stage's gradients summed
+    over its replica group (once the stage's device row is done) with its weight penalty's
+    added (:func:`stage_gradients`), its BatchNormalization statistics summed the same way,
+    and the step's regularization (weight penalties and the activity penalties weighted as
+    in the loss), or None without any.
+
+    Returns:
+      ``grads[k][r]``, ``stats[k][r]`` (empty for a stage without BN) and the penalty.
+    """
+    grads, stats, penalties = [], [], []
+    for k, row in enumerate(stages):
+        tails = [t for step in steps for t in step.tails[device_rows[k]]]
+        with tf.control_dependencies(tails):
+            summed = groups[k].all_reduce_sum([step.grads[k] for step in steps])
+            norms = [[tf.add_n(step.stats[k])] for step in steps if step.stats[k]]
+            stats.append(groups[k].all_reduce_sum(norms) if norms else [])
+        stage_grads, penalty = stage_gradients(row, summed, scale, loss_scale)
+        grads.append(stage_grads)
+        penalties += [penalty] if penalty is not None else []
+    weight = stages[0][0].activity_scale
+    penalties += [tf.add_n(step.activity) * weight for step in steps if step.activity]
+    return grads, stats, tf.add_n(penalties) if penalties else None
 
 
 def stage_gradients(

@@ -133,7 +133,10 @@ class StageReplica:
         self.norms = batch_norm.norms_of(self.segment)
         self._in_masks = [i for i, k in enumerate(self.segment.inputs) if k in masked]
         self._out_masks = [k for k in self.segment.outputs if k in masked and loss is None]
-        self._outputs = 1 if loss is not None else len(self.segment.outputs) + len(self._out_masks)
+        self._outputs = len(self.segment.outputs) + len(self._out_masks)
+        # The last stage's programs with labels return the model's outputs after the loss
+        # terms (for metrics; no gradient flows into them).
+        self.predicts = False
         # Layers that add to the loss in their call (activity regularizers, add_loss): each
         # micro-batch's losses are added to the step's loss weighted 1 / (R·M).
         self.regularized = [
@@ -216,14 +219,16 @@ class StageReplica:
         stats = [batch_norm.statistics(self.norms, values)] if training and self.norms else []
         if labels is not None:
             assert self.loss is not None
-            y_true, sample_weight = labels
-            ys = [self.loss.terms(y_true, ys, sample_weight)]
+            y_true, sample_weight, valid = labels
+            ys = [self.loss.terms(y_true, ys, sample_weight, valid)] + (ys if self.predicts else [])
         return ys + activity + stats
 
     def _split(self, out: Tensors, labels: bool = True) -> tuple[Tensors, Tensors, Tensors]:
         """A program's outputs as (stage outputs, activity penalty, BN statistics); the
         last stage without ``labels`` outputs the model's outputs, not the loss terms."""
-        n = self._outputs if labels or not self.is_last else len(self.segment.outputs)
+        n = self._outputs
+        if self.is_last and labels:
+            n = 1 + (n if self.predicts else 0)
         a = len(self.regularized[:1])
         return out[:n], out[n : n + a], out[n + a :]
 
@@ -271,7 +276,9 @@ class StageReplica:
         sources = inputs + (list(weights) if need_dw else [])
         if not sources:
             return ([None] * len(xs) if need_dx else None), []
-        targets = [(y, dy) for y, dy in zip(ys, dys, strict=True) if _differentiable(y)]
+        targets = [
+            (y, dy) for y, dy in zip(ys, dys, strict=True) if dy is not None and _differentiable(y)
+        ]
         grads = tape.gradient(
             [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
         )

@@ -66,7 +66,7 @@ class StagePrograms:
     ) -> None:
         seed = tf.constant([0, 0], tf.int64)
         self.stage, self._seed = stage, seed
-        self.labels = labels = ([labels], None) if labels is not None else None
+        self.labels = labels = ([labels], None, None) if labels is not None else None
 
         def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
             return stage.forward([x], labels, seed, True, False).output

@@ -1,0 +1,318 @@
+"""The Keras workflow over a pipeline's steps: ``fit``, ``evaluate``, ``predict``, and the
+model interface Keras callbacks use.
+
+The loops are Keras's own, step for step (``keras.src.backend.tensorflow.trainer``): the same
+data handling (``EpochIterator``: arrays, dicts, ``tf.data``, generators, shuffling,
+``steps_per_epoch``, ``class_weight``, ``validation_split``), the same ``CallbackList`` with
+``History`` and the progress bar, the same hooks in the same order with the same ``logs``.
+What differs is the step: one pipelined step on the global batch. A batch that does not
+split into R·M equal parts (a dataset's last one) is padded to the size of the call's first
+batch with examples that count for nothing (``batches.pad``), so it is trained exactly as
+Keras trains it and compiles no new programs.
+
+Callbacks get the pipeline as their ``model``: ``stop_training``, ``optimizer`` (the one
+logical optimizer: setting ``learning_rate`` sets it on every device's copy),
+``get_weights``/``set_weights``, ``save``/``save_weights``/``load_weights`` (through the
+user's Keras model, :meth:`to_keras`), ``metrics`` and ``history``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from hybrid.core.config import RunConfig
+from hybrid.engine import export, keras_private
+from hybrid.engine.metrics import StepMetrics
+
+__all__ = ["LogicalOptimizer", "Workflow"]
+
+
+class LogicalOptimizer:
+    """The one optimizer over the whole model, as callbacks and users see it: attributes
+    are read from the first copy (every copy holds the same hyper-parameters, iteration
+    count and loss scale); setting ``learning_rate`` sets it on every copy."""
+
+    def __init__(self, copies: Sequence[keras.optimizers.Optimizer]) -> None:
+        object.__setattr__(self, "_copies", list(copies))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._copies[0], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "learning_rate":
+            raise AttributeError(
+                f"cannot set {name!r} on the pipeline's optimizer; only learning_rate is "
+                "set on every device's copy"
+            )
+        for optimizer in self._copies:
+            optimizer.learning_rate = value
+
+    @property
+    def copies(self) -> list[keras.optimizers.Optimizer]:
+        """Every stage device's copy."""
+        return list(self._copies)
+
+
+def _should_eval(epoch: int, frequency: int | Sequence[int]) -> bool:
+    """Keras's rule: validate after (1-indexed) epoch ``epoch + 1``."""
+    if isinstance(frequency, int):
+        return (epoch + 1) % frequency == 0
+    return epoch + 1 in frequency
+
+
+def _logs_in_order(logs: dict[str, float]) -> float | list[float]:
+    """``evaluate``'s value without ``return_dict``: the loss alone, or loss then metrics."""
+    values = list(logs.values())
+    return values[0] if len(values) == 1 else values
+
+
+class _Padding:
+    """One call's batch size: every batch is padded to the first one's (rounded up to a
+    multiple of R·M), so a short last batch reuses the compiled step."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts, self.size = parts, 0
+
+    def __call__(self, x: Any) -> int:
+        n = int(keras.tree.flatten(x)[0].shape[0])
+        self.size = max(self.size, -(-n // self.parts) * self.parts)
+        return self.size
+
+
+class Workflow:
+    """``fit``, ``evaluate`` and ``predict`` with Keras's semantics, for ``Pipeline``."""
+
+    # What the engine provides (``Pipeline``).
+    config: RunConfig
+    _metrics: StepMetrics
+    _train: Any
+    _eval: Any
+    _predict: Any
+    _graph: Any
+
+    def __init__(self) -> None:
+        self.stop_training = False
+        self.history: Any = None
+        self.train_function = None  # no graph for TensorBoard's write_graph to write
+
+    @property
+    def built(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def stages(self) -> Any:
+        raise NotImplementedError
+
+    def _batch(self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: Any = None) -> Any:
+        raise NotImplementedError
+
+    def _output_structure(self, outputs: list[np.ndarray]) -> Any:
+        raise NotImplementedError
+
+    def to_keras(self) -> keras.Model:
+        raise NotImplementedError
+
+    def get_weights(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
+        raise NotImplementedError
+
+    # -- what callbacks use of a model ----------------------------------------------------
+
+    @property
+    def optimizer(self) -> LogicalOptimizer:
+        """The one logical optimizer (every device's copy behind it)."""
+        if not self.built:
+            raise RuntimeError("the pipeline is not built yet; call build() or fit()")
+        return LogicalOptimizer([copy.optimizer for row in self.stages for copy in row])
+
+    @property
+    def metrics(self) -> list[Any]:
+        """The loss tracker and the compiled metrics, as ``keras.Model.metrics``."""
+        return self._metrics.metrics
+
+    def save(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        """Saves the user's Keras model with the trained weights (``keras.Model.save``)."""
+        self.to_keras().save(filepath, overwrite=overwrite, **kwargs)
+
+    def save_weights(self, filepath: str, overwrite: bool = True) -> None:
+        """``keras.Model.save_weights`` of the user's model with the trained weights."""
+        self.to_keras().save_weights(filepath, overwrite=overwrite)
+
+    def load_weights(self, filepath: str, **kwargs: Any) -> None:
+        """Loads weights saved by :meth:`save_weights` (or Keras) onto every device."""
+        model = self.to_keras()
+        model.load_weights(filepath, **kwargs)
+        self.set_weights(model.get_weights())
+
+    def export(self, path: str, per_stage: bool = False) -> None:
+        """Writes a SavedModel for serving (``serve`` and ``serving_default``, equal to
+        :meth:`predict`); with ``per_stage``, one per stage under ``path/stage_<i>`` and the
+        manifest ``path/pipeline.json`` (``hybrid.serving`` runs them pipelined)."""
+        if not per_stage:
+            export.export_model(self.to_keras(), path)
+            return
+        graph = self._graph
+        inputs = graph.input_names or [f"input_{j}" for j in range(len(graph.inputs))]
+        stages = [row[0] for row in self.stages]
+        export.export_stages(stages, inputs, graph.output_names, path)
+
+    # -- the loops ------------------------------------------------------------------------
+
+    def _callbacks(self, callbacks: Any, verbose: Any, epochs: int, steps: Any) -> Any:
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            return callbacks
+        return keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            verbose=verbose,
+            epochs=epochs,
+            steps=steps,
+            model=self,
+        )
+
+    def _build_from(self, iterator: Any) -> None:
+        """Builds the pipeline (and its metrics) from the data's first batch, as Keras's
+        symbolic build does before the callbacks start."""
+        if not self.built:
+            for _, _, data in iterator:
+                self._batch(*keras_private.unpack_x_y_sample_weight(data[0]))
+                break
+        iterator.reset()
+
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: Any = "auto",
+        callbacks: Any = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        class_weight: Any = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
+    ) -> keras.callbacks.History:
+        """Trains for ``epochs`` as ``keras.Model.fit`` does (same arguments, callbacks,
+        progress bar and returned ``History``), one pipelined step per batch."""
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = keras_private.train_validation_split(
+                (x, y, sample_weight), validation_split
+            )
+        iterator = keras_private.epoch_iterator(
+            x=x,
+            y=y,
+            sample_weight=sample_weight,
+            batch_size=batch_size,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=shuffle,
+            class_weight=class_weight,
+        )
+        self._build_from(iterator)
+        callbacks = self._callbacks(callbacks, verbose, epochs, iterator.num_batches)
+        padding = _Padding(self.config.replicas * self.config.micro_batches)
+        self.stop_training = False
+        callbacks.on_train_begin()
+        training_logs = None
+        for epoch in range(initial_epoch, epochs):
+            self._metrics.reset()
+            callbacks.on_epoch_begin(epoch)
+            with iterator.catch_stop_iteration():
+                for begin, end, data in iterator:
+                    callbacks.on_train_batch_begin(begin)
+                    xb, yb, wb = keras_private.unpack_x_y_sample_weight(data[0])
+                    self._train(*self._batch(xb, yb, wb, padding(xb)))
+                    callbacks.on_train_batch_end(end, self._metrics.result())
+                    if self.stop_training:
+                        break
+            epoch_logs = self._metrics.result()
+            if validation_data is not None and _should_eval(epoch, validation_freq):
+                val_x, val_y, val_w = keras_private.unpack_x_y_sample_weight(validation_data)
+                val_logs = self.evaluate(
+                    val_x,
+                    val_y,
+                    sample_weight=val_w,
+                    batch_size=validation_batch_size or batch_size,
+                    steps=validation_steps,
+                    callbacks=callbacks,
+                    return_dict=True,
+                )
+                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
+            if self.stop_training:
+                break
+        if epochs > initial_epoch:  # EMA weights replace the trained ones, as in Keras
+            for row in self.stages:
+                for copy in row:
+                    copy.optimizer.finalize_variable_values(copy.trainable_variables)
+        callbacks.on_train_end(logs=training_logs)
+        return self.history
+
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Any = None,
+        return_dict: bool = False,
+    ) -> Any:
+        """The loss and metrics over the data in inference mode, as ``keras.Model.evaluate``
+        computes them (the loss: the batch-size weighted mean of the batches' losses)."""
+        iterator = keras_private.epoch_iterator(
+            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps
+        )
+        self._build_from(iterator)
+        callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
+        padding = _Padding(self.config.replicas * self.config.micro_batches)
+        self._metrics.reset()
+        callbacks.on_test_begin()
+        for begin, end, data in iterator:
+            callbacks.on_test_batch_begin(begin)
+            xb, yb, wb = keras_private.unpack_x_y_sample_weight(data[0])
+            self._eval(*self._batch(xb, yb, wb, padding(xb)))
+            callbacks.on_test_batch_end(end, self._metrics.result())
+        logs = self._metrics.result()
+        callbacks.on_test_end(logs)
+        return logs if return_dict else _logs_in_order(logs)
+
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        steps: int | None = None,
+        callbacks: Any = None,
+    ) -> Any:
+        """The model's outputs for every example of ``x``, in order, structured as the
+        model returns them (``keras.Model.predict``)."""
+        iterator = keras_private.epoch_iterator(x=x, batch_size=batch_size, steps_per_epoch=steps)
+        self._build_from(iterator)
+        callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
+        padding = _Padding(self.config.replicas * self.config.micro_batches)
+        callbacks.on_predict_begin()
+        pieces = []
+        for begin, end, data in iterator:
+            callbacks.on_predict_batch_begin(begin)
+            xb, _, _ = keras_private.unpack_x_y_sample_weight(data[0])
+            xs, _, _, valid = self._batch(xb, pad_to=padding(xb))
+            outputs = [t.numpy() for t in self._predict(xs, valid)]
+            pieces.append(outputs)
+            callbacks.on_predict_batch_end(end, {"outputs": self._output_structure(outputs)})
+        callbacks.on_predict_end()
+        return self._output_structure([np.concatenate(p) for p in zip(*pieces, strict=True)])

@@ -1,0 +1,143 @@
+"""A trained pipeline back as Keras and as SavedModels for serving.
+
+``to_keras`` writes the trained weights into the user's own model object, which
+``model.save`` / ``keras.saving.load_model`` round-trip; a checkpoint becomes a Keras model
+without a mesh; ``export`` writes a SavedModel whose ``serving_default`` (called through
+``saved_model_cli run``, as TF Serving calls it) equals ``pipe.predict``; ``per_stage=True``
+writes one SavedModel per stage whose chain, and ``hybrid.serving``'s pipelined run of it,
+equal ``pipe.predict``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hybrid
+from hybrid import checkpoint, serving
+
+import reference as ref
+import runner
+
+
+def skip_model(seed=0):
+    """A functional model with a skip over the cut and two outputs."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((ref.IN_FEATURES,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    deeper = keras.layers.Dense(16, activation="tanh")(hidden)
+    merged = keras.layers.Add()([hidden, deeper])
+    logits = keras.layers.Dense(ref.CLASSES, name="logits")(merged)
+    value = keras.layers.Dense(1, name="value")(merged)
+    return keras.Model(inputs, [logits, value])
+
+
+def trained(model, stages=2, replicas=1, balance=None):
+    pipe = hybrid.Pipeline(
+        model,
+        hybrid.DeviceMesh.create(stages, replicas),
+        loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+        optimizer=keras.optimizers.Adam(0.01),
+        micro_batches=2,
+        balance=balance,
+        jit_compile=False,
+    )
+    for step in range(2):
+        x, y = ref.batch(16, seed=step)
+        pipe.train_step(x, [y, x[:, :1]])
+    return pipe
+
+
+def test_to_keras_is_the_users_model_with_the_trained_weights(tmp_path):
+    model = skip_model()
+    pipe = trained(model)
+    assert pipe.to_keras() is model
+    ref.assert_weights_close(model.get_weights(), pipe.get_weights(), rtol=0, atol=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    x, _ = ref.batch(8, seed=7)
+    for got, want in zip(loaded.predict(x, verbose=0), pipe.predict(x, verbose=0), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_checkpoint_becomes_a_keras_model_without_a_mesh(tmp_path):
+    pipe = trained(skip_model(), stages=2, replicas=2)
+    hybrid.Checkpointer(pipe, str(tmp_path / "ckpt")).save(step=2)
+    fresh = skip_model(seed=5)  # other initial weights
+    restored = checkpoint.to_keras(str(tmp_path / "ckpt"), fresh)
+    assert restored is fresh
+    ref.assert_weights_close(fresh.get_weights(), pipe.get_weights(), rtol=0, atol=0)
+    out = tmp_path / "from_ckpt.keras"
+    checkpoint.to_keras(str(tmp_path / "ckpt"), skip_model(seed=6), save_to=str(out))
+    ref.assert_weights_close(keras.saving.load_model(out).get_weights(), pipe.get_weights())
+
+
+def signature_input(path):
+    loaded = tf.saved_model.load(path)
+    _, inputs = loaded.signatures["serving_default"].structured_input_signature
+    return loaded, list(inputs)
+
+
+def test_export_serves_what_predict_returns(tmp_path):
+    pipe = trained(skip_model())
+    x, _ = ref.batch(5, seed=3)  # any batch size
+    want = pipe.predict(x, verbose=0)
+    path = str(tmp_path / "whole")
+    pipe.export(path)
+    loaded, names = signature_input(path)
+    served = loaded.serve(tf.constant(x))
+    for got, expected in zip(served, want, strict=True):
+        np.testing.assert_allclose(got.numpy(), expected, atol=1e-5)
+    # what TF Serving calls: the serving_default signature, here through saved_model_cli
+    np.save(tmp_path / "x.npy", x)
+    cli = [sys.executable, "-m", "tensorflow.python.tools.saved_model_cli"]  # saved_model_cli
+    run = subprocess.run(
+        cli
+        + ["run", "--dir", path, "--tag_set", "serve", "--signature_def", "serving_default"]
+        + ["--inputs", f"{names[0]}={tmp_path / 'x.npy'}", "--outdir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    outputs = sorted(os.listdir(tmp_path / "out"))
+    assert len(outputs) == 2, outputs
+    served = [np.load(tmp_path / "out" / name) for name in outputs]
+    for expected in want:  # output names are Keras's; match each by shape
+        (got,) = [s for s in served if s.shape == expected.shape]
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_per_stage_export_chains_to_predict_and_serves_pipelined(tmp_path):
+    pipe = trained(skip_model(), stages=2, balance=[2, 3])  # the cut before the Add
+    x, _ = ref.batch(8, seed=4)
+    want = pipe.predict(x, verbose=0)
+    path = str(tmp_path / "stages")
+    pipe.export(path, per_stage=True)
+    manifest = json.load(open(os.path.join(path, "pipeline.json")))
+    assert [s["path"] for s in manifest["stages"]] == ["stage_0", "stage_1"]
+    assert [i["name"] for i in manifest["stages"][0]["inputs"]] == ["input_0"]
+    # the skip: stage 1 takes two tensors across the cut
+    assert [i["name"] for i in manifest["stages"][1]["inputs"]] == ["cut1_0", "cut1_1"]
+    values = {"input_0": tf.constant(x)}
+    for stage in manifest["stages"]:
+        signature = tf.saved_model.load(os.path.join(path, stage["path"])).signatures[
+            "serving_default"
+        ]
+        out = signature(**{i["name"]: values[i["name"]] for i in stage["inputs"]})
+        values = {name: out[name] for name in stage["outputs"]}
+    chained = [values["output_0"].numpy(), values["output_1"].numpy()]
+    for got, expected in zip(chained, want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    server = serving.load(path, devices=devices)
+    for got, expected in zip(server.predict(x, micro_batches=4), want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))

@@ -1,0 +1,223 @@
+"""The Keras workflow: ``fit``, ``evaluate`` and ``predict`` give what plain Keras gives.
+
+The reference is ``model.compile(optimizer, loss, metrics)`` + ``model.fit(...,
+shuffle=False)`` on one device with the same initial weights. The data has a partial last
+batch (50 examples in batches of 16: the last has 2, which no mesh here splits into R·M
+equal parts), so padding is exercised in every epoch, in training and in validation. The
+History (loss, accuracy, AUC, val_*), the final weights and Adam's moments must agree to
+float32 round-off.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hybrid
+
+import reference as ref
+import runner
+
+EXAMPLES, BATCH = 50, 16
+
+
+def model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((ref.IN_FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def data(examples=EXAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, ref.IN_FEATURES)).astype("float32")
+    y = (x[:, :2].sum(axis=1) + 0.5 * rng.normal(size=examples) > 0).astype("float32")
+    return x, y[:, None]
+
+
+def compiled(optimizer, seed=0):
+    return dict(
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        optimizer=optimizer,
+        metrics=["accuracy", keras.metrics.AUC(from_logits=True, name="auc")],
+    )
+
+
+def pair(stages, replicas, micro_batches, schedule="gpipe", optimizer=None):
+    """A compiled Keras model and a pipeline of a copy of it, with equal weights."""
+    optimizer = optimizer or (lambda: keras.optimizers.Adam(0.01, epsilon=1e-3))
+    keras_model = model()
+    keras_model.compile(**compiled(optimizer()))
+    template = model(seed=1)
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        jit_compile=False,
+        **compiled(optimizer()),
+    )
+    return keras_model, pipe
+
+
+def assert_history_equal(got, want, rtol=1e-5):
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=1e-6, err_msg=key)
+
+
+def adam_moments(optimizers):
+    return [v.numpy() for o in optimizers for v in o.variables if len(v.shape) > 0]
+
+
+@pytest.mark.parametrize(
+    "stages,replicas,micro_batches,schedule,source",
+    [
+        (2, 1, 2, "gpipe", "arrays"),
+        (1, 2, 1, "1f1b", "dataset"),
+        (2, 2, 2, "1f1b", "weighted"),
+    ],
+)
+def test_fit_matches_keras(stages, replicas, micro_batches, schedule, source):
+    keras_model, pipe = pair(stages, replicas, micro_batches, schedule)
+    x, y = data()
+    validation = data(20, seed=1)  # batches of 16 and 4
+    if source == "dataset":
+        train = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    else:
+        train = dict(x=x, y=y, batch_size=BATCH)
+    if source == "weighted":
+        train["sample_weight"] = np.random.default_rng(3).uniform(0, 2, EXAMPLES)
+    kwargs = dict(epochs=2, validation_data=validation, shuffle=False, verbose=0)
+    want = keras_model.fit(**train, **kwargs).history
+    got = pipe.fit(**train, **kwargs).history
+    assert_history_equal(got, want)
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+    stage_optimizers = [row[0].optimizer for row in pipe.stages]
+    ref.assert_weights_close(adam_moments(stage_optimizers), adam_moments([keras_model.optimizer]))
+    assert int(pipe.optimizer.iterations.numpy()) == 2 * 4  # 4 batches per epoch
+    x_test, y_test = data(37, seed=2)  # two full batches of 16 (Keras's default 32) and 5
+    np.testing.assert_allclose(
+        pipe.evaluate(x_test, y_test, verbose=0),
+        keras_model.evaluate(x_test, y_test, verbose=0),
+        rtol=1e-5,
+    )
+    predicted = pipe.predict(x_test, verbose=0)
+    assert predicted.shape == (37, 1)
+    np.testing.assert_allclose(predicted, keras_model.predict(x_test, verbose=0), atol=1e-5)
+
+
+class Counter(keras.callbacks.Callback):
+    """Counts the hooks it receives and keeps the logs' keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+        self.keys = set()
+
+    def _count(self, hook, logs):
+        self.calls[hook] = self.calls.get(hook, 0) + 1
+        self.keys.update(logs or {})
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._count("epoch_begin", logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._count("train_batch_end", logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._count("test_batch_end", logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._count("epoch_end", logs)
+        # what a callback may use of its model
+        self.calls.setdefault("learning_rates", []).append(
+            float(self.model.optimizer.learning_rate.numpy())
+        )
+
+
+def test_callbacks_see_what_they_see_in_keras(tmp_path):
+    """EarlyStopping stops at Keras's epoch, LearningRateScheduler sets every copy's rate,
+    ModelCheckpoint writes a .keras file Keras loads, a custom callback gets the same hooks
+    and logs; SGD with EMA ends with the averaged weights, as Keras's fit does."""
+
+    def optimizer():
+        return keras.optimizers.SGD(0.5, momentum=0.9, use_ema=True)
+
+    keras_model, pipe = pair(2, 2, 2, "gpipe", optimizer=optimizer)
+    x, y = data()
+
+    def callbacks(name):
+        return [
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=1),
+            keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.5 / (epoch + 1)),
+            keras.callbacks.ModelCheckpoint(str(tmp_path / f"{name}.keras")),
+            Counter(),
+        ]
+
+    kwargs = dict(batch_size=BATCH, epochs=12, validation_split=0.2, shuffle=False, verbose=0)
+    want_callbacks, got_callbacks = callbacks("keras"), callbacks("pipe")
+    want = keras_model.fit(x, y, callbacks=want_callbacks, **kwargs)
+    got = pipe.fit(x, y, callbacks=got_callbacks, **kwargs)
+    assert len(want.epoch) < 12, "the reference did not stop early: the test proves nothing"
+    assert got.epoch == want.epoch
+    assert_history_equal(got.history, want.history)
+    assert got_callbacks[-1].calls == want_callbacks[-1].calls
+    assert got_callbacks[-1].keys == want_callbacks[-1].keys
+    rates = {
+        float(o.learning_rate.numpy()) for row in pipe.stages for o in (c.optimizer for c in row)
+    }
+    assert rates == {float(np.float32(0.5 / len(want.epoch)))}  # set on every copy
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+    # the checkpoint of the last epoch (written before fit swaps in the EMA weights)
+    saved = keras.saving.load_model(str(tmp_path / "pipe.keras"))
+    written = keras.saving.load_model(str(tmp_path / "keras.keras"))
+    ref.assert_weights_close(saved.get_weights(), written.get_weights())
+
+
+def test_progress_bar_shows_loss_and_metrics(capsys):
+    _, pipe = pair(2, 1, 2)
+    x, y = data()
+    pipe.fit(x, y, batch_size=BATCH, epochs=1, verbose=1)
+    out = capsys.readouterr().out
+    assert "4/4" in out and "loss:" in out and "accuracy:" in out and "auc:" in out
+
+
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+def test_a_batch_of_any_size_trains_as_keras_trains_it(reduction):
+    """13 examples on a 2×2 mesh with M=2 (R·M = 4): padded to 16 with examples that count
+    for nothing; loss, metrics and weights are Keras's on the 13."""
+    loss = keras.losses.BinaryCrossentropy(from_logits=True, reduction=reduction)
+    keras_model = model()
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=["accuracy"])
+    template = model(seed=1)
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(
+        template,
+        hybrid.DeviceMesh.create(2, 2),
+        loss,
+        keras.optimizers.SGD(0.1),
+        micro_batches=2,
+        metrics=["accuracy"],
+        jit_compile=False,
+    )
+    x, y = data(13)
+    w = np.random.default_rng(5).uniform(0, 2, 13).astype("float32")
+    want = keras_model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+    got = pipe.train_step(x, y, sample_weight=w)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
