@@ -219,5 +219,24 @@ def test_a_batch_of_any_size_trains_as_keras_trains_it(reduction):
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
 
 
+def test_padding_warns_when_a_layer_sees_the_whole_batch():
+    layers = [
+        keras.layers.Dense(8),
+        keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dense(1),
+    ]
+    pipe = hybrid.Pipeline(
+        layers,
+        hybrid.DeviceMesh.create(1, 2),
+        keras.losses.BinaryCrossentropy(from_logits=True),
+        keras.optimizers.SGD(0.1),
+        jit_compile=False,
+    )
+    x, y = data(16)
+    pipe.train_step(x, y)  # splits evenly: no padding
+    with pytest.warns(UserWarning, match=r"padded with zero examples.*\['bn'\]"):
+        pipe.train_step(*data(13))
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

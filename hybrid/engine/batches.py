@@ -14,13 +14,15 @@ the loss, its gradient and the metrics: the step is that of the real examples al
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from hybrid.core.config import RunConfig, check_global_batch
 from hybrid.engine.graph import Graph
-from hybrid.engine.stage import TensorSpec
+from hybrid.engine.stage import StageReplica, TensorSpec
 
 __all__ = [
     "examples",
@@ -34,6 +36,7 @@ __all__ = [
     "split",
     "split_inputs",
     "structured",
+    "warn_padding",
 ]
 
 
@@ -139,6 +142,22 @@ def pad(
         None if ws is None else [padded(w) for w in ws],
         valid,
     )
+
+
+def warn_padding(stages: Sequence[StageReplica]) -> None:
+    """Warns that the padding examples of a partial batch reach the layers whose effect
+    depends on the whole batch (BatchNormalization's statistics, activity regularizers,
+    ``add_loss``): the loss and gradients of the real examples stay exact only without them."""
+    layers = [layer.name for stage in stages for layer, _ in stage.norms]
+    layers += [layer.name for stage in stages for layer in stage.regularized]
+    if layers:
+        warnings.warn(
+            f"a partial batch is padded with zero examples to split into equal micro-batches; "
+            f"layers {sorted(set(layers))} see them (BatchNormalization statistics, activity "
+            "regularizers, add_loss), so this step differs from Keras's on the partial batch: "
+            "use a batch size that divides the data (or drop_remainder) to avoid it",
+            stacklevel=3,
+        )
 
 
 def examples(xs: list[tf.Tensor], valid: tf.Tensor | None) -> tf.Tensor:

@@ -278,34 +278,9 @@ class Pipeline(Workflow):
         if ys is not None:
             self._metrics.build(ys, self._loss.shapes)
         xs, ys, ws, valid = batches.pad(self.config, xs, ys, ws, pad_to)
+        if valid is not None:
+            batches.warn_padding([row[0] for row in self._stages])
         return (*batches.prepare(self.config, xs, ys, ws), valid)
-
-    def _output_structure(self, outputs: list[Any]) -> Any:
-        return batches.structured(outputs, self._graph.output_names)
-
-    def get_weights(self) -> list[np.ndarray]:
-        """All weights, in the order of ``model.get_weights()`` (a tied variable once)."""
-        return self.replica_weights(0)
-
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Sets all weights (order as in :meth:`get_weights`) on every replica."""
-        placement = self.placement
-        rows = placement.spread(weights, [row[0].num_weights() for row in self._stages])
-        for row, values in zip(self._stages, rows, strict=True):
-            for copy in row:
-                copy.set_weights(values)
-
-    def replica_weights(self, replica: int) -> list[np.ndarray]:
-        """The weights held by one replica's devices (all replicas should be identical)."""
-        return self.placement.read([row[replica].get_weights() for row in self._stages])
-
-    def to_keras(self) -> keras.Model:
-        """The user's Keras model with the pipeline's weights (trainable and non-trainable
-        state: BatchNormalization's moving statistics) written into its variables: the very
-        model object passed in (a list of layers: a ``keras.Sequential`` of them)."""
-        for variable, value in zip(self.placement.variables, self.get_weights(), strict=True):
-            variable.assign(value)
-        return self._graph.keras_model(self._specs)
 
     @property
     def placement(self) -> Placement:

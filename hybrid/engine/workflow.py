@@ -25,8 +25,9 @@ import keras
 import numpy as np
 
 from hybrid.core.config import RunConfig
-from hybrid.engine import export, keras_private
+from hybrid.engine import batches, export, keras_private
 from hybrid.engine.metrics import StepMetrics
+from hybrid.engine.variables import Placement
 
 __all__ = ["LogicalOptimizer", "Workflow"]
 
@@ -93,6 +94,7 @@ class Workflow:
     _eval: Any
     _predict: Any
     _graph: Any
+    _specs: Any
 
     def __init__(self) -> None:
         self.stop_training = False
@@ -110,17 +112,38 @@ class Workflow:
     def _batch(self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: Any = None) -> Any:
         raise NotImplementedError
 
-    def _output_structure(self, outputs: list[np.ndarray]) -> Any:
+    @property
+    def placement(self) -> Placement:
         raise NotImplementedError
 
-    def to_keras(self) -> keras.Model:
-        raise NotImplementedError
+    # -- the model's weights, in and out ---------------------------------------------------
+
+    def _output_structure(self, outputs: list[Any]) -> Any:
+        return batches.structured(outputs, self._graph.output_names)
 
     def get_weights(self) -> list[np.ndarray]:
-        raise NotImplementedError
+        """All weights, in the order of ``model.get_weights()`` (a tied variable once)."""
+        return self.replica_weights(0)
 
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        raise NotImplementedError
+        """Sets all weights (order as in :meth:`get_weights`) on every replica."""
+        placement = self.placement
+        rows = placement.spread(weights, [row[0].num_weights() for row in self.stages])
+        for row, values in zip(self.stages, rows, strict=True):
+            for copy in row:
+                copy.set_weights(values)
+
+    def replica_weights(self, replica: int) -> list[np.ndarray]:
+        """The weights held by one replica's devices (all replicas should be identical)."""
+        return self.placement.read([row[replica].get_weights() for row in self.stages])
+
+    def to_keras(self) -> keras.Model:
+        """The user's Keras model with the pipeline's weights (trainable and non-trainable
+        state: BatchNormalization's moving statistics) written into its variables: the very
+        model object passed in (a list of layers: a ``keras.Sequential`` of them)."""
+        for variable, value in zip(self.placement.variables, self.get_weights(), strict=True):
+            variable.assign(value)
+        return self._graph.keras_model(self._specs)
 
     # -- what callbacks use of a model ----------------------------------------------------
 
