@@ -61,6 +61,7 @@ bazel-ci: install bazel
 bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/pipeline_speedup.py
+	$(PY) benchmarks/serving.py
 
 clean:
 	rm -rf $(VENV) benchmarks/results .mypy_cache .ruff_cache
