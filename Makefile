@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 # A byte-level Transformer LM on the Python manual (ships with CPython), 2×2 simulated mesh.
 demo: install
 	$(PY) -m hybrid.launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=60 \
-		--model_dir=/tmp/hybrid-demo-$$$$
+		--progress_bar --model_dir=/tmp/hybrid-demo-$$$$
 
 lint: install
 	$(PY) -m ruff check hybrid tests benchmarks tools

@@ -4,11 +4,14 @@ Conceptually::
 
     pipe = Pipeline(model(config), mesh(config), ...)
     start = restore the newest checkpoint in model_dir (its step), else 0
-    for step in start + 1 … train_steps:              # batch(step) depends only on (seed, step)
-        loss = pipe.train_step(*batch(step))
+    pipe.fit(batches from step start + 1 on,            # batch(step) depends only on (seed, step)
+             epochs=1, steps_per_epoch=train_steps - start, callbacks=[after each step:
         stop with NonFiniteLossError if loss is NaN/Inf (the last good checkpoint stays)
-        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every
+        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every])
     checkpoint at the end
+
+The loop is ``Pipeline.fit``, Keras's own (``--progress_bar`` shows Keras's progress bar),
+and everything the launcher does per step is a Keras callback (:class:`_Steps`).
 
 so a run killed at any point and started again with the same config finishes with exactly
 the weights of an uninterrupted run, and a checkpoint restores onto any mesh.
@@ -21,6 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -62,6 +66,10 @@ class TrainConfig:
       checkpoint_every: save every this many steps (0: only at the end).
       keep_checkpoints: how many recent checkpoints to keep.
       profile_steps: (first, last) steps to capture in a TF profiler trace, or None.
+      progress_bar: show Keras's progress bar instead of the log lines.
+      export_dir: at the end, a SavedModel of the model here and one per stage under
+        ``export_dir/stages``; None writes none.
+      keras_file: at the end, the trained model saved as this ``.keras`` file; None: none.
     """
 
     model: str = "transformer"
@@ -89,6 +97,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     profile_steps: tuple[int, int] | None = None
+    progress_bar: bool = False
+    export_dir: str | None = None
+    keras_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,46 +236,97 @@ def train(
     )
     restored = _resume(config, pipe, saver, log)
     start = restored.step if restored else 0
-    batches = iter(
-        data.dataset(
-            config.data,
-            config.model,
-            config.global_batch_size,
-            config.seed,
-            start_step=restored.data_position if restored else 0,
-            seq_len=config.seq_len,
-            input_shape=input_shape,
-        )
+    batches = data.dataset(
+        config.data,
+        config.model,
+        config.global_batch_size,
+        config.seed,
+        start_step=restored.data_position if restored else 0,
+        seq_len=config.seq_len,
+        input_shape=input_shape,
     )
     writer = (
         tf.summary.create_file_writer(os.path.join(config.model_dir, "train"))
         if config.model_dir
         else None
     )
-    progress = _Progress(config.global_batch_size, config.train_steps - start)
-    losses: list[float] = []
-    last_checkpoint = restored.path if restored else None
-    for step in range(start + 1, config.train_steps + 1):
-        _profile(config, step, "start")
-        x, y = next(batches)
-        began = time.perf_counter()
-        loss = pipe.train_step(x, y)["loss"]
-        progress.add(time.perf_counter() - began, first=step == start + 1)
+    steps = _Steps(config, pipe, start, saver, writer, log, step_callback)
+    steps.last_checkpoint = restored.path if restored else None
+    if config.train_steps > start:
+        pipe.fit(
+            batches,
+            epochs=1,
+            steps_per_epoch=config.train_steps - start,
+            verbose=1 if config.progress_bar else 0,
+            shuffle=False,  # the batches are a function of (seed, step)
+            callbacks=[steps],
+        )
+    if writer is not None:
+        writer.flush()
+    _export(config, pipe, log)
+    return TrainResult(
+        tuple(steps.losses),
+        start,
+        steps.progress.examples_per_second,
+        pipe,
+        steps.last_checkpoint,
+    )
+
+
+class _Steps(keras.callbacks.Callback):
+    """What the launcher does around each step of ``fit``: times it, stops on a non-finite
+    loss, logs and writes TensorBoard scalars, checkpoints, profiles, and calls the
+    ``step_callback``; the model's step is ``start`` + the batch's index + 1."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        pipe: Pipeline,
+        start: int,
+        saver: Checkpointer | None,
+        writer: tf.summary.SummaryWriter | None,
+        log: Callable[[str], None],
+        step_callback: StepCallback | None,
+    ) -> None:
+        super().__init__()
+        self.config, self.pipe, self.start, self.saver = config, pipe, start, saver
+        self.writer, self.log, self.step_callback = writer, log, step_callback
+        self.progress = _Progress(config.global_batch_size, config.train_steps - start)
+        self.losses: list[float] = []
+        self.last_checkpoint: str | None = None
+        self.began = 0.0
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        _profile(self.config, self.start + batch + 1, "start")
+        self.began = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        config, step = self.config, self.start + batch + 1
+        loss = self.pipe.last_loss
+        self.progress.add(time.perf_counter() - self.began, first=batch == 0)
         _profile(config, step, "stop")
-        _check_finite(config, step, loss, last_checkpoint)
-        losses.append(loss)
+        _check_finite(config, step, loss, self.last_checkpoint)
+        self.losses.append(loss)
         if step % config.log_every == 0 or step == config.train_steps:
-            _report(config, step, loss, progress, log, writer)
-        if saver and (
+            _report(config, step, loss, self.progress, self.log, self.writer)
+        if self.saver and (
             (config.checkpoint_every and step % config.checkpoint_every == 0)
             or step == config.train_steps
         ):
-            last_checkpoint = saver.save(step)
-        if step_callback is not None:
-            step_callback(step, loss)
-    if writer is not None:
-        writer.flush()
-    return TrainResult(tuple(losses), start, progress.examples_per_second, pipe, last_checkpoint)
+            self.last_checkpoint = self.saver.save(step)
+        if self.step_callback is not None:
+            self.step_callback(step, loss)
+
+
+def _export(config: TrainConfig, pipe: Pipeline, log: Callable[[str], None]) -> None:
+    """The trained model as SavedModels (whole and per stage) and as a .keras file."""
+    if config.export_dir:
+        pipe.export(config.export_dir)
+        pipe.export(os.path.join(config.export_dir, "stages"), per_stage=True)
+        log(f"exported SavedModels to {config.export_dir} (per stage: stages/)")
+    if config.keras_file:
+        pipe.save(config.keras_file)
+        log(f"saved the Keras model to {config.keras_file}")
 
 
 def _resume(
@@ -306,12 +368,14 @@ def _report(
     log: Callable[[str], None],
     writer: tf.summary.SummaryWriter | None,
 ) -> None:
-    """One progress line, and the TensorBoard scalars when a writer is open."""
-    log(
-        f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
-        f"examples/s {progress.examples_per_second:9.1f}  "
-        f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
-    )
+    """One progress line (unless the progress bar shows), and the TensorBoard scalars when
+    a writer is open."""
+    if not config.progress_bar:
+        log(
+            f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
+            f"examples/s {progress.examples_per_second:9.1f}  "
+            f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
+        )
     if writer is not None:
         _scalars(writer, step, loss, config.learning_rate, progress)
 

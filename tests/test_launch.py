@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import keras
+import numpy as np
 import pytest
 
 import runner
@@ -54,17 +56,52 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     assert any(name.startswith("events.out.tfevents") for name in events)
     traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
     assert any(f.endswith(".xplane.pb") for f in traces), traces
-    again = launch(*SMALL_TRANSFORMER, "--tie_embeddings", f"--model_dir={tmp_path}")  # at 30
+    # a finished run: converts its last checkpoint to a .keras file and SavedModels
+    again = launch(
+        *SMALL_TRANSFORMER,
+        "--tie_embeddings",
+        f"--model_dir={tmp_path}",
+        f"--export_dir={tmp_path}/export",
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained to step 30" in again.stdout
+    check = subprocess.run(
+        [sys.executable, "-c", EXPORTS_AGREE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
 
 
-def test_mesh_auto_trains_on_the_planned_mesh():
+# The SavedModel's serving_default and the per-stage exports served pipelined give the same
+# logits for the same tokens.
+EXPORTS_AGREE = """
+import sys, numpy as np, tensorflow as tf
+import hybrid
+hybrid.simulate_cpu_devices(2)
+from hybrid import serving
+path = sys.argv[1]
+tokens = np.random.default_rng(0).integers(0, 256, size=(4, 32)).astype("int32")
+signature = tf.saved_model.load(path + "/export").signatures["serving_default"]
+(name,) = signature.structured_input_signature[1]
+want = next(iter(signature(**{name: tf.constant(tokens)}).values())).numpy()
+assert want.shape == (4, 32, 256)
+pipelined = serving.load(path + "/export/stages").predict(tokens, micro_batches=2)
+np.testing.assert_allclose(pipelined, want, atol=1e-4)
+"""
+
+
+def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     run = launch(
         "--mesh=auto", "--simulated_devices=2", "--model=mlp", "--data=synthetic", "--width=16",
         "--depth=1", "--global_batch_size=16", "--train_steps=4", "--schedule=1f1b",
+        "--progress_bar", f"--keras_file={tmp_path}/mlp.keras",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "4/4" in run.stdout and "loss:" in run.stdout  # Keras's progress bar
+    trained = keras.saving.load_model(tmp_path / "mlp.keras")
+    assert trained.predict(np.zeros((2, 64), "float32"), verbose=0).shape == (2, 10)
     planned = [line for line in run.stdout.splitlines() if line.startswith("planned: ")]
     assert planned and "--schedule=1f1b" in planned[0]  # a flag given explicitly stays fixed
     spec = planned[0].split("--mesh=")[1].split(" ")[0]
@@ -81,6 +118,10 @@ def test_mesh_auto_trains_on_the_planned_mesh():
             "is not divisible by replicas (2) × micro_batches (4) = 8",
         ),
         (["--mesh=stages:2"], "--mesh: bad mesh spec 'stages:2'"),
+        (
+            ["--keras_file=lm.keras", "--tie_embeddings"],
+            "--keras_file=lm.keras --tie_embeddings: the tied head holds the embedding layer",
+        ),
         (["--schedule=gpip"], "flag --schedule=gpip: value should be one of"),
         (["--remat=sometimes"], "flag --remat=sometimes: value should be one of"),
         (["--model=gpt"], "flag --model=gpt: value should be one of"),

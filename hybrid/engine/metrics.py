@@ -49,6 +49,8 @@ class StepMetrics:
         dict_names: tuple[str, ...] | None,
     ) -> None:
         self.loss = keras.metrics.Mean(name="loss")
+        # The newest step's own loss (the tracker keeps the running mean).
+        self.last_loss = tf.Variable(0.0, trainable=False, name="last_loss")
         self.compiled = (
             keras_private.compile_metrics(
                 metrics, weighted_metrics, list(output_names) if output_names else None
@@ -88,6 +90,7 @@ class StepMetrics:
         compiled metrics, the batch's first ``examples`` labels and predictions (the rest
         are padding)."""
         self.loss.update_state(loss, sample_weight=tf.cast(examples, loss.dtype))
+        self.last_loss.assign(tf.cast(loss, tf.float32))
         if self.compiled is None or y_true is None or y_pred is None:
             return
 

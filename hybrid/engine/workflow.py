@@ -155,6 +155,12 @@ class Workflow:
         return LogicalOptimizer([copy.optimizer for row in self.stages for copy in row])
 
     @property
+    def last_loss(self) -> float:
+        """The loss of the newest training or evaluation step alone (``logs["loss"]`` is
+        the running mean over the epoch, as in Keras)."""
+        return float(self._metrics.last_loss.numpy())
+
+    @property
     def metrics(self) -> list[Any]:
         """The loss tracker and the compiled metrics, as ``keras.Model.metrics``."""
         return self._metrics.metrics

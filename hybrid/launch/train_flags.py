@@ -98,6 +98,19 @@ def _define_run_flags() -> None:
     flags.DEFINE_integer(
         "simulated_devices", None, "CPU only: logical devices to simulate (default: mesh size)."
     )
+    flags.DEFINE_bool("progress_bar", False, "Show Keras's progress bar instead of log lines.")
+    flags.DEFINE_string(
+        "export_dir",
+        None,
+        "At the end, write a SavedModel for serving here (serve, serving_default) and one per "
+        "stage under EXPORT_DIR/stages (hybrid.serving).",
+    )
+    flags.DEFINE_string(
+        "keras_file",
+        None,
+        "At the end, save the trained model as a .keras file (a finished run in --model_dir "
+        "just converts its last checkpoint).",
+    )
 
 
 def _define_cluster_flags() -> None:
@@ -133,6 +146,7 @@ def _register_validators() -> None:
     flags.register_multi_flags_validator(
         ["model", "data", "width", "num_heads"], _check_model_and_data
     )
+    flags.register_multi_flags_validator(["keras_file", "tie_embeddings"], _check_keras_file)
     flags.register_multi_flags_validator(
         ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
     )
@@ -232,6 +246,18 @@ def _check_model_and_data(values: dict[str, Any]) -> bool:
         raise flags.ValidationError(
             f"--width={values['width']} must be divisible by --num_heads={values['num_heads']}"
         )
+    return True
+
+
+def _check_keras_file(values: dict[str, Any]) -> bool:
+    if values["keras_file"] and values["tie_embeddings"]:
+        raise flags.ValidationError(
+            f"--keras_file={values['keras_file']} --tie_embeddings: the tied head holds the "
+            "embedding layer itself, which a .keras file cannot describe; use --export_dir "
+            "(SavedModels) for a tied model"
+        )
+    if values["keras_file"] and not values["keras_file"].endswith(".keras"):
+        raise flags.ValidationError(f"--keras_file={values['keras_file']} must end in .keras")
     return True
 
 
