@@ -266,11 +266,11 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     for r in range(replicas):
         ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights())
     x, y = batch(9)
-    np.testing.assert_allclose(
-        pipe.evaluate(x, y, verbose=0),
-        keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)["loss"],
-        rtol=1e-5,
-    )
+    got = pipe.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    want = keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert got.keys() == want.keys()  # with several outputs: each output's loss too
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
     got, want = pipe.predict(x, verbose=0), keras_model.predict(x, verbose=0)
     if isinstance(want, dict):
         assert sorted(got) == sorted(want)

@@ -219,6 +219,45 @@ def test_a_batch_of_any_size_trains_as_keras_trains_it(reduction):
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
 
 
+def two_outputs(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((ref.IN_FEATURES,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    deeper = keras.layers.Add()([hidden, keras.layers.Dense(16, activation="tanh")(hidden)])
+    logits = keras.layers.Dense(ref.CLASSES, name="logits")(deeper)
+    return keras.Model(inputs, [logits, keras.layers.Dense(1, name="value")(deeper)])
+
+
+def test_fit_of_a_model_with_two_outputs_logs_what_keras_logs():
+    """Each output's own loss (``logits_loss``, ``value_loss``), its metrics by output name,
+    the total weighted by ``loss_weights``: History equal to Keras's."""
+    options = dict(
+        loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+        loss_weights=[1.0, 0.5],
+        metrics=[["accuracy"], []],
+    )
+    keras_model = two_outputs()
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1), **options)
+    template = two_outputs(seed=1)
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(
+        template,
+        hybrid.DeviceMesh.create(2, 1),
+        optimizer=keras.optimizers.SGD(0.1),
+        micro_batches=2,
+        jit_compile=False,
+        **options,
+    )
+    x, _ = data()
+    y = [np.random.default_rng(1).integers(0, ref.CLASSES, EXAMPLES), x[:, :1]]
+    kwargs = dict(batch_size=BATCH, epochs=2, validation_data=(x[:20], [y[0][:20], y[1][:20]]))
+    want = keras_model.fit(x, y, shuffle=False, verbose=0, **kwargs).history
+    got = pipe.fit(x, y, shuffle=False, verbose=0, **kwargs).history
+    assert "logits_loss" in want and "val_value_loss" in want
+    assert_history_equal(got, want)
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
 def test_padding_warns_when_a_layer_sees_the_whole_batch():
     layers = [
         keras.layers.Dense(8),

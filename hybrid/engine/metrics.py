@@ -49,6 +49,11 @@ class StepMetrics:
         dict_names: tuple[str, ...] | None,
     ) -> None:
         self.loss = keras.metrics.Mean(name="loss")
+        # A model of several outputs also reports each one's loss, as "<output>_loss".
+        names = list(dict_names or output_names or [])
+        self.output_losses = (
+            [keras.metrics.Mean(name=f"{name}_loss") for name in names] if len(names) > 1 else []
+        )
         # The newest step's own loss (the tracker keeps the running mean).
         self.last_loss = tf.Variable(0.0, trainable=False, name="last_loss")
         self.compiled = (
@@ -68,7 +73,8 @@ class StepMetrics:
     @property
     def metrics(self) -> list[Any]:
         """The metric objects, as ``keras.Model.metrics`` lists them."""
-        return [self.loss] + ([self.compiled] if self.compiled is not None else [])
+        compiled = [self.compiled] if self.compiled is not None else []
+        return [self.loss, *self.output_losses, *compiled]
 
     def build(self, y_true: list[tf.Tensor], shapes: Sequence[tuple[int | None, ...]]) -> None:
         """Creates the compiled metrics' variables from a batch of labels and the shapes of
@@ -80,17 +86,23 @@ class StepMetrics:
 
     def update(
         self,
-        loss: tf.Tensor,
         examples: tf.Tensor,
+        loss: tf.Tensor,
+        output_losses: tf.Tensor,
         y_true: list[tf.Tensor] | None = None,
         y_pred: list[tf.Tensor] | None = None,
         sample_weight: list[tf.Tensor] | None = None,
     ) -> None:
-        """Adds one step: its loss (weighted by its ``examples``, the real ones) and, with
-        compiled metrics, the batch's first ``examples`` labels and predictions (the rest
-        are padding)."""
-        self.loss.update_state(loss, sample_weight=tf.cast(examples, loss.dtype))
+        """Adds one step: its loss (weighted by the step's ``examples``, the real ones), each
+        output's loss and, with compiled metrics, the batch's first ``examples`` labels and
+        predictions (the rest are padding)."""
+        count = tf.cast(examples, tf.float32)
+        self.loss.update_state(loss, sample_weight=count)
         self.last_loss.assign(tf.cast(loss, tf.float32))
+        # Keras weighs each output's loss by the batch's static size, unknown (None: weight
+        # 1) in its traced step whenever batches differ in size: a plain mean over steps.
+        for metric, value in zip(self.output_losses, tf.unstack(output_losses), strict=False):
+            metric.update_state(value)
         if self.compiled is None or y_true is None or y_pred is None:
             return
 
@@ -103,6 +115,7 @@ class StepMetrics:
     def result(self) -> dict[str, float]:
         """The logs ``fit`` reports: ``loss`` first, then each compiled metric by name."""
         logs = {"loss": float(self.loss.result())}
+        logs.update({m.name: float(m.result()) for m in self.output_losses})
         if self.compiled is not None and self.compiled.built:
             logs.update({name: float(value) for name, value in self.compiled.result().items()})
         return logs

@@ -140,11 +140,14 @@ class Objective:
         """What a late output's summed gradients are multiplied by (1 / divisor), else None."""
         return tf.math.divide_no_nan(1.0, divisors[0]) if self.late else None
 
-    def value(self, terms: tf.Tensor, divisors: tf.Tensor) -> tf.Tensor:
-        """The loss from the summed ``terms`` of the global batch and its divisors (what
-        Keras reports: the mean of a reduction-None loss's values, whose gradient is that of
-        their sum)."""
+    def values(self, terms: tf.Tensor, divisors: tf.Tensor) -> tf.Tensor:
+        """Each output's own loss (before its ``loss_weights``) from the summed ``terms`` of
+        the global batch and its divisors, as Keras reports it (a reduction-None loss: the
+        mean of its values, whose gradient is that of their sum)."""
         means = tf.constant([per_element(loss) for loss in self.losses])
-        divisors = tf.where(means, terms[:, 1], divisors)
-        scale = tf.math.divide_no_nan(tf.constant(self.weights, tf.float32), divisors)
-        return tf.reduce_sum(scale * terms[:, 0])
+        return tf.math.divide_no_nan(terms[:, 0], tf.where(means, terms[:, 1], divisors))
+
+    def value(self, terms: tf.Tensor, divisors: tf.Tensor) -> tf.Tensor:
+        """The loss: the outputs' losses weighted by their ``loss_weights``."""
+        weights = tf.constant(self.weights, tf.float32)
+        return tf.reduce_sum(weights * self.values(terms, divisors))

@@ -44,6 +44,7 @@ from hybrid.engine.graph import graph_of
 from hybrid.engine.losses import LossLike
 from hybrid.engine.metrics import StepMetrics
 from hybrid.engine.objective import Objective
+from hybrid.engine.records import StepResult
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerLike, optimizer_copies
 from hybrid.engine.timing import TimedAction
@@ -297,12 +298,13 @@ class Pipeline(Workflow):
     def _train_step(
         self, x: Flat, y: Flat, w: Flat | None, valid: Valid, record: bool = False
     ) -> list[list[tf.Tensor]]:
-        loss, grads, events, stats, predictions = self._pipelined_gradients(x, y, w, valid, record)
-        self._apply(grads, stats)
-        self._metrics.update(loss, batches.examples(x, valid), y, predictions, w)
+        step = self._pipelined_gradients(x, y, w, valid, record)
+        self._apply(step.grads, step.stats)
+        examples = batches.examples(x, valid)
+        self._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
         if record:  # (device, action) of each timestamp pair: the same in every trace
-            self._event_keys = [(device, action) for device, action, _, _ in events]
-        return [[start, end] for _, _, start, end in events]
+            self._event_keys = [(device, action) for device, action, _, _ in step.events]
+        return [[start, end] for _, _, start, end in step.events]
 
     def _apply(self, grads: list[list[list[tf.Tensor]]], stats: list[Any]) -> None:
         """Every device applies its stage's gradients (clipped by the global norm when the
@@ -323,21 +325,16 @@ class Pipeline(Workflow):
     def _gradient_step(
         self, x: Flat, y: Flat, w: Flat | None, valid: Valid
     ) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        loss, grads, _, _, _ = self._pipelined_gradients(x, y, w, valid, record=False)
-        return loss, [grads[k][0][j] for k, j in self.placement.gradient_order()]
+        step = self._pipelined_gradients(x, y, w, valid, record=False)
+        return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
 
     def _pipelined_gradients(
         self, x: Flat, y: Flat, w: Flat | None, valid: Valid, record: bool
-    ) -> tuple[tf.Tensor, list[list[list[tf.Tensor]]], list[Any], list[Any], Flat | None]:
-        """Runs the schedule on every replica, then reduces over the mesh.
-
-        Returns:
-          The loss of the global batch, ``grads[k][r]``: model stage k's gradients of that
-          loss on replica r's device (a tied variable's: the sum over its stages), replica
-          0's timing events when ``record``, ``stats[k][r]``: stage k's BatchNormalization
-          statistics summed over the global batch (empty for a stage without), and the
-          batch's predictions per output when the last stage returns them (else None).
-        """
+    ) -> StepResult:
+        """Runs the schedule on every replica, then reduces over the mesh: the loss of the
+        global batch, each stage's gradients of it on each replica's device (a tied
+        variable's: the sum over its stages), BatchNormalization statistics summed over the
+        global batch, timing events when ``record``, the predictions when returned."""
         R = self.mesh.num_replicas
         xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w, valid)
         divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
@@ -358,7 +355,7 @@ class Pipeline(Workflow):
             )
             for r in range(R)
         ]
-        loss, divisors = reduction.global_loss(
+        loss, divisors, output_losses = reduction.global_loss(
             self._loss, [t for s in steps for t in s.losses], divisors
         )
         rows = [self.schedule.device_of(k) for k in range(len(self._stages))]
@@ -370,7 +367,8 @@ class Pipeline(Workflow):
         for r in range(R):
             sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
         parts = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
-        return loss, grads, steps[0].events, stats, batches.joined(parts)
+        predictions = batches.joined(parts)
+        return StepResult(loss, output_losses, grads, steps[0].events, stats, predictions)
 
     def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None, valid: Valid) -> Any:
         """The forward-only schedule on every replica (``lower_replicas_inference``)."""
@@ -384,11 +382,11 @@ class Pipeline(Workflow):
 
     def _eval_step(self, x: Flat, y: Flat, w: Flat | None, valid: Valid) -> None:
         outs, activity = self._forward_pass(x, y, w, valid)
-        loss, _ = reduction.global_loss(self._loss, [out[0] for out in outs], None)
+        loss, _, output_losses = reduction.global_loss(self._loss, [o[0] for o in outs], None)
         penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
         loss = loss + tf.add_n(penalties + activity) if penalties + activity else loss
         predictions = batches.joined([out[1:] for out in outs])
-        self._metrics.update(loss, batches.examples(x, valid), y, predictions, w)
+        self._metrics.update(batches.examples(x, valid), loss, output_losses, y, predictions, w)
 
     def _predict_step(self, x: Flat, valid: Valid) -> Flat:
         parts, _ = self._forward_pass(x, None, None, valid)

@@ -4,12 +4,12 @@ what one micro-batch's forward leaves for its backward."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Labels", "Saved", "TensorSpec"]
+__all__ = ["Labels", "Saved", "StepResult", "TensorSpec"]
 
 # ([y_true per output], [sample_weight per output] or None, valid or None): ``valid`` is 1
 # per real example and 0 per padding example of a partial batch (None: all are real).
@@ -53,3 +53,23 @@ class Saved:
     weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
     stats: list[tf.Tensor] = dataclasses.field(default_factory=list)
     activity: list[tf.Tensor] = dataclasses.field(default_factory=list)
+
+
+class StepResult(NamedTuple):
+    """What a pipelined training step computes before any update.
+
+    Attributes:
+      loss: the step's loss as Keras reports it (regularization included).
+      output_losses: each output's own loss, before its ``loss_weights``.
+      grads: ``grads[k][r]``: model stage k's gradients on replica r's device.
+      events: replica 0's timing events (when recorded).
+      stats: ``stats[k][r]``: stage k's BatchNormalization statistics (empty without).
+      predictions: the batch's model outputs, per output (None unless returned).
+    """
+
+    loss: tf.Tensor
+    output_losses: tf.Tensor
+    grads: list[list[list[tf.Tensor]]]
+    events: list[Any]
+    stats: list[Any]
+    predictions: list[tf.Tensor] | None

@@ -108,13 +108,13 @@ def loss_divisors(
 
 def global_loss(
     objective: Objective, terms: Sequence[tf.Tensor], divisors: tf.Tensor | None
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """The loss of the global batch from every micro-batch's terms (every replica's), and
-    the divisors (from the summed terms when not known before)."""
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The loss of the global batch from every micro-batch's terms (every replica's), the
+    divisors (from the summed terms when not known before) and each output's own loss."""
     total = tf.add_n(list(terms))
     if divisors is None:
         divisors = objective.divisors(total[:, 1])
-    return objective.value(total, divisors), divisors
+    return objective.value(total, divisors), divisors, objective.values(total, divisors)
 
 
 def all_stages(
