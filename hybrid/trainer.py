@@ -20,6 +20,8 @@ the weights of an uninterrupted run, and a checkpoint restores onto any mesh.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import math
 import os
 import time
@@ -32,9 +34,17 @@ import tensorflow as tf
 from hybrid import data, models
 from hybrid.checkpoint import Checkpointer, Restored
 from hybrid.core.mesh import DeviceMesh, parse_spec
+from hybrid.data_sources import is_function_spec
 from hybrid.engine.pipeline import Pipeline
 
-__all__ = ["NonFiniteLossError", "TrainConfig", "TrainResult", "build_model", "train"]
+__all__ = [
+    "NonFiniteLossError",
+    "TrainConfig",
+    "TrainResult",
+    "build_model",
+    "load_function",
+    "train",
+]
 
 _IMAGE_SHAPE = (16, 16, 3)
 
@@ -44,8 +54,12 @@ class TrainConfig:
     """Everything one training run needs.
 
     Attributes:
-      model: "transformer", "resnet" or "mlp" (``hybrid.models``).
-      data: "synthetic", "text:PATH" or "text:python-docs" (``hybrid.data``).
+      model: "transformer", "resnet" or "mlp" (``hybrid.models``), or yours:
+        "package.module:fn" (:func:`_user_model`).
+      data: "synthetic", "text:PATH", "text:python-docs" or "package.module:fn"
+        (``hybrid.data``).
+      optimizer, optimizer_config: a Keras optimizer's name and its other arguments (JSON).
+      precision: the Keras dtype policy the model is built under.
       mesh: mesh spec, e.g. "stage:2;replica:2".
       platform: "cpu", "gpu" or "tpu": the device type the mesh is made of.
       micro_batches: micro-batches per replica per step.
@@ -74,6 +88,9 @@ class TrainConfig:
 
     model: str = "transformer"
     data: str = "text:" + data.BUILTIN_TEXT
+    optimizer: str = "adam"
+    optimizer_config: str = "{}"
+    precision: str = "float32"
     mesh: str = "stage:2;replica:2"
     platform: str = "cpu"
     micro_batches: int = 4
@@ -160,21 +177,82 @@ def _mesh(config: TrainConfig, devices: Sequence[str] | None) -> DeviceMesh:
     return DeviceMesh.create(stages, replicas, config.platform.upper())
 
 
-def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, tuple[int, ...]]:
-    layers, input_shape, dtype = build_model(config)
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function ``package.module:name`` names (``--model``, ``--data``).
+
+    Raises:
+      ValueError: the module cannot be imported or has no such function.
+    """
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"{spec}: cannot import {module_name!r} ({err}); is it on PYTHONPATH?"
+        ) from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"{spec}: module {module_name!r} has no function {name!r}")
+    return function
+
+
+def _user_model(config: TrainConfig) -> tuple[keras.Model, Any, Any]:
+    """Your model, loss and metrics from ``config.model`` (``package.module:fn``): fn()
+    returns a dict ``{"model", "loss", "metrics"}`` or a model compiled with its loss."""
+    made = load_function(config.model)()
+    if isinstance(made, dict):
+        model, loss, metrics = made.get("model"), made.get("loss"), made.get("metrics")
+    else:
+        model, loss, metrics = made, getattr(made, "loss", None), None
+    if not isinstance(model, keras.Model) or loss is None:
+        raise ValueError(
+            f"--model={config.model} must return a Keras model compiled with its loss, or "
+            f"{{'model': ..., 'loss': ..., 'metrics': ...}}; got {type(made).__name__}"
+        )
+    return model, loss, metrics
+
+
+def _optimizer(config: TrainConfig) -> keras.optimizers.Optimizer:
+    """``--optimizer`` at ``--learning_rate`` with ``--optimizer_config``'s arguments."""
+    cls = type(keras.optimizers.get(config.optimizer.lower()))
+    return cls(learning_rate=config.learning_rate, **json.loads(config.optimizer_config))
+
+
+def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, Any]:
+    """The pipeline of the config's model (under its dtype policy), built; and the input
+    shape (one, without the batch) the reference data needs."""
+    keras.mixed_precision.set_global_policy(config.precision)
+    if is_function_spec(config.model):
+        model, loss, metrics = _user_model(config)
+        shapes = [(None, *t.shape[1:]) for t in model.inputs]
+        dtypes = [t.dtype for t in model.inputs]
+        shape, dtype, input_shape = (
+            (shapes, dtypes, None)
+            if len(shapes) > 1
+            else (
+                shapes[0],
+                dtypes[0],
+                tuple(shapes[0][1:]),
+            )
+        )
+    else:
+        model, input_shape, dtype = build_model(config)
+        loss, metrics = keras.losses.SparseCategoricalCrossentropy(from_logits=True), None
+        shape = (None, *input_shape)
     pipe = Pipeline(
-        layers,
+        model,
         mesh=mesh,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        optimizer=keras.optimizers.Adam(config.learning_rate),
+        loss=loss,
+        optimizer=_optimizer(config),
         micro_batches=config.micro_batches,
         balance=config.balance,
         schedule=config.schedule,
         virtual_stages=config.virtual_stages,
         remat=config.remat,
         jit_compile=config.jit_compile,
+        metrics=metrics,
     )
-    pipe.build((None, *input_shape), dtype)
+    pipe.build(shape, dtype)
     return pipe, input_shape
 
 
@@ -236,15 +314,19 @@ def train(
     )
     restored = _resume(config, pipe, saver, log)
     start = restored.step if restored else 0
-    batches = data.dataset(
-        config.data,
-        config.model,
-        config.global_batch_size,
-        config.seed,
-        start_step=restored.data_position if restored else 0,
-        seq_len=config.seq_len,
-        input_shape=input_shape,
-    )
+    position = restored.data_position if restored else 0
+    if is_function_spec(config.data):  # yours: the batches after the ones already taken
+        batches = load_function(config.data)(config.global_batch_size).skip(position)
+    else:
+        batches = data.dataset(
+            config.data,
+            config.model,
+            config.global_batch_size,
+            config.seed,
+            start_step=position,
+            seq_len=config.seq_len,
+            input_shape=input_shape,
+        )
     writer = (
         tf.summary.create_file_writer(os.path.join(config.model_dir, "train"))
         if config.model_dir

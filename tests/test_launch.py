@@ -13,14 +13,14 @@ import runner
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch(*flags: str) -> subprocess.CompletedProcess:
+def launch(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hybrid.launch.train", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
     )
 
 
@@ -109,6 +109,22 @@ def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     assert f"mesh {spec} devices" in run.stdout and "done:" in run.stdout
 
 
+def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_path):
+    run = launch(
+        "--model=user_model:model", "--data=user_model:data", "--mesh=stage:2;replica:1",
+        "--micro_batches=2", "--global_batch_size=32", "--train_steps=30", "--log_every=30",
+        "--optimizer=adamw", '--optimizer_config={"weight_decay": 0.001}',
+        "--learning_rate=0.01", "--precision=mixed_bfloat16", f"--keras_file={tmp_path}/m.keras",
+        env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    done = [line for line in run.stdout.splitlines() if line.startswith("done:")]
+    first, last = (float(v) for v in done[0].split("loss ")[1].split(" over")[0].split(" -> "))
+    assert last < 0.8 * first, done
+    trained = keras.saving.load_model(tmp_path / "m.keras")
+    assert trained.layers[1].dtype_policy.name == "mixed_bfloat16"
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
@@ -125,6 +141,13 @@ def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
         (["--schedule=gpip"], "flag --schedule=gpip: value should be one of"),
         (["--remat=sometimes"], "flag --remat=sometimes: value should be one of"),
         (["--model=gpt"], "flag --model=gpt: value should be one of"),
+        (["--model=mine:model"], "--data=text:python-docs --model=mine:model: model 'mine:model'"),
+        (["--optimizer=adamx"], "--optimizer=adamx: not a Keras optimizer; one of"),
+        (["--optimizer_config=weight_decay"], "--optimizer_config=weight_decay is not JSON"),
+        (
+            ["--model=mine:model", "--data=mine:data", "--mesh=auto"],
+            "--mesh=auto --model=mine:model: the planner profiles the reference models only",
+        ),
         (["--micro_batches=0"], "--micro_batches"),
         (
             ["--mesh=stage:2", "--simulated_devices=1"],
