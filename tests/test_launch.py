@@ -145,7 +145,7 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
         (["--optimizer=adamx"], "--optimizer=adamx: not a Keras optimizer; one of"),
         (["--optimizer_config=weight_decay"], "--optimizer_config=weight_decay is not JSON"),
         (
-            ["--model=mine:model", "--data=mine:data", "--mesh=auto"],
+            ["--model=mine:model", "--data=mine:data", "--mesh=auto", "--simulated_devices=2"],
             "--mesh=auto --model=mine:model: the planner profiles the reference models only",
         ),
         (["--micro_batches=0"], "--micro_batches"),

@@ -217,7 +217,9 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """The ``hybrid-train`` command: defines the flags, parses argv and runs :func:`main`."""
     define_flags()
-    show_in_help("hybrid.launch.train_flags", "hybrid.launch.cloud_tpu")
+    show_in_help(
+        "hybrid.launch.train_flags", "hybrid.launch.model_flags", "hybrid.launch.cloud_tpu"
+    )
     app.run(main)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from absl import flags
 
 from hybrid.data_sources import is_function_spec
-from hybrid.launch import cloud_tpu
+from hybrid.launch import cloud_tpu, model_flags
 
 FLAGS = flags.FLAGS
 
@@ -20,11 +20,12 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """Defines the launcher's flags and their cross-flag validators."""
     _define_mesh_flags()
-    _define_model_flags()
+    model_flags.define_flags()
     _define_run_flags()
     _define_cluster_flags()
     cloud_tpu.define_flags()
     _register_validators()
+    model_flags.register_late_validators()
 
 
 def _define_mesh_flags() -> None:
@@ -53,58 +54,6 @@ def _define_mesh_flags() -> None:
     flags.DEFINE_enum("remat", "except_last", list(REMAT_MODES), "Recompute mode.")
     flags.DEFINE_string(
         "balance", "params", "Layers per stage: 'params', 'time' (profiled) or counts '3,2'."
-    )
-
-
-def _define_model_flags() -> None:
-    from hybrid.models import catalog
-
-    flags.DEFINE_string(
-        "model",
-        "transformer",
-        f"A reference model ({', '.join(catalog.MODEL_NAMES)}) or yours: 'package.module:fn', "
-        "fn() returning a Keras model, or a dict {'model': ..., 'loss': ..., 'metrics': ...}.",
-    )
-    flags.register_validator(
-        "model",
-        lambda value: value in catalog.MODEL_NAMES or is_function_spec(value),
-        message=f"value should be one of {list(catalog.MODEL_NAMES)} or 'package.module:function'",
-    )
-    flags.DEFINE_string(
-        "data",
-        "text:python-docs",
-        "'synthetic', 'text:PATH' (byte-level LM on a text file), 'text:python-docs' (the "
-        "Python manual shipped with CPython) or 'package.module:fn', fn(global_batch_size) "
-        "returning a tf.data.Dataset of (x, y) global batches.",
-    )
-    flags.DEFINE_string(
-        "optimizer",
-        "adam",
-        "Any Keras optimizer by name (adam, adamw, sgd, lion, ...), at --learning_rate.",
-    )
-    flags.DEFINE_string(
-        "optimizer_config",
-        "{}",
-        "The optimizer's other arguments as JSON, e.g. '{\"weight_decay\": 0.01}'.",
-    )
-    flags.DEFINE_enum(
-        "precision",
-        "float32",
-        ["float32", "mixed_bfloat16", "mixed_float16"],
-        "Keras dtype policy of the model (mixed_float16 adds a LossScaleOptimizer).",
-    )
-    flags.DEFINE_integer("width", 64, "d_model / channels / units of the model.", lower_bound=1)
-    flags.DEFINE_integer("depth", 2, "Blocks of the model.", lower_bound=1)
-    flags.DEFINE_integer("seq_len", 64, "Transformer context length (tokens).", lower_bound=2)
-    flags.DEFINE_integer("num_heads", 4, "Transformer attention heads.", lower_bound=1)
-    flags.DEFINE_float(
-        "dropout", 0.0, "Transformer dropout rate.", lower_bound=0.0, upper_bound=0.9
-    )
-    flags.DEFINE_boolean(
-        "tie_embeddings",
-        False,
-        "Transformer: the output head reads the token embedding matrix (one variable on the "
-        "first and the last stage, its gradients summed across them).",
     )
 
 
@@ -171,12 +120,6 @@ def _register_validators() -> None:
         ],
         _check_run_config,
     )  # fmt: skip
-    flags.register_multi_flags_validator(
-        ["model", "data", "width", "num_heads"], _check_model_and_data
-    )
-    flags.register_multi_flags_validator(["keras_file", "tie_embeddings"], _check_keras_file)
-    flags.register_multi_flags_validator(["optimizer", "optimizer_config"], _check_optimizer)
-    flags.register_multi_flags_validator(["model", "mesh"], _check_user_model)
     flags.register_multi_flags_validator(
         ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
     )
@@ -262,71 +205,6 @@ def _check_run_config(values: dict[str, Any]) -> bool:
             f"--mesh={values['mesh']} needs {stages * replicas} devices but "
             f"--simulated_devices={devices}; raise --simulated_devices or shrink --mesh"
         )
-    return True
-
-
-def _check_model_and_data(values: dict[str, Any]) -> bool:
-    from hybrid.data_sources import check_source
-
-    try:
-        check_source(values["data"], values["model"])
-    except ValueError as err:
-        raise flags.ValidationError(
-            f"--data={values['data']} --model={values['model']}: {err}"
-        ) from None
-    if values["model"] == "transformer" and values["width"] % values["num_heads"]:
-        raise flags.ValidationError(
-            f"--width={values['width']} must be divisible by --num_heads={values['num_heads']}"
-        )
-    return True
-
-
-def _check_optimizer(values: dict[str, Any]) -> bool:
-    import json
-
-    import keras  # imports TensorFlow without starting its runtime: no optimizer is made
-
-    names = {
-        name.lower()
-        for name, cls in vars(keras.optimizers).items()
-        if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
-    } - {"optimizer", "lossscaleoptimizer"}
-    if values["optimizer"].lower() not in names:
-        raise flags.ValidationError(
-            f"--optimizer={values['optimizer']}: not a Keras optimizer; one of {sorted(names)}"
-        )
-    try:
-        config = json.loads(values["optimizer_config"])
-    except json.JSONDecodeError as err:
-        raise flags.ValidationError(
-            f"--optimizer_config={values['optimizer_config']} is not JSON: {err}"
-        ) from None
-    if not isinstance(config, dict) or "learning_rate" in config:
-        raise flags.ValidationError(
-            f"--optimizer_config={values['optimizer_config']} must be a JSON object of the "
-            "optimizer's arguments (the learning rate is --learning_rate)"
-        )
-    return True
-
-
-def _check_user_model(values: dict[str, Any]) -> bool:
-    if is_function_spec(values["model"]) and values["mesh"] == "auto":
-        raise flags.ValidationError(
-            f"--mesh=auto --model={values['model']}: the planner profiles the reference "
-            "models only; give --mesh='stage:S;replica:R' for your model"
-        )
-    return True
-
-
-def _check_keras_file(values: dict[str, Any]) -> bool:
-    if values["keras_file"] and values["tie_embeddings"]:
-        raise flags.ValidationError(
-            f"--keras_file={values['keras_file']} --tie_embeddings: the tied head holds the "
-            "embedding layer itself, which a .keras file cannot describe; use --export_dir "
-            "(SavedModels) for a tied model"
-        )
-    if values["keras_file"] and not values["keras_file"].endswith(".keras"):
-        raise flags.ValidationError(f"--keras_file={values['keras_file']} must end in .keras")
     return True
 
 

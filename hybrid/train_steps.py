@@ -1,0 +1,154 @@
+"""What the launcher does around each training step, as a Keras callback of ``fit``:
+time it, stop on a non-finite loss, log, write TensorBoard scalars, checkpoint, profile, and
+call the caller's ``step_callback`` (the supervisor and the fault-injection tests use it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import keras
+import tensorflow as tf
+
+from hybrid.checkpoint import Checkpointer
+from hybrid.engine.pipeline import Pipeline
+
+if TYPE_CHECKING:
+    from hybrid.trainer import TrainConfig
+
+__all__ = ["NonFiniteLossError", "StepCallback", "Steps"]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or Inf; the message names the step and the last good checkpoint."""
+
+
+StepCallback = Callable[[int, float], None]
+
+
+class _Progress:
+    """Step times after the first (compiling) step of this call, for rates and the ETA."""
+
+    def __init__(self, batch: int, remaining: int) -> None:
+        self.batch, self.remaining = batch, remaining
+        self.timed, self.seconds, self.last = 0, 0.0, 0.0
+
+    def add(self, seconds: float, first: bool) -> None:
+        self.remaining -= 1
+        self.last = seconds
+        if not first:
+            self.timed += 1
+            self.seconds += seconds
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.batch * self.timed / self.seconds if self.timed else 0.0
+
+    @property
+    def eta(self) -> str:
+        per_step = self.seconds / self.timed if self.timed else self.last
+        seconds = int(round(per_step * self.remaining))
+        return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Steps(keras.callbacks.Callback):
+    """What the launcher does around each step of ``fit``: times it, stops on a non-finite
+    loss, logs and writes TensorBoard scalars, checkpoints, profiles, and calls the
+    ``step_callback``; the model's step is ``start`` + the batch's index + 1."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        pipe: Pipeline,
+        start: int,
+        saver: Checkpointer | None,
+        writer: tf.summary.SummaryWriter | None,
+        log: Callable[[str], None],
+        step_callback: StepCallback | None,
+    ) -> None:
+        super().__init__()
+        self.config, self.pipe, self.start, self.saver = config, pipe, start, saver
+        self.writer, self.log, self.step_callback = writer, log, step_callback
+        self.progress = _Progress(config.global_batch_size, config.train_steps - start)
+        self.losses: list[float] = []
+        self.last_checkpoint: str | None = None
+        self.began = 0.0
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        _profile(self.config, self.start + batch + 1, "start")
+        self.began = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        config, step = self.config, self.start + batch + 1
+        loss = self.pipe.last_loss
+        self.progress.add(time.perf_counter() - self.began, first=batch == 0)
+        _profile(config, step, "stop")
+        _check_finite(config, step, loss, self.last_checkpoint)
+        self.losses.append(loss)
+        if step % config.log_every == 0 or step == config.train_steps:
+            _report(config, step, loss, self.progress, self.log, self.writer)
+        if self.saver and (
+            (config.checkpoint_every and step % config.checkpoint_every == 0)
+            or step == config.train_steps
+        ):
+            self.last_checkpoint = self.saver.save(step)
+        if self.step_callback is not None:
+            self.step_callback(step, loss)
+
+
+def _check_finite(config: TrainConfig, step: int, loss: float, checkpoint: str | None) -> None:
+    """Raises NonFiniteLossError (naming the step and the last good checkpoint) on NaN/Inf."""
+    if math.isfinite(loss):
+        return
+    kept = (
+        f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+    )
+    raise NonFiniteLossError(
+        f"loss is {loss} at step {step}; stopping without saving ({kept}). Lower "
+        f"learning_rate (now {config.learning_rate}) or check the data"
+    )
+
+
+def _report(
+    config: TrainConfig,
+    step: int,
+    loss: float,
+    progress: _Progress,
+    log: Callable[[str], None],
+    writer: tf.summary.SummaryWriter | None,
+) -> None:
+    """One progress line (unless the progress bar shows), and the TensorBoard scalars when
+    a writer is open."""
+    if not config.progress_bar:
+        log(
+            f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
+            f"examples/s {progress.examples_per_second:9.1f}  "
+            f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
+        )
+    if writer is not None:
+        _scalars(writer, step, loss, config.learning_rate, progress)
+
+
+def _scalars(
+    writer: tf.summary.SummaryWriter, step: int, loss: float, rate: float, progress: _Progress
+) -> None:
+    with writer.as_default(step=step):
+        tf.summary.scalar("loss", loss)
+        tf.summary.scalar("learning_rate", rate)
+        tf.summary.scalar("examples_per_second", progress.examples_per_second)
+        tf.summary.scalar("step_time_ms", progress.last * 1e3)
+
+
+def _profile(config: TrainConfig, step: int, when: str) -> None:
+    """Starts the TF profiler before the first profiled step, stops it after the last."""
+    if config.profile_steps is None or not config.model_dir:
+        return
+    first, last = config.profile_steps
+    if when == "start" and step == first:
+        tf.profiler.experimental.start(os.path.join(config.model_dir, "profile"))
+    elif when == "stop" and step == last:
+        tf.profiler.experimental.stop()
