@@ -42,6 +42,7 @@ __all__ = [
     "TrainResult",
     "build_model",
     "load_function",
+    "optimizer_class",
     "train",
 ]
 
@@ -204,9 +205,17 @@ def _user_model(config: TrainConfig) -> tuple[keras.Model, Any, Any]:
     return model, loss, metrics
 
 
+def optimizer_class(name: str) -> type:
+    """The ``keras.optimizers`` class named ``name``, case-insensitively ("adamw": AdamW)."""
+    for attribute, cls in vars(keras.optimizers).items():
+        if attribute.lower() == name.lower() and isinstance(cls, type):
+            return cls
+    raise ValueError(f"keras.optimizers has no optimizer {name!r}")
+
+
 def _optimizer(config: TrainConfig) -> keras.optimizers.Optimizer:
     """``--optimizer`` at ``--learning_rate`` with ``--optimizer_config``'s arguments."""
-    cls = type(keras.optimizers.get(config.optimizer.lower()))
+    cls = optimizer_class(config.optimizer)
     return cls(learning_rate=config.learning_rate, **json.loads(config.optimizer_config))
 
 

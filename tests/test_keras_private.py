@@ -83,5 +83,21 @@ def test_weight_decay_exclusions_carry_over_to_copies_of_the_variables():
     assert used == [False, True, False, True]  # kernel and gamma excluded; biases, beta not
 
 
+def test_the_launchers_optimizer_names_are_kerass():
+    """--optimizer is checked against a list (no Keras import while flags are parsed): it
+    must be every optimizer class of keras.optimizers, each made from its name."""
+    from hybrid.launch.model_flags import KERAS_OPTIMIZERS
+    from hybrid.trainer import optimizer_class
+
+    classes = {
+        name.lower()
+        for name, cls in vars(keras.optimizers).items()
+        if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
+    }
+    assert set(KERAS_OPTIMIZERS) == classes - {"optimizer", "lossscaleoptimizer", "multioptimizer"}
+    for name in KERAS_OPTIMIZERS:
+        assert issubclass(optimizer_class(name), keras.optimizers.Optimizer), name
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))
