@@ -25,9 +25,9 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from hybrid.data_sources import BUILTIN_TEXT, VOCAB_SIZE, check_source
+from hybrid.data_sources import BUILTIN_TEXT, VOCAB_SIZE, check_source, parse_features
 
-__all__ = ["BUILTIN_TEXT", "VOCAB_SIZE", "dataset", "load_text"]
+__all__ = ["BUILTIN_TEXT", "VOCAB_SIZE", "dataset", "load_text", "tfrecord_dataset"]
 
 
 def load_text(path: str) -> np.ndarray:
@@ -138,3 +138,37 @@ def dataset(
         make = _teacher_batches(global_batch, tuple(input_shape), num_classes, seed)
     steps = tf.data.Dataset.range(start_step + 1, np.iinfo(np.int64).max)
     return steps.map(make).prefetch(2)
+
+
+def tfrecord_dataset(
+    pattern: str, features: str, label: str, global_batch: int, start_step: int = 0
+) -> tf.data.Dataset:
+    """Endless (x, y) global batches of the ``tf.train.Example`` records in the files matching
+    ``pattern``, read in sorted file order and repeated, so batch i is the same on every run
+    (a resumed run skips the ``start_step`` batches already taken).
+
+    Args:
+      features: the JSON feature spec (``hybrid.data_sources.parse_features``); ``label`` is
+        y, the other features are x: one tensor, or a dict by name when there are several.
+
+    Raises:
+      ValueError: no file matches, or a bad feature spec.
+    """
+    spec = parse_features(features, label)
+    files = sorted(tf.io.gfile.glob(pattern))
+    if not files:
+        raise ValueError(f"no file matches --data=tfrecord:{pattern}")
+    parsing = {
+        name: tf.io.FixedLenFeature(shape, tf.as_dtype(dtype))
+        for name, (dtype, shape) in spec.items()
+    }
+    inputs = [name for name in spec if name != label]
+
+    def split(records: tf.Tensor) -> tuple[object, tf.Tensor]:
+        parsed = tf.io.parse_example(records, parsing)
+        x = parsed[inputs[0]] if len(inputs) == 1 else {k: parsed[k] for k in inputs}
+        return x, parsed[label]
+
+    records = tf.data.TFRecordDataset(files).repeat()
+    batches = records.batch(global_batch, drop_remainder=True).skip(start_step)
+    return batches.map(split).prefetch(2)

@@ -5,6 +5,9 @@
     "text:python-docs"   the same on the Python manual that ships with CPython
     "package.module:fn"  your data: ``fn(global_batch_size)`` returns a ``tf.data.Dataset``
                          of (x, y) global batches (for any model, yours included)
+    "tfrecord:PATTERN"   ``tf.train.Example`` records in the files matching PATTERN (in
+                         sorted order, repeated), parsed by a feature spec: one feature is
+                         the label, the others the inputs (``parse_features``)
 
 ``hybrid.data`` builds the datasets; the launcher checks its flags with this module before
 the TensorFlow runtime starts.
@@ -13,6 +16,7 @@ the TensorFlow runtime starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -22,6 +26,7 @@ __all__ = [
     "DataSpec",
     "check_source",
     "is_function_spec",
+    "parse_features",
     "parse_spec",
 ]
 
@@ -57,12 +62,15 @@ def parse_spec(spec: str) -> DataSpec:
         return DataSpec("synthetic")
     if is_function_spec(spec):
         return DataSpec("function", spec)
+    if spec.startswith("tfrecord:") and spec.partition(":")[2]:
+        return DataSpec("tfrecord", spec.partition(":")[2])
     kind, sep, path = spec.partition(":")
     if kind != "text" or not sep or not path:
         raise ValueError(
             f"unknown data source {spec!r}; use 'synthetic', 'text:PATH' (a text file), "
-            f"'text:{BUILTIN_TEXT}' (the Python manual, present on every machine) or "
-            "'package.module:function' (your function returning a tf.data.Dataset)"
+            f"'text:{BUILTIN_TEXT}' (the Python manual, present on every machine), "
+            "'tfrecord:PATTERN' (tf.train.Example files) or 'package.module:function' (your "
+            "function returning a tf.data.Dataset)"
         )
     if path != BUILTIN_TEXT and not os.path.isfile(path):
         raise ValueError(f"data file {path!r} (from {spec!r}) does not exist or is not a file")
@@ -76,10 +84,10 @@ def check_source(spec: str, model: str) -> DataSpec:
       ValueError: a bad spec, or a text corpus for a model that does not read tokens.
     """
     source = parse_spec(spec)
-    if is_function_spec(model) and source.kind != "function":
+    if is_function_spec(model) and source.kind not in ("function", "tfrecord"):
         raise ValueError(
             f"model {model!r} is your own; give its data as 'package.module:function' "
-            "returning a tf.data.Dataset of (x, y) global batches"
+            "returning a tf.data.Dataset of (x, y) global batches, or 'tfrecord:PATTERN'"
         )
     if source.kind == "text" and model not in TOKEN_MODELS:
         raise ValueError(
@@ -88,3 +96,42 @@ def check_source(spec: str, model: str) -> DataSpec:
             "'synthetic' source"
         )
     return source
+
+
+# The dtypes a tf.train.Example feature holds.
+FEATURE_DTYPES = ("float32", "int64", "string")
+
+
+def parse_features(text: str, label: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A TFRecord feature spec, JSON ``{"name": ["dtype", [shape...]], ...}``, checked:
+    every dtype one of :data:`FEATURE_DTYPES`, ``label`` among the names, at least one input.
+
+    Raises:
+      ValueError: naming what is wrong.
+    """
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the feature spec {text!r} is not JSON: {err}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f'the feature spec {text!r} must be {{"name": ["dtype", [shape]], ...}}')
+    features = {}
+    for name, value in raw.items():
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or value[0] not in FEATURE_DTYPES
+            or not isinstance(value[1], list)
+            or not all(isinstance(d, int) and d > 0 for d in value[1])
+        ):
+            raise ValueError(
+                f"feature {name!r}: {value!r} must be [dtype, [shape]] with dtype one of "
+                f"{list(FEATURE_DTYPES)} and positive dimensions"
+            )
+        features[name] = (value[0], tuple(value[1]))
+    if label not in features or len(features) < 2:
+        raise ValueError(
+            f"the feature spec names {sorted(features)}; it needs the label {label!r} and at "
+            "least one input feature"
+        )
+    return features

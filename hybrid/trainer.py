@@ -58,6 +58,8 @@ class TrainConfig:
         "package.module:fn" (:func:`_user_model`).
       data: "synthetic", "text:PATH", "text:python-docs" or "package.module:fn"
         (``hybrid.data``).
+      tfrecord_features, tfrecord_label: a "tfrecord:PATTERN" source's feature spec (JSON)
+        and the name of its label feature.
       optimizer, optimizer_config: a Keras optimizer's name and its other arguments (JSON).
       precision: the Keras dtype policy the model is built under.
       mesh: mesh spec, e.g. "stage:2;replica:2".
@@ -88,6 +90,8 @@ class TrainConfig:
 
     model: str = "transformer"
     data: str = "text:" + data.BUILTIN_TEXT
+    tfrecord_features: str | None = None
+    tfrecord_label: str = "label"
     optimizer: str = "adam"
     optimizer_config: str = "{}"
     precision: str = "float32"
@@ -293,6 +297,14 @@ def train(
     position = restored.data_position if restored else 0
     if is_function_spec(config.data):  # yours: the batches after the ones already taken
         batches = load_function(config.data)(config.global_batch_size).skip(position)
+    elif config.data.startswith("tfrecord:"):
+        batches = data.tfrecord_dataset(
+            config.data.partition(":")[2],
+            config.tfrecord_features or "",
+            config.tfrecord_label,
+            config.global_batch_size,
+            position,
+        )
     else:
         batches = data.dataset(
             config.data,

@@ -125,6 +125,39 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
     assert trained.layers[1].dtype_policy.name == "mixed_bfloat16"
 
 
+def write_records(directory, files=2, per_file=96):
+    """The user_model task as tf.train.Example files: x (12 floats) and its label."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    for i in range(files):
+        with tf.io.TFRecordWriter(str(directory / f"part-{i}.tfrecord")) as writer:
+            for x in rng.normal(size=(per_file, 12)).astype("float32"):
+                feature = {
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(value=x)),
+                    "label": tf.train.Feature(
+                        int64_list=tf.train.Int64List(value=[int(np.argmax(x[:3]))])
+                    ),
+                }
+                example = tf.train.Example(features=tf.train.Features(feature=feature))
+                writer.write(example.SerializeToString())
+
+
+def test_trains_on_tfrecord_files(tmp_path):
+    write_records(tmp_path)
+    run = launch(
+        "--model=user_model:model", f"--data=tfrecord:{tmp_path}/part-*.tfrecord",
+        '--tfrecord_features={"x": ["float32", [12]], "label": ["int64", []]}',
+        "--mesh=stage:2;replica:1", "--micro_batches=2", "--global_batch_size=32",
+        "--train_steps=30", "--learning_rate=0.01",
+        env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    done = [line for line in run.stdout.splitlines() if line.startswith("done:")]
+    first, last = (float(v) for v in done[0].split("loss ")[1].split(" over")[0].split(" -> "))
+    assert last < 0.8 * first, done
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
@@ -143,6 +176,11 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
         (["--model=gpt"], "flag --model=gpt: value should be one of"),
         (["--model=mine:model"], "--data=text:python-docs --model=mine:model: model 'mine:model'"),
         (["--optimizer=adamx"], "--optimizer=adamx: not a Keras optimizer; one of"),
+        (["--data=tfrecord:/x/*.rec"], "tfrecord data needs --tfrecord_features"),
+        (
+            ["--data=tfrecord:/x/*.rec", '--tfrecord_features={"x": ["float32", [3]]}'],
+            "it needs the label 'label' and at least one input feature",
+        ),
         (["--optimizer_config=weight_decay"], "--optimizer_config=weight_decay is not JSON"),
         (
             ["--model=mine:model", "--data=mine:data", "--mesh=auto", "--simulated_devices=2"],

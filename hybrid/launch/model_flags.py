@@ -21,6 +21,9 @@ def define_flags() -> None:
         ["model", "data", "width", "num_heads"], _check_model_and_data
     )
     flags.register_multi_flags_validator(["optimizer", "optimizer_config"], _check_optimizer)
+    flags.register_multi_flags_validator(
+        ["data", "tfrecord_features", "tfrecord_label"], _check_tfrecord
+    )
 
 
 def register_late_validators() -> None:
@@ -47,9 +50,17 @@ def _define_model_flags() -> None:
         "data",
         "text:python-docs",
         "'synthetic', 'text:PATH' (byte-level LM on a text file), 'text:python-docs' (the "
-        "Python manual shipped with CPython) or 'package.module:fn', fn(global_batch_size) "
+        "Python manual shipped with CPython), 'tfrecord:PATTERN' (tf.train.Example files, "
+        "parsed by --tfrecord_features) or 'package.module:fn', fn(global_batch_size) "
         "returning a tf.data.Dataset of (x, y) global batches.",
     )
+    flags.DEFINE_string(
+        "tfrecord_features",
+        None,
+        '--data=tfrecord:...: the features as JSON, {"name": ["float32"|"int64"|"string", '
+        "[shape]], ...}; --tfrecord_label names the label, the others are the inputs.",
+    )
+    flags.DEFINE_string("tfrecord_label", "label", "--data=tfrecord:...: the label feature.")
     flags.DEFINE_string(
         "optimizer",
         "adam",
@@ -145,4 +156,21 @@ def _check_keras_file(values: dict[str, Any]) -> bool:
         )
     if values["keras_file"] and not values["keras_file"].endswith(".keras"):
         raise flags.ValidationError(f"--keras_file={values['keras_file']} must end in .keras")
+    return True
+
+
+def _check_tfrecord(values: dict[str, Any]) -> bool:
+    from hybrid.data_sources import parse_features
+
+    tfrecord = values["data"].startswith("tfrecord:")
+    if tfrecord != (values["tfrecord_features"] is not None):
+        raise flags.ValidationError(
+            f"--data={values['data']} --tfrecord_features={values['tfrecord_features']}: "
+            "tfrecord data needs --tfrecord_features, and only tfrecord data takes it"
+        )
+    if tfrecord:
+        try:
+            parse_features(values["tfrecord_features"], values["tfrecord_label"])
+        except ValueError as err:
+            raise flags.ValidationError(f"--tfrecord_features: {err}") from None
     return True
