@@ -24,6 +24,13 @@ def launch(*flags: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+def first_and_last_loss(run: subprocess.CompletedProcess) -> tuple[float, float, str]:
+    """The losses of the first and last step from the launcher's ``done:`` line, and it."""
+    (done,) = [line for line in run.stdout.splitlines() if line.startswith("done:")]
+    first, last = (float(v) for v in done.split("loss ")[1].split(" over")[0].split(" -> "))
+    return first, last, done
+
+
 SMALL_TRANSFORMER = (
     "--mesh=stage:2;replica:2",
     "--micro_batches=2",
@@ -47,8 +54,7 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mesh stage:2;replica:2" in run.stdout
     assert "examples/s" in run.stdout and "eta 0:00:00" in run.stdout
-    done = [line for line in run.stdout.splitlines() if line.startswith("done:")]
-    first, last = (float(v) for v in done[0].split("loss ")[1].split(" over")[0].split(" -> "))
+    first, last, done = first_and_last_loss(run)
     assert first > 5.0  # ~ln(256): bytes are uniform to a fresh model
     assert last < 0.7 * first, done
     assert os.path.exists(os.path.join(tmp_path, "ckpt-30.index"))
@@ -118,8 +124,7 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
         env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    done = [line for line in run.stdout.splitlines() if line.startswith("done:")]
-    first, last = (float(v) for v in done[0].split("loss ")[1].split(" over")[0].split(" -> "))
+    first, last, done = first_and_last_loss(run)
     assert last < 0.8 * first, done
     trained = keras.saving.load_model(tmp_path / "m.keras")
     assert trained.layers[1].dtype_policy.name == "mixed_bfloat16"
@@ -153,8 +158,7 @@ def test_trains_on_tfrecord_files(tmp_path):
         env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    done = [line for line in run.stdout.splitlines() if line.startswith("done:")]
-    first, last = (float(v) for v in done[0].split("loss ")[1].split(" over")[0].split(" -> "))
+    first, last, done = first_and_last_loss(run)
     assert last < 0.8 * first, done
 
 
