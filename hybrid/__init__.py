@@ -58,6 +58,7 @@ _SUBMODULES = (
     "models",
     "planning",
     "platforms",
+    "serving",
     "timeline",
     "trainer",
 )
@@ -86,6 +87,7 @@ __all__ = [
     "planning",
     "platforms",
     "schedule",
+    "serving",
     "simulate_cpu_devices",
     "timeline",
     "tpu_mesh",
