@@ -64,6 +64,17 @@ def test_to_keras_is_the_users_model_with_the_trained_weights(tmp_path):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_weights_files_round_trip_through_keras(tmp_path):
+    """save_weights/load_weights (what ModelCheckpoint(save_weights_only=True) and
+    EarlyStopping(restore_best_weights) use) go through the user's model, onto every device."""
+    pipe = trained(skip_model(), replicas=2)
+    pipe.save_weights(str(tmp_path / "m.weights.h5"))
+    other = trained(skip_model(seed=3), replicas=2)
+    other.load_weights(str(tmp_path / "m.weights.h5"))
+    for r in range(2):
+        ref.assert_weights_close(other.replica_weights(r), pipe.get_weights(), rtol=0, atol=0)
+
+
 def test_a_checkpoint_becomes_a_keras_model_without_a_mesh(tmp_path):
     pipe = trained(skip_model(), stages=2, replicas=2)
     hybrid.Checkpointer(pipe, str(tmp_path / "ckpt")).save(step=2)
