@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -37,9 +36,6 @@ from hybrid.engine.pipeline import Pipeline
 from hybrid.engine.stage import StageReplica
 
 __all__ = ["CheckpointError", "Checkpointer", "Restored", "to_keras"]
-
-# The checkpoint key of a model variable's value.
-_MODEL_KEY = r"model/v\d+/\.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class CheckpointError(RuntimeError):
@@ -258,31 +254,33 @@ class Checkpointer:
 
     def _check_layout(self, path: str) -> None:
         """Clear errors for a checkpoint of another model, before TensorFlow's own."""
-        reader = tf.train.load_checkpoint(path)
-        shapes = reader.get_variable_to_shape_map()
-        saved = {
-            key.split("/")[1]: shape
-            for key, shape in shapes.items()
-            if key.startswith("model/") and len(key.split("/")) > 2
-        }
-        mine = {
-            _variable_key(i): list(v.shape) for i, v in enumerate(self.pipe.placement.variables)
-        }
-        count = int(reader.get_tensor("meta/variables/.ATTRIBUTES/VARIABLE_VALUE"))
-        if count != len(mine):
+        _check_model(
+            tf.train.load_checkpoint(path),
+            path,
+            self.pipe.placement.variables,
+            "this pipeline's model",
+            "restore with the model it was written with or start in a new directory",
+        )
+
+
+def _check_model(reader: Any, path: str, variables: Sequence[Any], whose: str, remedy: str) -> None:
+    """Raises CheckpointError unless the checkpoint holds as many model variables as
+    ``variables`` (``whose`` they are), each of the same shape; the message ends in ``remedy``."""
+    count = int(reader.get_tensor("meta/variables/.ATTRIBUTES/VARIABLE_VALUE"))
+    if count != len(variables):
+        raise CheckpointError(
+            f"checkpoint {path} holds a model of {count} variables, {whose} has "
+            f"{len(variables)}; {remedy}"
+        )
+    shapes = reader.get_variable_to_shape_map()
+    for i, variable in enumerate(variables):
+        key, shape = _variable_key(i), list(variable.shape)
+        saved = shapes.get(f"model/{key}/.ATTRIBUTES/VARIABLE_VALUE")
+        if saved != shape:
             raise CheckpointError(
-                f"checkpoint {path} holds a model of {count} variables, this pipeline's model "
-                f"has {len(mine)}; restore with the model it was written with or start in a new "
-                "directory"
+                f"checkpoint {path}: weight {key} ({variable.path}) has shape {saved}, this "
+                f"model's has {shape}; {remedy}"
             )
-        variables = self.pipe.placement.variables
-        for (key, shape), variable in zip(mine.items(), variables, strict=True):
-            if saved.get(key) != shape:
-                raise CheckpointError(
-                    f"checkpoint {path}: weight {key} ({variable.path}) has shape "
-                    f"{saved.get(key)}, this model's has {shape}; restore with the model it was "
-                    "written with or start in a new directory"
-                )
 
 
 def latest_step(directory: str) -> int | None:
@@ -303,20 +301,9 @@ def to_keras(directory: str, model: keras.Model, save_to: str | None = None) -> 
     path = tf.train.latest_checkpoint(directory) or directory
     reader = tf.train.load_checkpoint(path)
     variables = graph_of(model).variables()
-    stored = [k for k in reader.get_variable_to_shape_map() if re.fullmatch(_MODEL_KEY, k)]
-    if len(stored) != len(variables):
-        raise CheckpointError(
-            f"{path} holds a model of {len(stored)} variables, the model given has "
-            f"{len(variables)}; build the model the checkpoint was written from"
-        )
+    _check_model(reader, path, variables, "the model given", "build the model it was written from")
     for i, variable in enumerate(variables):
-        value = reader.get_tensor(f"model/{_variable_key(i)}/.ATTRIBUTES/VARIABLE_VALUE")
-        if tuple(value.shape) != tuple(variable.shape):
-            raise CheckpointError(
-                f"variable {i} ({variable.path}) has shape {tuple(variable.shape)} in the "
-                f"model and {tuple(value.shape)} in {path}"
-            )
-        variable.assign(value)
+        variable.assign(reader.get_tensor(f"model/{_variable_key(i)}/.ATTRIBUTES/VARIABLE_VALUE"))
     if save_to is not None:
         model.save(save_to)
     return model

@@ -32,6 +32,7 @@ __all__ = [
     "joined",
     "labels",
     "pad",
+    "padded_size",
     "prepare",
     "split",
     "split_inputs",
@@ -107,6 +108,12 @@ def flat(
     return [tf.convert_to_tensor(p) for p in parts]
 
 
+def padded_size(config: RunConfig, n: int) -> int:
+    """The examples a batch of ``n`` is padded to: the next multiple of R·M."""
+    parts = config.replicas * config.micro_batches
+    return -(-n // parts) * parts
+
+
 def pad(
     config: RunConfig,
     xs: list[tf.Tensor],
@@ -121,7 +128,7 @@ def pad(
       ValueError: ``to`` is smaller than the batch or not a multiple of R·M.
     """
     n, parts = int(xs[0].shape[0]), config.replicas * config.micro_batches
-    target = to if to is not None else -(-n // parts) * parts
+    target = to if to is not None else padded_size(config, n)
     if target % parts or target < n:
         raise ValueError(
             f"cannot pad a batch of {n} examples to {target}: not a multiple of {parts}"

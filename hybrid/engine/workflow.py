@@ -75,12 +75,12 @@ class _Padding:
     """One call's batch size: every batch is padded to the first one's (rounded up to a
     multiple of R·M), so a short last batch reuses the compiled step."""
 
-    def __init__(self, parts: int) -> None:
-        self.parts, self.size = parts, 0
+    def __init__(self, config: RunConfig) -> None:
+        self.config, self.size = config, 0
 
     def __call__(self, x: Any) -> int:
         n = int(keras.tree.flatten(x)[0].shape[0])
-        self.size = max(self.size, -(-n // self.parts) * self.parts)
+        self.size = max(self.size, batches.padded_size(self.config, n))
         return self.size
 
 
@@ -251,7 +251,7 @@ class Workflow:
         )
         self._build_from(iterator)
         callbacks = self._callbacks(callbacks, verbose, epochs, iterator.num_batches)
-        padding = _Padding(self.config.replicas * self.config.micro_batches)
+        padding = _Padding(self.config)
         self.stop_training = False
         callbacks.on_train_begin()
         training_logs = None
@@ -308,7 +308,7 @@ class Workflow:
         )
         self._build_from(iterator)
         callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
-        padding = _Padding(self.config.replicas * self.config.micro_batches)
+        padding = _Padding(self.config)
         self._metrics.reset()
         callbacks.on_test_begin()
         for begin, end, data in iterator:
@@ -333,7 +333,7 @@ class Workflow:
         iterator = keras_private.epoch_iterator(x=x, batch_size=batch_size, steps_per_epoch=steps)
         self._build_from(iterator)
         callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
-        padding = _Padding(self.config.replicas * self.config.micro_batches)
+        padding = _Padding(self.config)
         callbacks.on_predict_begin()
         pieces = []
         for begin, end, data in iterator:
