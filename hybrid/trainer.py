@@ -43,6 +43,7 @@ __all__ = [
     "build_model",
     "load_function",
     "optimizer_class",
+    "optimizer_for",
     "train",
 ]
 
@@ -217,38 +218,46 @@ def optimizer_class(name: str) -> type:
     raise ValueError(f"keras.optimizers has no optimizer {name!r}")
 
 
-def _optimizer(config: TrainConfig) -> keras.optimizers.Optimizer:
-    """``--optimizer`` at ``--learning_rate`` with ``--optimizer_config``'s arguments."""
+def optimizer_for(config: TrainConfig) -> keras.optimizers.Optimizer:
+    """``--optimizer`` at ``--learning_rate`` with ``--optimizer_config``'s arguments, under
+    a LossScaleOptimizer for ``mixed_float16`` (as ``compile`` wraps it: a list of layers
+    carries no model policy for the Pipeline to see)."""
     cls = optimizer_class(config.optimizer)
-    return cls(learning_rate=config.learning_rate, **json.loads(config.optimizer_config))
+    made = cls(learning_rate=config.learning_rate, **json.loads(config.optimizer_config))
+    if config.precision == "mixed_float16":
+        return keras.optimizers.LossScaleOptimizer(made)
+    return made
+
+
+def _model(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
+    """The config's model built under its dtype policy (the global policy is restored after),
+    its loss, metrics, input shape(s) with the batch and dtype(s)."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(config.precision)
+    try:
+        if is_function_spec(config.model):
+            model, loss, metrics = _user_model(config)
+            shapes = [(None, *t.shape[1:]) for t in model.inputs]
+            dtypes = [t.dtype for t in model.inputs]
+            if len(shapes) == 1:
+                return model, loss, metrics, shapes[0], dtypes[0]
+            return model, loss, metrics, shapes, dtypes
+        layers, input_shape, dtype = build_model(config)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return layers, loss, None, (None, *input_shape), dtype
 
 
 def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, Any]:
-    """The pipeline of the config's model (under its dtype policy), built; and the input
-    shape (one, without the batch) the reference data needs."""
-    keras.mixed_precision.set_global_policy(config.precision)
-    if is_function_spec(config.model):
-        model, loss, metrics = _user_model(config)
-        shapes = [(None, *t.shape[1:]) for t in model.inputs]
-        dtypes = [t.dtype for t in model.inputs]
-        shape, dtype, input_shape = (
-            (shapes, dtypes, None)
-            if len(shapes) > 1
-            else (
-                shapes[0],
-                dtypes[0],
-                tuple(shapes[0][1:]),
-            )
-        )
-    else:
-        model, input_shape, dtype = build_model(config)
-        loss, metrics = keras.losses.SparseCategoricalCrossentropy(from_logits=True), None
-        shape = (None, *input_shape)
+    """The pipeline of the config's model, built; and the input shape (one, without the
+    batch) the reference data needs (None for a model of several inputs)."""
+    model, loss, metrics, shape, dtype = _model(config)
     pipe = Pipeline(
         model,
         mesh=mesh,
         loss=loss,
-        optimizer=_optimizer(config),
+        optimizer=optimizer_for(config),
         micro_batches=config.micro_batches,
         balance=config.balance,
         schedule=config.schedule,
@@ -258,7 +267,7 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, Any]:
         metrics=metrics,
     )
     pipe.build(shape, dtype)
-    return pipe, input_shape
+    return pipe, None if isinstance(dtype, list) else tuple(shape[1:])
 
 
 def train(

@@ -99,5 +99,14 @@ def test_the_launchers_optimizer_names_are_kerass():
         assert issubclass(optimizer_class(name), keras.optimizers.Optimizer), name
 
 
+def test_the_launchers_mixed_float16_scales_the_loss_as_compile_does():
+    from hybrid.trainer import TrainConfig, optimizer_for
+
+    scaled = optimizer_for(TrainConfig(optimizer="adamw", precision="mixed_float16"))
+    assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(scaled.inner_optimizer, keras.optimizers.AdamW)
+    assert not isinstance(optimizer_for(TrainConfig()), keras.optimizers.LossScaleOptimizer)
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))
