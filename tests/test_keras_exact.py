@@ -207,6 +207,26 @@ def float16_model(seed=0):
     return policy_model("mixed_float16", seed, activity=keras.regularizers.L2(0.05))
 
 
+def policy_pair(make_model, make_optimizer, stages, replicas, micro_batches, schedule):
+    """A compiled Keras model of ``make_model``, its initial weights, and a pipeline of a
+    copy of it with those weights and an equal optimizer."""
+    keras_model = make_model()
+    keras_model.compile(optimizer=make_optimizer(), loss=loss_for(None))
+    initial = keras_model.get_weights()
+    template = make_model(seed=1)
+    template.set_weights(initial)
+    pipe = hybrid.Pipeline(
+        template,
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        loss=loss_for(None),
+        optimizer=make_optimizer(),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        jit_compile=False,
+    )
+    return keras_model, initial, pipe
+
+
 def assert_within_update(actual, expected, initial, fraction):
     """Each array within ``fraction`` of the largest change Keras made to it."""
     for i, (a, e, w0) in enumerate(zip(actual, expected, initial, strict=True)):
@@ -228,19 +248,13 @@ def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
     """bfloat16 keeps 8 bits of mantissa: a micro-batch's sums round differently from the
     whole batch's, so the pipeline equals Keras to bfloat16 round-off (loss within 2^-8,
     weights within 3 % of Keras's update), and computes in bfloat16 as Keras does."""
-    keras_model = bfloat16_model()
-    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss_for(None))
-    initial = keras_model.get_weights()
-    template = bfloat16_model(seed=1)
-    template.set_weights(initial)
-    pipe = hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss_for(None),
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-        micro_batches=micro_batches,
-        schedule=schedule,
-        jit_compile=False,
+    keras_model, initial, pipe = policy_pair(
+        bfloat16_model,
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        stages,
+        replicas,
+        micro_batches,
+        schedule,
     )
     for step in range(STEPS):
         x, y = ref.batch(BATCH, seed=step + 1)
@@ -278,19 +292,8 @@ def test_mixed_float16_has_one_loss_scale_as_keras_does(stages, replicas, micro_
     penalty's gradient carries the scale too, and the inner optimizer clips by the norm of the
     unscaled gradients. float16 keeps 11 bits: losses within 2^-10, weights within 1 % of
     Keras's update."""
-    keras_model = float16_model()
-    keras_model.compile(optimizer=scaled_sgd(), loss=loss_for(None))
-    initial = keras_model.get_weights()
-    template = float16_model(seed=1)
-    template.set_weights(initial)
-    pipe = hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss_for(None),
-        optimizer=scaled_sgd(),
-        micro_batches=micro_batches,
-        schedule=schedule,
-        jit_compile=False,
+    keras_model, initial, pipe = policy_pair(
+        float16_model, scaled_sgd, stages, replicas, micro_batches, schedule
     )
     for step, overflow in enumerate([False, False, True, False]):
         x, y = ref.batch(BATCH, seed=step + 1)
