@@ -62,6 +62,7 @@ bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/pipeline_speedup.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/input_feed.py
 
 clean:
 	rm -rf $(VENV) benchmarks/results .mypy_cache .ruff_cache

@@ -78,6 +78,7 @@ class TrainConfig:
       seq_len, num_heads, dropout: the Transformer's context, heads and dropout rate.
       tie_embeddings: the Transformer's output head reads the token embedding matrix.
       jit_compile: XLA-compile the stage programs.
+      prefetch: batches prepared on the mesh's devices ahead of the step (0: none).
       log_every: log and write TensorBoard scalars every this many steps.
       model_dir: checkpoints and TensorBoard events; None keeps nothing.
       checkpoint_every: save every this many steps (0: only at the end).
@@ -114,6 +115,7 @@ class TrainConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     jit_compile: bool = True
+    prefetch: int = 2
     log_every: int = 10
     model_dir: str | None = None
     checkpoint_every: int = 0
@@ -265,6 +267,7 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, Any]:
         remat=config.remat,
         jit_compile=config.jit_compile,
         metrics=metrics,
+        prefetch=config.prefetch,
     )
     pipe.build(shape, dtype)
     return pipe, None if isinstance(dtype, list) else tuple(shape[1:])

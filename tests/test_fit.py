@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
+from hybrid.engine import feed
 
 import reference as ref
 import runner
@@ -50,7 +51,7 @@ def compiled(optimizer, seed=0):
     )
 
 
-def pair(stages, replicas, micro_batches, schedule="gpipe", optimizer=None):
+def pair(stages, replicas, micro_batches, schedule="gpipe", optimizer=None, prefetch=2):
     """A compiled Keras model and a pipeline of a copy of it, with equal weights."""
     optimizer = optimizer or (lambda: keras.optimizers.Adam(0.01, epsilon=1e-3))
     keras_model = model()
@@ -63,6 +64,7 @@ def pair(stages, replicas, micro_batches, schedule="gpipe", optimizer=None):
         micro_batches=micro_batches,
         schedule=schedule,
         jit_compile=False,
+        prefetch=prefetch,
         **compiled(optimizer()),
     )
     return keras_model, pipe
@@ -79,15 +81,17 @@ def adam_moments(optimizers):
 
 
 @pytest.mark.parametrize(
-    "stages,replicas,micro_batches,schedule,source",
+    "stages,replicas,micro_batches,schedule,source,prefetch",
     [
-        (2, 1, 2, "gpipe", "arrays"),
-        (1, 2, 1, "1f1b", "dataset"),
-        (2, 2, 2, "1f1b", "weighted"),
+        (2, 1, 2, "gpipe", "arrays", 0),
+        (1, 2, 1, "1f1b", "dataset", 2),
+        (2, 2, 2, "1f1b", "weighted", 1),
     ],
 )
-def test_fit_matches_keras(stages, replicas, micro_batches, schedule, source):
-    keras_model, pipe = pair(stages, replicas, micro_batches, schedule)
+def test_fit_matches_keras(stages, replicas, micro_batches, schedule, source, prefetch):
+    """Prefetch 0 prepares each batch at its step; 1 and 2 prepare them on a feeding thread
+    and copy them onto the devices ahead of the step: the same training either way."""
+    keras_model, pipe = pair(stages, replicas, micro_batches, schedule, prefetch=prefetch)
     x, y = data()
     validation = data(20, seed=1)  # batches of 16 and 4
     if source == "dataset":
@@ -279,3 +283,76 @@ def test_padding_warns_when_a_layer_sees_the_whole_batch():
 
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))
+
+
+def test_steps_per_epoch_on_an_infinite_dataset_with_prefetch():
+    """An infinite dataset read ``steps_per_epoch`` batches per epoch: the prefetching thread
+    carries on across epochs from where the last one stopped, as Keras's iterator does (2
+    epochs of 3 steps: batches 0..5 of the repeated data, the same weights as Keras)."""
+    keras_model, pipe = pair(2, 2, 2, "gpipe", prefetch=2)
+    x, y = data(48)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+    kwargs = dict(epochs=2, steps_per_epoch=3, verbose=0)
+    want = keras_model.fit(train, **kwargs).history
+    got = pipe.fit(train, **kwargs).history
+    assert_history_equal(got, want)
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
+def test_prefetched_shards_are_on_their_replicas_devices():
+    """Inputs go to each replica's first-stage device, labels, sample weights and valid flags
+    to its last-stage device (2×2 mesh: replica r's stages are on devices (0, r), (1, r))."""
+    _, pipe = pair(2, 2, 2)
+    x, y = data(30)  # padded to 32
+    parts = feed.on_devices(
+        pipe._batch(x, y, np.ones(30)), *pipe._shard_devices()
+    )
+    for r, part in enumerate(parts):
+        first, last = pipe.stages[0][r].device, pipe.stages[-1][r].device
+        assert first != last
+        assert [t.device.endswith(first) for t in part.xs] == [True]
+        assert [t.device.endswith(last) for t in part.ys + part.ws + [part.valid]] == [True] * 3
+        assert part.xs[0].shape[0] == 16
+    np.testing.assert_array_equal(parts[1].valid.numpy(), [1.0] * 14 + [0.0] * 2)
+
+
+def test_prefetch_must_be_a_count():
+    with pytest.raises(ValueError, match=r"prefetch=-1: give the number of batches"):
+        pair(1, 1, 1, prefetch=-1)
+
+
+def test_prefetcher_keeps_order_raises_in_order_and_stops_when_closed():
+    """Items come in order; the source's error is raised after the items before it; a
+    closed prefetcher's thread stops reading (driven by events, not by time)."""
+    import threading
+
+    def failing():
+        yield from range(3)
+        raise KeyError("bad record")
+
+    prefetched = feed.Prefetcher(failing(), depth=2)
+    assert [next(prefetched) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(KeyError, match="bad record"):
+        next(prefetched)
+    with pytest.raises(StopIteration):
+        next(prefetched)
+
+    read = []
+    room = threading.Event()
+
+    def endless():
+        while True:
+            read.append(len(read))
+            if len(read) == 4:
+                room.set()  # the consumer's 1 + a full queue of 2 + the one waiting to go in
+            yield read[-1]
+
+    prefetched = feed.Prefetcher(endless(), depth=2)
+    assert next(prefetched) == 0
+    assert room.wait(timeout=60)
+    prefetched.close()
+    prefetched._thread.join(timeout=60)
+    assert not prefetched._thread.is_alive()
+    assert len(read) <= 5  # at most one read after the close
+    with pytest.raises(StopIteration):
+        next(prefetched)

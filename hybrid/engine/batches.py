@@ -3,6 +3,10 @@ replica's micro-batches.
 
     x[B, ...] -> R contiguous shards -> M micro-batches each: parts[r][m] has B / (R·M) rows
 
+The first split is made before the step (``shards``: on the host, or by ``feed.py`` ahead of
+the step, which copies each shard onto its replica's devices); the step splits each shard into
+micro-batches on the device that reads them (``micro_inputs``, ``micro_labels``).
+
 A model with several inputs takes them as the structure it was built with (a dict by name,
 a list); the engine handles them flat, in ``keras.tree.flatten`` order (``model.inputs``).
 
@@ -16,28 +20,30 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from hybrid.core.config import RunConfig, check_global_batch
 from hybrid.engine.graph import Graph
-from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.stage import Labels, StageReplica, TensorSpec
 
 __all__ = [
+    "Shard",
     "examples",
     "flat",
     "flat_batch",
     "input_specs",
     "joined",
-    "labels",
     "pad",
     "padded_size",
     "prepare",
-    "split",
-    "split_inputs",
+    "micro_inputs",
+    "micro_labels",
+    "shards",
     "structured",
     "warn_padding",
+    "whole_labels",
 ]
 
 
@@ -167,11 +173,66 @@ def warn_padding(stages: Sequence[StageReplica]) -> None:
         )
 
 
-def examples(xs: list[tf.Tensor], valid: tf.Tensor | None) -> tf.Tensor:
+class Shard(NamedTuple):
+    """One replica's contiguous part of a global batch: its inputs (one tensor per model
+    input), labels and sample weights (one per output, or None) and which examples are real
+    (None: all of them)."""
+
+    xs: list[tf.Tensor]
+    ys: list[tf.Tensor] | None
+    ws: list[tf.Tensor] | None
+    valid: tf.Tensor | None
+
+
+def shards(
+    config: RunConfig,
+    xs: list[tf.Tensor],
+    ys: list[tf.Tensor] | None,
+    ws: list[tf.Tensor] | None,
+    valid: tf.Tensor | None,
+) -> list[Shard]:
+    """The (checked, padded) global batch cut into the R replicas' contiguous shards."""
+    R = config.replicas
+    x_parts, y_parts, w_parts = _cut(xs, R), _cut(ys, R), _cut(ws, R)
+    v_parts = _cut([valid], R) if valid is not None else None
+    return [
+        Shard(
+            x_parts[r],  # type: ignore[index]
+            y_parts[r] if y_parts is not None else None,
+            w_parts[r] if w_parts is not None else None,
+            v_parts[r][0] if v_parts is not None else None,
+        )
+        for r in range(R)
+    ]
+
+
+def _cut(tensors: list[tf.Tensor] | None, n: int) -> list[list[tf.Tensor]] | None:
+    """``pieces[i]``: the i-th of ``n`` contiguous equal parts of every tensor (None: None)."""
+    if tensors is None:
+        return None
+    each = [tf.split(t, n) if n > 1 else [t] for t in tensors]
+    return [[parts[i] for parts in each] for i in range(n)]
+
+
+def examples(parts: Sequence[Shard]) -> tf.Tensor:
     """How many real examples the (possibly padded) batch has."""
-    if valid is None:
-        return tf.shape(xs[0])[0]
-    return tf.cast(tf.reduce_sum(valid), tf.int32)
+    if parts[0].valid is None:
+        return tf.add_n([tf.shape(p.xs[0])[0] for p in parts])
+    return tf.cast(tf.add_n([tf.reduce_sum(p.valid) for p in parts]), tf.int32)
+
+
+def whole_labels(parts: Sequence[Shard]) -> tuple[list[tf.Tensor] | None, list[tf.Tensor] | None]:
+    """The global batch's labels and sample weights (per output) from its shards, in
+    example order (the padding last)."""
+
+    def joined_up(tensors: list[list[tf.Tensor] | None]) -> list[tf.Tensor] | None:
+        if tensors[0] is None:
+            return None
+        if len(tensors) == 1:
+            return tensors[0]
+        return [tf.concat(list(each), axis=0) for each in zip(*tensors, strict=True)]
+
+    return joined_up([p.ys for p in parts]), joined_up([p.ws for p in parts])
 
 
 def joined(parts: list[list[tf.Tensor]]) -> list[tf.Tensor] | None:
@@ -213,39 +274,36 @@ def _examples(t: tf.Tensor, batch: int, name: str) -> tf.Tensor:
     return t
 
 
-def split(config: RunConfig, t: tf.Tensor) -> list[list[tf.Tensor]]:
-    """``parts[r][m]``: micro-batch m of replica r's contiguous shard of ``t``."""
-    R, M = config.replicas, config.micro_batches
-    pieces = tf.split(t, R * M)
-    return [pieces[r * M : (r + 1) * M] for r in range(R)]
+def micro_inputs(
+    config: RunConfig, parts: Sequence[Shard], devices: Sequence[str]
+) -> list[list[list[tf.Tensor]]]:
+    """``inputs[r][m]``: micro-batch m of replica r, one tensor per model input, split on
+    ``devices[r]`` (the device of the replica's first stage)."""
+    out = []
+    for part, device in zip(parts, devices, strict=True):
+        with tf.device(device):
+            out.append(_cut(part.xs, config.micro_batches))
+    return out  # type: ignore[return-value]
 
 
-def split_inputs(config: RunConfig, xs: list[tf.Tensor]) -> list[list[list[tf.Tensor]]]:
-    """``parts[r][m]``: micro-batch m of replica r, one tensor per model input."""
-    each = [split(config, x) for x in xs]
-    R, M = config.replicas, config.micro_batches
-    return [[[parts[r][m] for parts in each] for m in range(M)] for r in range(R)]
-
-
-def labels(
-    config: RunConfig,
-    ys: list[tf.Tensor],
-    weights: list[tf.Tensor] | None,
-    valid: tf.Tensor | None = None,
-) -> list[list[tuple[list[tf.Tensor], list[tf.Tensor] | None, tf.Tensor | None]]]:
+def micro_labels(
+    config: RunConfig, parts: Sequence[Shard], devices: Sequence[str]
+) -> list[list[Labels]]:
     """``labels[r][m]``: micro-batch m's (labels, sample weights or None, valid or None) on
-    replica r, labels and sample weights a list with one tensor per model output."""
-    y_parts = split_inputs(config, ys)
-    w_parts = split_inputs(config, weights) if weights is not None else None
-    v_parts = split(config, valid) if valid is not None else None
-    return [
-        [
-            (
-                y_parts[r][m],
-                w_parts[r][m] if w_parts is not None else None,
-                v_parts[r][m] if v_parts is not None else None,
-            )
-            for m in range(config.micro_batches)
-        ]
-        for r in range(config.replicas)
-    ]
+    replica r, labels and sample weights a list with one tensor per model output, split on
+    ``devices[r]`` (the device of the replica's last stage)."""
+    M = config.micro_batches
+    out = []
+    for part, device in zip(parts, devices, strict=True):
+        with tf.device(device):
+            ys, ws = _cut(part.ys, M), _cut(part.ws, M)
+            valid = _cut([part.valid], M) if part.valid is not None else None
+        if ys is None:
+            raise ValueError("labels are needed for the loss")
+        out.append(
+            [
+                (ys[m], ws[m] if ws is not None else None, valid[m][0] if valid else None)
+                for m in range(M)
+            ]
+        )
+    return out

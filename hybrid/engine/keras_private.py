@@ -149,14 +149,20 @@ def compile_metrics(metrics: Any, weighted_metrics: Any, output_names: Any) -> A
 
 
 class _TensorEpochIterator(EpochIterator):  # type: ignore[misc]
-    """Keras's epoch iterator yielding TensorFlow tensors (its TensorFlow trainer's)."""
+    """Keras's epoch iterator yielding TensorFlow tensors (its TensorFlow trainer's), each
+    epoch's batches passed through ``feed`` when it is set."""
+
+    feed: Callable[[Any], Any] | None = None
 
     def _get_iterator(self) -> Any:
-        return iter(self.data_adapter.get_tf_dataset())
+        batches = iter(self.data_adapter.get_tf_dataset())
+        return batches if self.feed is None else self.feed(batches)
 
 
 def epoch_iterator(**kwargs: Any) -> Any:
-    """Keras's iterator over one epoch's batches: ``(first step, last step, [batch])``."""
+    """Keras's iterator over one epoch's batches: ``(first step, last step, [batch])``;
+    setting its ``feed`` (a function of an iterator of batches) maps every epoch's
+    iterator through it."""
     return _TensorEpochIterator(**kwargs)
 
 

@@ -37,7 +37,7 @@ import tensorflow as tf
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine import assembly, batches, lowering, reduction, timing
+from hybrid.engine import assembly, batches, feed, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
@@ -54,7 +54,7 @@ from hybrid.engine.workflow import Workflow
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
 
 Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
-Valid: TypeAlias = tf.Tensor | None  # 1 per real example, 0 per padding one (None: all real)
+Shards: TypeAlias = list[batches.Shard]  # the global batch, one shard per replica
 
 
 class Pipeline(Workflow):
@@ -86,6 +86,8 @@ class Pipeline(Workflow):
         in ``compile``.
       metrics, weighted_metrics: as ``compile`` takes them; ``fit``, ``evaluate`` and
         ``train_step`` report them, computed on the global batch (``metrics.py``).
+      prefetch: batches ``fit``, ``evaluate`` and ``predict`` prepare and copy onto the
+        replicas' devices ahead of the step (``feed.py``); 0 prepares each at its step.
     """
 
     def __init__(
@@ -103,8 +105,10 @@ class Pipeline(Workflow):
         loss_weights: Any = None,
         metrics: Any = None,
         weighted_metrics: Any = None,
+        prefetch: int = 2,
     ) -> None:
         super().__init__()
+        self.prefetch = feed.check_depth(prefetch)
         self._graph = graph = graph_of(model)
         self.mesh = mesh
         self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
@@ -236,7 +240,7 @@ class Pipeline(Workflow):
           sample_weight: per-example (or per-timestep) weights; None weighs every example 1.
         """
         self._metrics.reset()
-        self._train(*self._batch(x, y, sample_weight))
+        self._train(self._batch(x, y, sample_weight))
         return self._metrics.result()
 
     def timed_train_step(
@@ -247,7 +251,7 @@ class Pipeline(Workflow):
         and once its outputs are (seconds from the step's first start; on a busy host a
         timestamp can run late by one queued kernel)."""
         self._metrics.reset()
-        stamps = self._timed(*self._batch(x, y, sample_weight))
+        stamps = self._timed(self._batch(x, y, sample_weight))
         logs = self._metrics.result()
         return logs, timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
 
@@ -257,16 +261,16 @@ class Pipeline(Workflow):
         In the order of ``model.trainable_variables``; runs the same schedule, remat and
         reductions as :meth:`train_step` (replica 0's copy is returned).
         """
-        _, grads = self._grads(*self._batch(x, y, sample_weight))
+        _, grads = self._grads(self._batch(x, y, sample_weight))
         return [g.numpy() for g in grads]
 
     def _batch(
         self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: int | None = None
-    ) -> tuple[Flat, Flat | None, Flat | None, Valid]:
-        """The batch as flat lists of tensors (inputs, labels and sample weights per
-        output) and which examples are real: a batch that does not split into R·M equal
-        parts is padded (to ``pad_to`` examples, or the next multiple of R·M) with
-        examples that count for nothing. Builds the pipeline on first use."""
+    ) -> Shards:
+        """The batch cut into the replicas' shards of flat lists of tensors (inputs, labels
+        and sample weights per output) with which examples are real: a batch that does not
+        split into R·M equal parts is padded (to ``pad_to`` examples, or the next multiple
+        of R·M) with examples that count for nothing. Builds the pipeline on first use."""
         xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
         shapes = [tuple(t.shape[1:]) for t in xs]
         if not self.built:
@@ -281,7 +285,11 @@ class Pipeline(Workflow):
         xs, ys, ws, valid = batches.pad(self.config, xs, ys, ws, pad_to)
         if valid is not None:
             batches.warn_padding([row[0] for row in self._stages])
-        return (*batches.prepare(self.config, xs, ys, ws), valid)
+        return batches.shards(self.config, *batches.prepare(self.config, xs, ys, ws), valid)
+
+    def _shard_devices(self) -> tuple[list[str], list[str]]:
+        """Each replica's first-stage device (its inputs) and last-stage device (labels)."""
+        return [s.device for s in self._stages[0]], [s.device for s in self._stages[-1]]
 
     @property
     def placement(self) -> Placement:
@@ -295,12 +303,11 @@ class Pipeline(Workflow):
     def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
         return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
 
-    def _train_step(
-        self, x: Flat, y: Flat, w: Flat | None, valid: Valid, record: bool = False
-    ) -> list[list[tf.Tensor]]:
-        step = self._pipelined_gradients(x, y, w, valid, record)
+    def _train_step(self, parts: Shards, record: bool = False) -> list[list[tf.Tensor]]:
+        step = self._pipelined_gradients(parts, record)
         self._apply(step.grads, step.stats)
-        examples = batches.examples(x, valid)
+        y, w = batches.whole_labels(parts)
+        examples = batches.examples(parts)
         self._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
         if record:  # (device, action) of each timestamp pair: the same in every trace
             self._event_keys = [(device, action) for device, action, _, _ in step.events]
@@ -322,21 +329,19 @@ class Pipeline(Workflow):
         with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
-    def _gradient_step(
-        self, x: Flat, y: Flat, w: Flat | None, valid: Valid
-    ) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        step = self._pipelined_gradients(x, y, w, valid, record=False)
+    def _gradient_step(self, parts: Shards) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        step = self._pipelined_gradients(parts, record=False)
         return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
 
-    def _pipelined_gradients(
-        self, x: Flat, y: Flat, w: Flat | None, valid: Valid, record: bool
-    ) -> StepResult:
+    def _pipelined_gradients(self, parts: Shards, record: bool) -> StepResult:
         """Runs the schedule on every replica, then reduces over the mesh: the loss of the
         global batch, each stage's gradients of it on each replica's device (a tied
         variable's: the sum over its stages), BatchNormalization statistics summed over the
         global batch, timing events when ``record``, the predictions when returned."""
         R = self.mesh.num_replicas
-        xs, labels = batches.split_inputs(self.config, x), batches.labels(self.config, y, w, valid)
+        firsts, lasts = self._shard_devices()
+        xs = batches.micro_inputs(self.config, parts, firsts)
+        labels = batches.micro_labels(self.config, parts, lasts)
         divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
         loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
         seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
@@ -366,28 +371,32 @@ class Pipeline(Workflow):
             loss = loss + penalty
         for r in range(R):
             sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
-        parts = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
-        predictions = batches.joined(parts)
+        pieces = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
+        predictions = batches.joined(pieces)
         return StepResult(loss, output_losses, grads, steps[0].events, stats, predictions)
 
-    def _forward_pass(self, x: Flat, y: Flat | None, w: Flat | None, valid: Valid) -> Any:
+    def _forward_pass(self, parts: Shards) -> Any:
         """The forward-only schedule on every replica (``lower_replicas_inference``)."""
-        labels = batches.labels(self.config, y, w, valid) if y is not None else None
+        firsts, lasts = self._shard_devices()
+        labels = None
+        if parts[0].ys is not None:
+            labels = batches.micro_labels(self.config, parts, lasts)
         copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
-        xs = batches.split_inputs(self.config, x)
+        xs = batches.micro_inputs(self.config, parts, firsts)
         order = self._inference_order
         return lowering.lower_replicas_inference(
             self._inference, order, copies, xs, labels, self._seeds
         )
 
-    def _eval_step(self, x: Flat, y: Flat, w: Flat | None, valid: Valid) -> None:
-        outs, activity = self._forward_pass(x, y, w, valid)
+    def _eval_step(self, parts: Shards) -> None:
+        outs, activity = self._forward_pass(parts)
         loss, _, output_losses = reduction.global_loss(self._loss, [o[0] for o in outs], None)
         penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
         loss = loss + tf.add_n(penalties + activity) if penalties + activity else loss
         predictions = batches.joined([out[1:] for out in outs])
-        self._metrics.update(batches.examples(x, valid), loss, output_losses, y, predictions, w)
+        y, w = batches.whole_labels(parts)
+        self._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
 
-    def _predict_step(self, x: Flat, valid: Valid) -> Flat:
-        parts, _ = self._forward_pass(x, None, None, valid)
-        return [t[: batches.examples(x, valid)] for t in batches.joined(parts) or []]
+    def _predict_step(self, parts: Shards) -> Flat:
+        outs, _ = self._forward_pass(parts)
+        return [t[: batches.examples(parts)] for t in batches.joined(outs) or []]

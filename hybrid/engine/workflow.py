@@ -25,7 +25,7 @@ import keras
 import numpy as np
 
 from hybrid.core.config import RunConfig
-from hybrid.engine import batches, export, keras_private
+from hybrid.engine import batches, export, feed, keras_private
 from hybrid.engine.metrics import StepMetrics
 from hybrid.engine.variables import Placement
 
@@ -89,6 +89,7 @@ class Workflow:
 
     # What the engine provides (``Pipeline``).
     config: RunConfig
+    prefetch: int
     _metrics: StepMetrics
     _train: Any
     _eval: Any
@@ -110,6 +111,9 @@ class Workflow:
         raise NotImplementedError
 
     def _batch(self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: Any = None) -> Any:
+        raise NotImplementedError
+
+    def _shard_devices(self) -> tuple[list[str], list[str]]:
         raise NotImplementedError
 
     @property
@@ -206,14 +210,29 @@ class Workflow:
             model=self,
         )
 
-    def _build_from(self, iterator: Any) -> None:
+    def _feed(self, iterator: Any, labelled: bool = True) -> feed.Feed:
         """Builds the pipeline (and its metrics) from the data's first batch, as Keras's
-        symbolic build does before the callbacks start."""
+        symbolic build does before the callbacks start; then feeds the iterator's batches
+        to the loop prepared (padded to the call's first batch, cut into the replicas'
+        shards) and, with ``prefetch``, on their devices ahead of the step (``feed.py``).
+        ``labelled``: the step takes labels and sample weights (``predict``'s does not)."""
         if not self.built:
             for _, _, data in iterator:
                 self._batch(*keras_private.unpack_x_y_sample_weight(data[0]))
                 break
         iterator.reset()
+        padding = _Padding(self.config)
+        depth = feed.check_depth(self.prefetch)
+
+        def prepare(data: Any) -> Any:
+            x, y, w = keras_private.unpack_x_y_sample_weight(data)
+            if not labelled:
+                y = w = None
+            parts = self._batch(x, y, w, padding(x))
+            return feed.on_devices(parts, *self._shard_devices()) if depth else parts
+
+        iterator.feed = feeding = feed.Feed(prepare, depth)
+        return feeding
 
     def fit(
         self,
@@ -249,40 +268,38 @@ class Workflow:
             shuffle=shuffle,
             class_weight=class_weight,
         )
-        self._build_from(iterator)
-        callbacks = self._callbacks(callbacks, verbose, epochs, iterator.num_batches)
-        padding = _Padding(self.config)
-        self.stop_training = False
-        callbacks.on_train_begin()
-        training_logs = None
-        for epoch in range(initial_epoch, epochs):
-            self._metrics.reset()
-            callbacks.on_epoch_begin(epoch)
-            with iterator.catch_stop_iteration():
-                for begin, end, data in iterator:
-                    callbacks.on_train_batch_begin(begin)
-                    xb, yb, wb = keras_private.unpack_x_y_sample_weight(data[0])
-                    self._train(*self._batch(xb, yb, wb, padding(xb)))
-                    callbacks.on_train_batch_end(end, self._metrics.result())
-                    if self.stop_training:
-                        break
-            epoch_logs = self._metrics.result()
-            if validation_data is not None and _should_eval(epoch, validation_freq):
-                val_x, val_y, val_w = keras_private.unpack_x_y_sample_weight(validation_data)
-                val_logs = self.evaluate(
-                    val_x,
-                    val_y,
-                    sample_weight=val_w,
-                    batch_size=validation_batch_size or batch_size,
-                    steps=validation_steps,
-                    callbacks=callbacks,
-                    return_dict=True,
-                )
-                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-            callbacks.on_epoch_end(epoch, epoch_logs)
-            training_logs = epoch_logs
-            if self.stop_training:
-                break
+        with self._feed(iterator):
+            callbacks = self._callbacks(callbacks, verbose, epochs, iterator.num_batches)
+            self.stop_training = False
+            callbacks.on_train_begin()
+            training_logs = None
+            for epoch in range(initial_epoch, epochs):
+                self._metrics.reset()
+                callbacks.on_epoch_begin(epoch)
+                with iterator.catch_stop_iteration():
+                    for begin, end, data in iterator:
+                        callbacks.on_train_batch_begin(begin)
+                        self._train(data[0])
+                        callbacks.on_train_batch_end(end, self._metrics.result())
+                        if self.stop_training:
+                            break
+                epoch_logs = self._metrics.result()
+                if validation_data is not None and _should_eval(epoch, validation_freq):
+                    val_x, val_y, val_w = keras_private.unpack_x_y_sample_weight(validation_data)
+                    val_logs = self.evaluate(
+                        val_x,
+                        val_y,
+                        sample_weight=val_w,
+                        batch_size=validation_batch_size or batch_size,
+                        steps=validation_steps,
+                        callbacks=callbacks,
+                        return_dict=True,
+                    )
+                    epoch_logs.update({f"val_{k}": value for k, value in val_logs.items()})
+                callbacks.on_epoch_end(epoch, epoch_logs)
+                training_logs = epoch_logs
+                if self.stop_training:
+                    break
         if epochs > initial_epoch:  # EMA weights replace the trained ones, as in Keras
             for row in self.stages:
                 for copy in row:
@@ -306,16 +323,14 @@ class Workflow:
         iterator = keras_private.epoch_iterator(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps
         )
-        self._build_from(iterator)
-        callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
-        padding = _Padding(self.config)
-        self._metrics.reset()
-        callbacks.on_test_begin()
-        for begin, end, data in iterator:
-            callbacks.on_test_batch_begin(begin)
-            xb, yb, wb = keras_private.unpack_x_y_sample_weight(data[0])
-            self._eval(*self._batch(xb, yb, wb, padding(xb)))
-            callbacks.on_test_batch_end(end, self._metrics.result())
+        with self._feed(iterator):
+            callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
+            self._metrics.reset()
+            callbacks.on_test_begin()
+            for begin, end, data in iterator:
+                callbacks.on_test_batch_begin(begin)
+                self._eval(data[0])
+                callbacks.on_test_batch_end(end, self._metrics.result())
         logs = self._metrics.result()
         callbacks.on_test_end(logs)
         return logs if return_dict else _logs_in_order(logs)
@@ -331,17 +346,14 @@ class Workflow:
         """The model's outputs for every example of ``x``, in order, structured as the
         model returns them (``keras.Model.predict``)."""
         iterator = keras_private.epoch_iterator(x=x, batch_size=batch_size, steps_per_epoch=steps)
-        self._build_from(iterator)
-        callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
-        padding = _Padding(self.config)
-        callbacks.on_predict_begin()
         pieces = []
-        for begin, end, data in iterator:
-            callbacks.on_predict_batch_begin(begin)
-            xb, _, _ = keras_private.unpack_x_y_sample_weight(data[0])
-            xs, _, _, valid = self._batch(xb, pad_to=padding(xb))
-            outputs = [t.numpy() for t in self._predict(xs, valid)]
-            pieces.append(outputs)
-            callbacks.on_predict_batch_end(end, {"outputs": self._output_structure(outputs)})
+        with self._feed(iterator, labelled=False):
+            callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
+            callbacks.on_predict_begin()
+            for begin, end, data in iterator:
+                callbacks.on_predict_batch_begin(begin)
+                outputs = [t.numpy() for t in self._predict(data[0])]
+                pieces.append(outputs)
+                callbacks.on_predict_batch_end(end, {"outputs": self._output_structure(outputs)})
         callbacks.on_predict_end()
         return self._output_structure([np.concatenate(p) for p in zip(*pieces, strict=True)])

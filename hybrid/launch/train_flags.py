@@ -63,6 +63,13 @@ def _define_run_flags() -> None:
     flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.", lower_bound=0.0)
     flags.DEFINE_integer("seed", 0, "Seed for weights, data order and random layers.")
     flags.DEFINE_bool("jit_compile", True, "XLA-compile the stage programs.")
+    flags.DEFINE_integer(
+        "prefetch",
+        2,
+        "Batches prepared (padded, split per replica) and copied onto the mesh's devices "
+        "ahead of the step by a feeding thread; 0: each batch at its step.",
+        lower_bound=0,
+    )
     flags.DEFINE_integer("log_every", 10, "Log and write summaries every N steps.", lower_bound=1)
     flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard events (resumes from it).")
     flags.DEFINE_integer(
