@@ -63,6 +63,7 @@ bench: install
 	$(PY) benchmarks/pipeline_speedup.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/input_feed.py
+	$(PY) benchmarks/engine_overhead.py
 
 clean:
 	rm -rf $(VENV) benchmarks/results .mypy_cache .ruff_cache

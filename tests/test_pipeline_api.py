@@ -5,6 +5,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import hybrid
 
@@ -178,3 +179,46 @@ def test_bad_model_and_optimizer():
 
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))
+
+
+def test_the_all_reduce_is_chosen_by_where_the_devices_are_and_both_agree():
+    """CPU devices of one process add the group's tensors themselves; GPUs and devices on
+    several hosts use a collective; on 4 simulated devices both give the same sums on every
+    device, bit for bit."""
+    from hybrid.engine import collectives
+
+    local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
+    assert collectives.method_for(local) == "sum"
+    assert collectives.method_for(["/device:GPU:0", "/device:GPU:1"]) == "collective"
+    remote = ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"]
+    assert collectives.method_for(remote) == "collective"
+    with pytest.raises(ValueError, match="all-reduce method 'ring': choose one of"):
+        collectives.ReplicaGroup(local, method="ring")
+
+    rng = np.random.default_rng(0)
+    values = [
+        [rng.normal(size=(3, 5)).astype("float32"), rng.normal(size=7).astype("float32")]
+        for _ in local
+    ]
+    results = {}
+    for method in collectives.METHODS:
+        group = collectives.ReplicaGroup(local, method=method)
+
+        @tf.function(autograph=False)
+        def reduce(group=group):
+            tensors = []
+            for device, per in zip(local, values, strict=True):
+                with tf.device(device):
+                    tensors.append([tf.constant(v) for v in per])
+            return group.all_reduce_sum(tensors), group.all_reduce_mean(tensors)
+
+        sums, means = reduce()
+        results[method] = [[t.numpy() for t in row] for row in sums]
+        for row, mean_row in zip(sums, means, strict=True):
+            wants = [sum(each) for each in zip(*values, strict=True)]
+            for got, mean, want in zip(row, mean_row, wants, strict=True):
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+                np.testing.assert_allclose(mean.numpy(), want / 4, rtol=1e-6)
+        for row in results[method][1:]:
+            for got, first in zip(row, results[method][0], strict=True):
+                np.testing.assert_array_equal(got, first)  # every device: the same bits

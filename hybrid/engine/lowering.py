@@ -118,9 +118,10 @@ class _TrainingLowering:
         self.upstream: dict[tuple[int, int], list[tf.Tensor | None]] = {}
 
     def accumulate(self, k: int, dw: list[tf.Tensor]) -> None:
+        """Stage k's gradients so far: ``dw`` already holds the earlier micro-batches' sum
+        (the backward adds it, inside its program when it is one)."""
         if dw:
-            acc = self.grads[k]
-            self.grads[k] = dw if not acc else [a + g for a, g in zip(acc, dw, strict=True)]
+            self.grads[k] = dw
 
     def output_gradient(self, k: int, m: int, keep: bool) -> list[tf.Tensor | None]:
         """The gradients arriving at stage k's outputs for micro-batch m."""
@@ -136,7 +137,7 @@ class _TrainingLowering:
 
     def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
         out, dx, dw, activity, stats = self.stages[k].forward_backward(
-            x, labels, seed, self.loss_scale, k > 0
+            x, labels, seed, self.loss_scale, k > 0, self.grads[k]
         )
         self.stats[k] += stats
         self.activity += activity
@@ -169,7 +170,9 @@ class _TrainingLowering:
 
     def backward(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
         keep = self.saved[(k, m)] if self.split else self.saved.pop((k, m))
-        dx, dw = self.stages[k].backward(keep, dy, need_dx=k > 0, need_dw=not self.split)
+        dx, dw = self.stages[k].backward(
+            keep, dy, need_dx=k > 0, need_dw=not self.split, acc=self.grads[k]
+        )
         self.accumulate(k, dw)
         sent = self.pass_down(k, m, dx)
         if not self.split:
@@ -182,7 +185,8 @@ class _TrainingLowering:
 
     def weight(self, k: int, m: int) -> Outputs:
         dy = self.output_gradient(k, m, keep=False)
-        _, dw = self.stages[k].backward(self.saved.pop((k, m)), dy, need_dx=False, need_dw=True)
+        saved = self.saved.pop((k, m))
+        _, dw = self.stages[k].backward(saved, dy, need_dx=False, need_dw=True, acc=self.grads[k])
         self.accumulate(k, dw)
         return dw, self.grads[k]
 

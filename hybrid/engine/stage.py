@@ -248,10 +248,12 @@ class StageReplica:
         seed: tf.Tensor,
         need_dx: bool,
         need_dw: bool,
+        acc: list[tf.Tensor] | None = None,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
         """One program: the forward, then its gradients against ``dys`` (and the activity
         penalty's weight); nothing kept between. Returns the forward's outputs (activity
-        penalty and BatchNormalization statistics last), dx and dW."""
+        penalty and BatchNormalization statistics last), dx and dW (plus ``acc``, the
+        gradients of the micro-batches before, when given: accumulated in the program)."""
         weights = self._read_weights()
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if _differentiable(x)])
@@ -260,7 +262,7 @@ class StageReplica:
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity)
         dx, dw = self._gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
-        return out, dx, dw
+        return out, dx, _accumulated(acc, dw)
 
     @staticmethod
     def _gradients(
@@ -325,19 +327,29 @@ class StageReplica:
         return ys, [p * self.activity_scale for p in activity]
 
     def backward(
-        self, saved: Saved, dys: list[tf.Tensor | None], need_dx: bool, need_dw: bool
+        self,
+        saved: Saved,
+        dys: list[tf.Tensor | None],
+        need_dx: bool,
+        need_dw: bool,
+        acc: list[tf.Tensor] | None = None,
     ) -> Grads:
         """Input gradients (when ``need_dx``) and weight gradients (when ``need_dw``) of
-        ``dys · ∂outputs``; recomputes the forward first if the forward kept no tape."""
+        ``dys · ∂outputs``, the latter plus ``acc`` when given (the earlier micro-batches'
+        sum; added inside the program when it recomputes); recomputes the forward first if
+        the forward kept no tape."""
         if not (need_dx or need_dw):
             return None, []
         if saved.tape is None:
             _, dx, dw = self._forward_backward(
-                saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw
+                saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, acc
             )
             return dx, dw
         ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
-        return self._gradients(saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw)
+        dx, dw = self._gradients(
+            saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw
+        )
+        return dx, _accumulated(acc, dw)
 
     def forward_backward(
         self,
@@ -346,15 +358,17 @@ class StageReplica:
         seed: tf.Tensor,
         dys: list[tf.Tensor | None],
         need_dx: bool,
+        acc: list[tf.Tensor] | None = None,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor], Tensors, Tensors]:
         """F immediately followed by its whole backward, as one program: its outputs, dx,
-        dW, its activity penalty and its BatchNormalization statistics.
+        dW (plus ``acc`` when given, added in the program), its activity penalty and its
+        BatchNormalization statistics.
 
         Used when the schedule runs a micro-batch's backward right after its forward on the
         same device (the last stage, whose output gradient is known): no activation is
         stored and nothing is recomputed.
         """
-        out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True)
+        out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True, acc)
         ys, activity, stats = self._split(out)
         return ys, dx, dw, activity, stats
 
@@ -394,3 +408,10 @@ class StageReplica:
         return penalty, [
             tf.zeros_like(w) if g is None else g for g, w in zip(grads, weights, strict=True)
         ]
+
+
+def _accumulated(acc: list[tf.Tensor] | None, dw: list[tf.Tensor]) -> list[tf.Tensor]:
+    """``acc + dw`` element-wise (``dw`` when there is nothing before)."""
+    if not acc or not dw:
+        return dw
+    return [a + g for a, g in zip(acc, dw, strict=True)]

@@ -1,0 +1,217 @@
+"""Engine speed side by side: what the Pipeline costs against what a user would write instead.
+
+One process, 2 logical CPU devices (one intra-op thread each), one model (--depth ×
+Dense(--width) + a head, batch --batch, SGD, ``remat="never"``, XLA), one fixed batch; every
+candidate is timed in alternation (interleaved rounds, medians):
+
+    keras_1_device          compile(jit_compile=True) + train_on_batch on one device
+    handwritten_M8          one device, by hand: M XLA gradient calls on the micro-batches,
+                            accumulated, one XLA apply (what the 1×1 pipeline does)
+    pipeline_1x1_M8         Pipeline on a 1×1 mesh, M = --micro_batches
+    pipeline_2x1_M{2,4,8}   2 stages × 1 replica (pipelining)
+    pipeline_1x2_M1         1 stage × 2 replicas (data parallelism)
+    mirrored_2_devices      tf.distribute.MirroredStrategy on the same 2 devices, a custom
+                            loop with XLA-compiled gradients per replica (Keras's
+                            compile(jit_compile=True) fails under the strategy: XLA cannot
+                            read the other replica's variables)
+
+and prints the issue-16 ratios:
+
+    engine overhead      pipeline_1x1_M8 / handwritten_M8            (target <= 1.05)
+    pipelining speedup   pipeline_1x1_M8 / pipeline_2x1_M8           (target >= 1.65, ideal 1.78)
+    pipelined vs plain   keras_1_device / best pipeline_2x1          (target >= 1.2)
+    data parallelism     keras_1_device / pipeline_1x2_M1            (target >= 1.7)
+    vs MirroredStrategy  mirrored_2_devices / pipeline_1x2_M1        (target >= 1.2)
+
+    python benchmarks/engine_overhead.py [--rounds=7] [--steps_per_round=3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from absl import app, flags
+
+import common
+
+common.define_timing_flags(rounds=7, steps_per_round=3)
+common.define_model_flags(depth=4, batch=256)
+flags.DEFINE_integer("micro_batches", 8, "M of the 1×1 and 2×1 pipelines and the hand loop.")
+FLAGS = flags.FLAGS
+
+LEARNING_RATE = 1e-3
+
+
+def _model() -> Any:
+    import keras
+
+    layers = common.dense_stack(FLAGS.width, FLAGS.depth)
+    return keras.Sequential([keras.Input((FLAGS.width,)), *layers])
+
+
+def _loss() -> Any:
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def keras_step(x: Any, y: Any) -> Callable[[], float]:
+    """``compile(jit_compile=True)`` + ``train_on_batch`` on one device."""
+    import keras
+
+    model = _model()
+    model.compile(keras.optimizers.SGD(LEARNING_RATE), _loss(), jit_compile=True)
+    return lambda: float(model.train_on_batch(x, y))
+
+
+def mirrored_step(x: Any, y: Any, devices: list[str]) -> Callable[[], float]:
+    """``tf.distribute.MirroredStrategy`` on ``devices`` as its guide writes a custom loop:
+    each replica's gradients of its shard by one XLA call, summed across replicas, applied
+    by the optimizer to the mirrored variables."""
+    import keras
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _model()
+        optimizer = keras.optimizers.SGD(LEARNING_RATE)
+        optimizer.build(model.trainable_variables)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    scale = 1.0 / FLAGS.batch
+
+    @tf.function(jit_compile=True)
+    def gradients(xr: Any, yr: Any) -> tuple[list[Any], Any]:
+        with tf.GradientTape() as tape:
+            value = loss(yr, model(xr, training=True)) * scale
+        return tape.gradient(value, model.trainable_variables), value
+
+    def replica_step(xr: Any, yr: Any) -> Any:
+        grads, value = gradients(xr, yr)
+        context = tf.distribute.get_replica_context()
+        grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        optimizer.apply(grads, model.trainable_variables)
+        return value
+
+    @tf.function
+    def step(data: Any) -> Any:
+        values = strategy.run(replica_step, args=data)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    batches = iter(strategy.experimental_distribute_dataset(dataset))
+    data = next(batches)
+    return lambda: float(step(data))
+
+
+def handwritten_step(x: Any, y: Any, micro_batches: int) -> Callable[[], float]:
+    """One device, by hand: M XLA calls each adding one micro-batch's gradients (of the
+    batch-mean loss) to the accumulators, then one XLA apply."""
+    import keras
+    import tensorflow as tf
+
+    model, loss = _model(), _loss()
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.SGD(LEARNING_RATE)
+    optimizer.build(variables)
+    xs, ys = tf.split(x, micro_batches), tf.split(y, micro_batches)
+
+    @tf.function(jit_compile=True)
+    def accumulate(xm: Any, ym: Any, sums: list[Any]) -> tuple[list[Any], Any]:
+        with tf.GradientTape() as tape:
+            value = loss(ym, model(xm, training=True)) / micro_batches
+        grads = tape.gradient(value, variables)
+        return [s + g for s, g in zip(sums, grads, strict=True)], value
+
+    @tf.function(jit_compile=True)
+    def apply(grads: list[Any]) -> None:
+        optimizer.apply(grads, variables)
+
+    def step() -> float:
+        sums = [tf.zeros_like(v) for v in variables]
+        total = 0.0
+        for m in range(micro_batches):
+            sums, value = accumulate(xs[m], ys[m], sums)
+            total += value
+        apply(sums)
+        return float(total)
+
+    return step
+
+
+def candidates() -> dict[str, Callable[[], Any]]:
+    import keras
+    import tensorflow as tf
+
+    import hybrid
+
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    M = FLAGS.micro_batches
+
+    def pipeline(stages: int, replicas: int, micro_batches: int) -> Callable[[], Any]:
+        pipe = common.dense_pipeline(
+            FLAGS.width,
+            FLAGS.depth,
+            hybrid.DeviceMesh.create(stages, replicas),
+            keras.optimizers.SGD(LEARNING_RATE),
+            micro_batches=micro_batches,
+            remat="never",
+        )
+        return common.train_step(pipe, x, y)
+
+    steps = {
+        "keras_1_device": keras_step(x, y),
+        f"handwritten_M{M}": handwritten_step(x, y, M),
+        f"pipeline_1x1_M{M}": pipeline(1, 1, M),
+    }
+    for m in sorted({2, 4, M}):
+        steps[f"pipeline_2x1_M{m}"] = pipeline(2, 1, m)
+    steps["pipeline_1x2_M1"] = pipeline(1, 2, 1)
+    steps["mirrored_2_devices"] = mirrored_step(x, y, devices)
+    return steps
+
+
+def ratios(ms: dict[str, float]) -> dict[str, float]:
+    """The issue-16 ratios (see the module docstring), printed with their targets."""
+    M = FLAGS.micro_batches
+    best_2x1 = min(v for k, v in ms.items() if k.startswith("pipeline_2x1"))
+    values = {
+        "engine_overhead": ms[f"pipeline_1x1_M{M}"] / ms[f"handwritten_M{M}"],
+        "pipelining_speedup": ms[f"pipeline_1x1_M{M}"] / ms[f"pipeline_2x1_M{M}"],
+        "pipelined_vs_plain": ms["keras_1_device"] / best_2x1,
+        "data_parallel_vs_plain": ms["keras_1_device"] / ms["pipeline_1x2_M1"],
+        "data_parallel_vs_mirrored": ms["mirrored_2_devices"] / ms["pipeline_1x2_M1"],
+    }
+    targets = {
+        "engine_overhead": "<= 1.05",
+        "pipelining_speedup": f">= 1.65 (ideal {2 * M / (M + 1):.2f})",
+        "pipelined_vs_plain": ">= 1.2",
+        "data_parallel_vs_plain": ">= 1.7",
+        "data_parallel_vs_mirrored": ">= 1.2",
+    }
+    for name, value in values.items():
+        print(f"  {name:28s} {value:6.3f}  (target {targets[name]})")
+    return values
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    env = common.start("engine_overhead", devices=2)
+    samples, ms = common.time_steps(candidates(), warmup=3)
+    common.print_ms(ms, width=22)
+    values = ratios(ms)
+    common.write_timed(
+        "engine_overhead",
+        env,
+        common.flag_values(*common.TIMING_FLAGS, *common.MODEL_FLAGS, "micro_batches"),
+        samples,
+        ms,
+        "ms per step: the pipeline vs plain Keras, a hand loop, MirroredStrategy",
+        ratios=values,
+    )
+    print("SUMMARY engine_overhead " + " ".join(f"{k}={v:.3f}" for k, v in values.items()))
+
+
+if __name__ == "__main__":
+    app.run(main)
