@@ -8,9 +8,13 @@ M = 4, SGD) on three 2×2 meshes:
     local                    the 4 devices of this process (no RPC at all)
     cluster                  replica groups inside a task, the pipeline crosses tasks (default)
     cluster_pipelines        each pipeline inside a task, the gradient all-reduce crosses tasks
+    cluster_bfloat16         cluster, the stage boundary's activations and gradients sent as
+                             bfloat16 (``boundary_dtype``; inexact)
+    cluster_int8             the same as int8 with one scale per tensor
 
 ``ratio`` = cluster / local (the cost of the gRPC runtime with the default order),
-``ratio_pipelines`` = cluster_pipelines / local. On one host the gRPC hops are loopback
+``ratio_pipelines`` = cluster_pipelines / local, ``compressed`` = each compressed run's step
+time over cluster's, with the bytes that cross the stage boundary per step. On one host the gRPC hops are loopback
 copies; across hosts the network adds to them.
 
     python benchmarks/multihost.py [--rounds=12]
@@ -149,21 +153,34 @@ def meshes(job: Any) -> dict[str, Any]:
     return out
 
 
+COMPRESSED = {"cluster_bfloat16": "bfloat16", "cluster_int8": "int8"}
+BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
 def candidates(meshes: dict[str, Any], x: Any, y: Any) -> dict[str, Callable[[], Any]]:
-    """One training step of the same model on each mesh."""
+    """One training step of the same model on each mesh (and compressed, on cluster's)."""
     import keras
 
+    runs = {name: (mesh, None) for name, mesh in meshes.items()}
+    runs.update({name: (meshes["cluster"], dtype) for name, dtype in COMPRESSED.items()})
     steps = {}
-    for name, mesh in meshes.items():
+    for name, (mesh, dtype) in runs.items():
         pipe = common.dense_pipeline(
             FLAGS.width,
             FLAGS.depth,
             mesh,
             keras.optimizers.SGD(1e-3),
             micro_batches=FLAGS.micro_batches,
+            boundary_dtype=dtype,
         )
         steps[name] = common.train_step(pipe, x, y)
     return steps
+
+
+def boundary_bytes(dtype: str) -> int:
+    """Bytes crossing the one stage boundary per step: every micro-batch's [rows, width]
+    activation forward and its gradient back, on each of the 2 replicas."""
+    return 2 * FLAGS.batch * FLAGS.width * BYTES[dtype]
 
 
 def ratios(ms: dict[str, float]) -> tuple[float, float]:
@@ -184,6 +201,19 @@ def run(spec: str) -> None:
         samples, ms = common.time_steps(candidates(by_name, x, y), warmup=2)
     common.print_ms(ms, width=18)
     ratio, ratio_pipelines = ratios(ms)
+    compressed = {
+        dtype: {
+            "ratio_vs_float32": ms[name] / ms["cluster"],
+            "boundary_bytes_per_step": boundary_bytes(dtype),
+        }
+        for name, dtype in COMPRESSED.items()
+    }
+    for dtype, values in compressed.items():
+        print(
+            f"  {dtype}: {values['ratio_vs_float32']:.3f}x the float32 step, "
+            f"{values['boundary_bytes_per_step']} boundary bytes/step "
+            f"(float32: {boundary_bytes('float32')})"
+        )
     common.write_timed(
         "multihost",
         env,
@@ -194,11 +224,14 @@ def run(spec: str) -> None:
         meshes={name: [list(row) for row in m.devices] for name, m in by_name.items()},
         ratio=ratio,
         ratio_pipelines=ratio_pipelines,
+        compressed=compressed,
     )
     print(
         f"SUMMARY multihost local_ms={ms['local']:.2f} cluster_ms={ms['cluster']:.2f} "
         f"cluster_pipelines_ms={ms['cluster_pipelines']:.2f} ratio={ratio:.3f} "
-        f"ratio_pipelines={ratio_pipelines:.3f}"
+        f"ratio_pipelines={ratio_pipelines:.3f} "
+        f"bfloat16_ratio={compressed['bfloat16']['ratio_vs_float32']:.3f} "
+        f"int8_ratio={compressed['int8']['ratio_vs_float32']:.3f}"
     )
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from hybrid.core.schedule import Action, Op, Schedule
+from hybrid.engine.compression import Codec
 from hybrid.engine.stage import Labels, Saved, StageReplica
 from hybrid.engine.timing import DeviceClock, Recorder
 
@@ -98,9 +100,13 @@ class _TrainingLowering:
     """
 
     def __init__(
-        self, schedule: Schedule, stages: Sequence[StageReplica], loss_seed: tf.Tensor
+        self,
+        schedule: Schedule,
+        stages: Sequence[StageReplica],
+        loss_seed: tf.Tensor,
+        codec: Codec | None = None,
     ) -> None:
-        self.schedule, self.stages = schedule, stages
+        self.schedule, self.stages, self.codec = schedule, stages, codec
         self.split = schedule.splits_backward
         # The last stage outputs [numerator, denominator] of each output's loss; the
         # backward starts from d loss / d terms (``Objective.seed``).
@@ -113,9 +119,21 @@ class _TrainingLowering:
         self.losses: list[tf.Tensor] = []
         self.stats: list[list[tf.Tensor]] = [[] for _ in range(schedule.num_model_stages)]
         self.activity: list[tf.Tensor] = []
-        self.outputs: dict[tuple[int, int], list[tf.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], list[Any]] = {}
         self.saved: dict[tuple[int, int], Saved] = {}
-        self.upstream: dict[tuple[int, int], list[tf.Tensor | None]] = {}
+        self.upstream: dict[tuple[int, int], list[Any]] = {}
+
+    def send(self, tensors: list[Any]) -> tuple[list[Any], list[tf.Tensor]]:
+        """What crosses a stage boundary, encoded on the sender's device (``codec``), and
+        the tensors that cross."""
+        if self.codec is None:
+            return tensors, [t for t in tensors if t is not None]
+        wires = self.codec.encode(tensors)
+        return wires, self.codec.tensors(wires)
+
+    def receive(self, sent: list[Any]) -> list[Any]:
+        """What crossed a boundary, decoded on the receiver's device."""
+        return sent if self.codec is None else self.codec.decode(sent)
 
     def accumulate(self, k: int, dw: list[tf.Tensor]) -> None:
         """Stage k's gradients so far: ``dw`` already holds the earlier micro-batches' sum
@@ -127,13 +145,13 @@ class _TrainingLowering:
         """The gradients arriving at stage k's outputs for micro-batch m."""
         if self.stages[k].is_last:
             return self.loss_scale
-        return self.upstream[(k, m)] if keep else self.upstream.pop((k, m))
+        return self.receive(self.upstream[(k, m)] if keep else self.upstream.pop((k, m)))
 
     def pass_down(self, k: int, m: int, dx: list[tf.Tensor | None] | None) -> list[tf.Tensor]:
         if dx is None:
             return []
-        self.upstream[(k - 1, m)] = dx
-        return [g for g in dx if g is not None]
+        self.upstream[(k - 1, m)], sent = self.send(dx)
+        return sent
 
     def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
         out, dx, dw, activity, stats = self.stages[k].forward_backward(
@@ -164,9 +182,9 @@ class _TrainingLowering:
         if self.stages[k].is_last:
             self.losses.append(record.output[0])
             self.predictions[m] = record.output[1:]
-        else:
-            self.outputs[(k, m)] = record.output
-        return list(record.output), list(record.output)
+            return list(record.output), list(record.output)
+        self.outputs[(k, m)], sent = self.send(record.output)
+        return sent, sent
 
     def backward(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
         keep = self.saved[(k, m)] if self.split else self.saved.pop((k, m))
@@ -202,6 +220,7 @@ def lower_training(
     remat: Callable[[int], bool],
     loss_seed: tf.Tensor,
     clocks: Sequence[DeviceClock] | None = None,
+    codec: Codec | None = None,
 ) -> ReplicaStep:
     """Issues one replica's training actions in ``order``.
 
@@ -216,8 +235,9 @@ def lower_training(
       loss_seed: the gradient of the step's loss with respect to the last stage's output
         (``Objective.seed``).
       clocks: one per pipeline device: record start and end of every action.
+      codec: compresses what crosses each stage boundary (``compression.py``), or None.
     """
-    state = _TrainingLowering(schedule, stages, loss_seed)
+    state = _TrainingLowering(schedule, stages, loss_seed, codec)
     recorder = Recorder(clocks)
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
     for action in order:
@@ -228,7 +248,7 @@ def lower_training(
         with tf.device(stages[k].device):
             # What the action waits for besides its device's previous action.
             if action.op is Op.F:
-                x = list(xs[m]) if k == 0 else state.outputs.pop((k - 1, m))
+                x = list(xs[m]) if k == 0 else state.receive(state.outputs.pop((k - 1, m)))
                 inputs = list(x)
             elif action.op is Op.B:
                 dy = state.output_gradient(k, m, keep=True)

@@ -37,7 +37,7 @@ import tensorflow as tf
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine import assembly, batches, feed, lowering, reduction, timing
+from hybrid.engine import assembly, batches, compression, feed, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
@@ -88,6 +88,9 @@ class Pipeline(Workflow):
         ``train_step`` report them, computed on the global batch (``metrics.py``).
       prefetch: batches ``fit``, ``evaluate`` and ``predict`` prepare and copy onto the
         replicas' devices ahead of the step (``feed.py``); 0 prepares each at its step.
+      boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
+        cross stage boundaries in training (``compression.py``: inexact, for slow links);
+        None or "float32" sends them as they are.
     """
 
     def __init__(
@@ -106,9 +109,11 @@ class Pipeline(Workflow):
         metrics: Any = None,
         weighted_metrics: Any = None,
         prefetch: int = 2,
+        boundary_dtype: str | None = None,
     ) -> None:
         super().__init__()
         self.prefetch = feed.check_depth(prefetch)
+        self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
         self._graph = graph = graph_of(model)
         self.mesh = mesh
         self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
@@ -357,6 +362,7 @@ class Pipeline(Workflow):
                 lowering.remat_policy(self.remat, self.micro_batches),
                 seed,
                 clocks=self._clocks if record and r == 0 else None,
+                codec=self._codec,
             )
             for r in range(R)
         ]

@@ -341,14 +341,12 @@ class StageReplica:
         if not (need_dx or need_dw):
             return None, []
         if saved.tape is None:
-            _, dx, dw = self._forward_backward(
-                saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, acc
-            )
+            sums = self._sums(acc) if need_dw else None
+            args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
+            _, dx, dw = self._forward_backward(*args)
             return dx, dw
         ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
-        dx, dw = self._gradients(
-            saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw
-        )
+        dx, dw = self._gradients(saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw)
         return dx, _accumulated(acc, dw)
 
     def forward_backward(
@@ -368,9 +366,14 @@ class StageReplica:
         same device (the last stage, whose output gradient is known): no activation is
         stored and nothing is recomputed.
         """
-        out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True, acc)
+        out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True, self._sums(acc))
         ys, activity, stats = self._split(out)
         return ys, dx, dw, activity, stats
+
+    def _sums(self, acc: list[tf.Tensor] | None) -> list[tf.Tensor]:
+        """The running gradient sums a backward program adds to: zeros before the first
+        micro-batch, so that every micro-batch calls the same program (one compile)."""
+        return acc or [tf.zeros(v.shape, v.dtype) for v in self.trainable_variables]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""
