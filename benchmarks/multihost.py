@@ -14,8 +14,8 @@ M = 4, SGD) on three 2×2 meshes:
 
 ``ratio`` = cluster / local (the cost of the gRPC runtime with the default order),
 ``ratio_pipelines`` = cluster_pipelines / local, ``compressed`` = each compressed run's step
-time over cluster's, with the bytes that cross the stage boundary per step. On one host the gRPC hops are loopback
-copies; across hosts the network adds to them.
+time over cluster's, with the bytes that cross the stage boundary per step. On one host the
+gRPC hops are loopback copies; across hosts the network adds to them.
 
     python benchmarks/multihost.py [--rounds=12]
 """
