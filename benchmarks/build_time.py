@@ -126,7 +126,7 @@ def main(argv: list[str]) -> None:
         mine = sorted((r for r in rows if r["stages"] == stages), key=lambda r: r["actions"])
         per_action = [r["build_and_first_step_s"] / r["actions"] for r in mine]
         growth[stages] = per_action[-1] / per_action[0]
-        print(f"  S={stages}: seconds per action at the largest M / the smallest: {growth[stages]:.2f}")
+        print(f"  S={stages}: seconds per action, largest M / smallest: {growth[stages]:.2f}")
     common.write_json("build_time", {"environment": env, "rows": rows, "growth": growth})
     common.write_csv("build_time", rows)
     print(f"  wrote {plot(rows)}")

@@ -1,6 +1,9 @@
 """What the launcher does around each training step, as a Keras callback of ``fit``:
-time it, stop on a non-finite loss, log, write TensorBoard scalars, checkpoint, profile, and
-call the caller's ``step_callback`` (the supervisor and the fault-injection tests use it).
+time it, stop on a non-finite loss, log, write TensorBoard scalars, checkpoint, profile,
+report the timed steps of ``--timeline_every`` (per device compute, transfers, all-reduce,
+idle: a log line, TensorBoard scalars under ``timeline/``, a Gantt PNG, and a warning when
+communication passes 30 % of the step), and call the caller's ``step_callback`` (the
+supervisor and the fault-injection tests use it).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
+from hybrid import timeline
 from hybrid.checkpoint import Checkpointer
 from hybrid.engine.pipeline import Pipeline
+from hybrid.engine.timing import StepView
 
 if TYPE_CHECKING:
     from hybrid.trainer import TrainConfig
@@ -28,6 +33,7 @@ class NonFiniteLossError(FloatingPointError):
 
 
 StepCallback = Callable[[int, float], None]
+NAMES = ("compute", "transfer", "all-reduce", "idle")  # a timed step's shares, in order
 
 
 class _Progress:
@@ -77,6 +83,7 @@ class Steps(keras.callbacks.Callback):
         self.losses: list[float] = []
         self.last_checkpoint: str | None = None
         self.began = 0.0
+        self.timeline_seen: StepView | None = None
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         _profile(self.config, self.start + batch + 1, "start")
@@ -91,6 +98,10 @@ class Steps(keras.callbacks.Callback):
         self.losses.append(loss)
         if step % config.log_every == 0 or step == config.train_steps:
             _report(config, step, loss, self.progress, self.log, self.writer)
+        view = self.pipe.last_timeline
+        if view is not None and view is not self.timeline_seen:
+            self.timeline_seen = view
+            _report_timeline(config, self.pipe, step, view, self.log, self.writer)
         if self.saver and (
             (config.checkpoint_every and step % config.checkpoint_every == 0)
             or step == config.train_steps
@@ -141,6 +152,48 @@ def _scalars(
         tf.summary.scalar("learning_rate", rate)
         tf.summary.scalar("examples_per_second", progress.examples_per_second)
         tf.summary.scalar("step_time_ms", progress.last * 1e3)
+
+
+def _report_timeline(
+    config: TrainConfig,
+    pipe: Pipeline,
+    step: int,
+    view: StepView,
+    log: Callable[[str], None],
+    writer: tf.summary.SummaryWriter | None,
+) -> None:
+    """A timed step's breakdown: a log line (and the warning), TensorBoard scalars per
+    pipeline device of replica 0, and its Gantt chart ``model_dir/timeline/step_<n>.png``."""
+    shares = []
+    for d in view.devices:
+        parts = (d.compute, d.transfer, d.all_reduce, d.idle)
+        shares.append(
+            f"device {d.device} "
+            + " ".join(
+                f"{name} {value / d.step:.0%}"
+                for name, value in zip(NAMES, parts, strict=True)
+            )
+        )
+    log(f"timeline step {step}: " + "; ".join(shares))
+    warning = view.warning()
+    if warning:
+        log(f"WARNING {warning}")
+    if writer is not None:
+        with writer.as_default(step=step):
+            for d in view.devices:
+                prefix = f"timeline/device_{d.device}"
+                tf.summary.scalar(f"{prefix}/compute_ms", d.compute * 1e3)
+                tf.summary.scalar(f"{prefix}/transfer_ms", d.transfer * 1e3)
+                tf.summary.scalar(f"{prefix}/all_reduce_ms", d.all_reduce * 1e3)
+                tf.summary.scalar(f"{prefix}/idle_fraction", d.idle / d.step)
+                tf.summary.scalar(f"{prefix}/communication_share", d.communication_share)
+            tf.summary.scalar("timeline/communication_share", view.communication_share)
+    if config.model_dir:
+        os.makedirs(os.path.join(config.model_dir, "timeline"), exist_ok=True)
+        measured = [(e.action, e.start, e.end) for e in view.actions if e.action is not None]
+        title = f"step {step}, replica 0 (communication {view.communication_share:.0%})"
+        path = os.path.join(config.model_dir, "timeline", f"step_{step}.png")
+        timeline.plot_timelines([(title, pipe.schedule, measured)], path)
 
 
 def _profile(config: TrainConfig, step: int, when: str) -> None:

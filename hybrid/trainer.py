@@ -79,6 +79,8 @@ class TrainConfig:
       tie_embeddings: the Transformer's output head reads the token embedding matrix.
       jit_compile: XLA-compile the stage programs.
       prefetch: batches prepared on the mesh's devices ahead of the step (0: none).
+      timeline_every: time every this many steps: per device compute, transfers,
+        all-reduce and idle to the log, TensorBoard and a PNG (0: never).
       log_every: log and write TensorBoard scalars every this many steps.
       model_dir: checkpoints and TensorBoard events; None keeps nothing.
       checkpoint_every: save every this many steps (0: only at the end).
@@ -116,6 +118,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     jit_compile: bool = True
     prefetch: int = 2
+    timeline_every: int = 0
     log_every: int = 10
     model_dir: str | None = None
     checkpoint_every: int = 0
@@ -270,6 +273,7 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, Any]:
         prefetch=config.prefetch,
     )
     pipe.build(shape, dtype)
+    pipe.timeline_every = config.timeline_every
     return pipe, None if isinstance(dtype, list) else tuple(shape[1:])
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from hybrid import timeline
 from hybrid.core import schedule as sched
+from hybrid.engine import timing
 
 import reference as ref
 import runner
@@ -70,6 +71,53 @@ def test_plot_measured_beside_simulated(tmp_path):
     )
     with open(path, "rb") as f:
         assert f.read(4) == b"\x89PNG"
+
+
+def test_step_view_splits_each_devices_step():
+    """Two devices (times in s): device 1 waits 0.2 for F(0,0)'s output and device 0 waits
+    1.0 for the gradient of micro-batch 0 (transfers); F(1,1) and B(0,1) start late only
+    because their device was busy (no transfer); the all-reduces and the idle rest."""
+    F, B, A, T = sched.Op.F, sched.Op.B, sched.Action, timing.TimedAction
+    events = [
+        T(0, A(0, F, 0), 0.0, 1.0),
+        T(0, A(0, F, 1), 1.0, 2.0),
+        T(1, A(1, F, 0), 1.2, 3.0),  # the last stage: forward and backward fused
+        T(1, A(1, F, 1), 3.0, 4.0),
+        T(0, A(0, B, 0), 4.0, 5.0),
+        T(0, A(0, B, 1), 5.5, 6.5),
+        T(0, None, 6.5, 7.5),
+        T(1, None, 4.0, 8.0),
+    ]
+    view = timing.StepView.of(events)
+    first, second = view.devices
+    np.testing.assert_allclose(first[1:], [4.0, 1.0, 1.0, 2.0])
+    np.testing.assert_allclose(second[1:], [2.8, 0.2, 4.0, 1.0])
+    assert first.step == pytest.approx(8.0) and second.step == pytest.approx(8.0)
+    assert view.communication_share == pytest.approx(4.2 / 8)
+    assert "communication takes 52% of the step on pipeline device 1" in view.warning()
+    quiet = timing.StepView.of([e for e in events if e.action is not None or e.device == 0])
+    assert quiet.warning() is None  # device 1 without its all-reduce: 2.5 % communication
+
+
+def test_fit_times_every_nth_step_without_changing_training():
+    """timeline_every=2: steps 2 and 4 of fit run timed; the weights are those of an untimed
+    fit, and the last timed step's view has every device's compute and all-reduce."""
+    timed, plain = make("1f1b"), make("1f1b")
+    x, y = ref.batch(64)
+    plain.build((None, ref.IN_FEATURES))
+    timed.build((None, ref.IN_FEATURES))
+    plain.set_weights(timed.get_weights())
+    timed.timeline_every = 2
+    for pipe in (timed, plain):
+        pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    ref.assert_weights_close(timed.get_weights(), plain.get_weights())
+    assert plain.last_timeline is None
+    view = timed.last_timeline
+    assert [d.device for d in view.devices] == [0, 1]
+    for device in view.devices:
+        assert device.compute > 0 and device.all_reduce > 0
+        assert device.step == pytest.approx(max(e.end for e in view.actions + view.reduces))
+    assert len(view.actions) == sum(len(row) for row in timed.schedule.actions) - 4  # fused B
 
 
 if __name__ == "__main__":

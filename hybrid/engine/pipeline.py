@@ -254,11 +254,17 @@ class Pipeline(Workflow):
         """A real training step that also records when each of replica 0's actions ran:
         timestamps on its device once its previous action ended and its inputs are ready,
         and once its outputs are (seconds from the step's first start; on a busy host a
-        timestamp can run late by one queued kernel)."""
+        timestamp can run late by one queued kernel). ``last_timeline`` gets its breakdown."""
         self._metrics.reset()
-        stamps = self._timed(self._batch(x, y, sample_weight))
-        logs = self._metrics.result()
-        return logs, timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
+        view = self._timed_step(self._batch(x, y, sample_weight))
+        return self._metrics.result(), view.actions
+
+    def _timed_step(self, parts: Shards) -> timing.StepView:
+        """The training step on ``parts``, timed: its view is kept in ``last_timeline``."""
+        stamps = self._timed(parts)
+        events = timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
+        self.last_timeline = timing.StepView.of(events)
+        return self.last_timeline
 
     def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
         """The gradients of the batch's loss, without updating anything.
@@ -379,7 +385,11 @@ class Pipeline(Workflow):
             sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
         pieces = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
         predictions = batches.joined(pieces)
-        return StepResult(loss, output_losses, grads, steps[0].events, stats, predictions)
+        events: list[Any] = list(steps[0].events)
+        if record:  # replica 0's devices: from their last action to their reduced gradients
+            reduced = [g[0] for g in grads]
+            events += timing.reduce_events(self._clocks, steps[0].tails, rows, reduced)
+        return StepResult(loss, output_losses, grads, events, stats, predictions)
 
     def _forward_pass(self, parts: Shards) -> Any:
         """The forward-only schedule on every replica (``lower_replicas_inference``)."""

@@ -1,7 +1,10 @@
-"""Timed steps: per-device clocks inside the step, and the measured timeline they give.
+"""Timed steps: per-device clocks inside the step, the measured timeline they give, and
+where each device's time went.
 
-Every action of a timed step is bracketed by timestamps read on its own device, so the
-timeline shows when each device really ran what, without serializing the devices.
+Every action of a timed step is bracketed by timestamps read on its own device, and so is
+each device's gradient all-reduce, so the timeline shows when each device really ran what,
+without serializing the devices; ``StepView`` splits each device's step into compute,
+transfers, all-reduce and idle (the compute/communication view of ``--timeline_every``).
 """
 
 from __future__ import annotations
@@ -11,16 +14,26 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from hybrid.core.schedule import Action
+from hybrid.core.schedule import Action, Op
 
-__all__ = ["DeviceClock", "Recorder", "TimedAction", "timeline"]
+__all__ = [
+    "COMMUNICATION_WARNING",
+    "DeviceClock",
+    "DeviceTime",
+    "Recorder",
+    "StepView",
+    "TimedAction",
+    "reduce_events",
+    "timeline",
+]
 
 
 class TimedAction(NamedTuple):
-    """When one action ran on its pipeline device, in seconds from the step's start."""
+    """When one action ran on its pipeline device, in seconds from the step's start (action
+    None: the device's gradient all-reduce)."""
 
     device: int
-    action: Action
+    action: Action | None
     start: float
     end: float
 
@@ -67,7 +80,7 @@ class Recorder:
 
 
 def timeline(
-    keys: Sequence[tuple[int, Action]], stamps: Sequence[Any], num_devices: int
+    keys: Sequence[tuple[int, Action | None]], stamps: Sequence[Any], num_devices: int
 ) -> list[TimedAction]:
     """The measured actions in start order, in seconds from the step's first start.
 
@@ -86,3 +99,111 @@ def timeline(
         device_free[device] = finish
         found.append(TimedAction(device, action, begin, finish))
     return sorted(found, key=lambda e: e.start)
+
+
+def reduce_events(
+    clocks: Sequence[DeviceClock],
+    tails: Sequence[Sequence[tf.Tensor]],
+    device_of_stage: Sequence[int],
+    grads: Sequence[Sequence[tf.Tensor]],
+) -> list[tuple[int, None, tf.Tensor, tf.Tensor]]:
+    """Each pipeline device's all-reduce bracketed by its clock: from its last action's end
+    (``tails[d]``) to its stages' reduced gradients (``grads[k]`` of the stages k on it)."""
+    events = []
+    for d, clock in enumerate(clocks):
+        with tf.control_dependencies(list(tails[d])):
+            start = clock.now()
+        reduced = [g for k, row in enumerate(device_of_stage) if row == d for g in grads[k]]
+        with tf.control_dependencies(reduced):
+            events.append((d, None, start, clock.now()))
+    return events
+
+
+class DeviceTime(NamedTuple):
+    """Where one pipeline device's time went in a timed step, in seconds.
+
+    compute: its actions (F, B, W programs and what runs with them);
+    transfer: waiting for an input another device had already produced (the activation or
+      gradient crossing from the neighbouring stage, and the dispatch of the receive);
+    all_reduce: from its last action to its stages' gradients summed over the replica
+      group (the collective, and waiting for the group's slowest member);
+    idle: the rest of the step (the pipeline bubble).
+    """
+
+    device: int
+    compute: float
+    transfer: float
+    all_reduce: float
+    idle: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.transfer + self.all_reduce + self.idle
+
+    @property
+    def communication_share(self) -> float:
+        return (self.transfer + self.all_reduce) / self.step if self.step > 0 else 0.0
+
+
+COMMUNICATION_WARNING = 0.30
+
+
+class StepView(NamedTuple):
+    """A timed step seen per device: its actions, its all-reduce spans, the breakdown."""
+
+    actions: list[TimedAction]
+    reduces: list[TimedAction]  # action None: the device's all-reduce
+    devices: list[DeviceTime]
+
+    @classmethod
+    def of(cls, events: Sequence[TimedAction]) -> StepView:
+        """The breakdown of a measured timeline (``timeline``'s events, all-reduces with
+        action None)."""
+        actions = [e for e in events if e.action is not None]
+        reduces = [e for e in events if e.action is None]
+        end = max((e.end for e in events), default=0.0)
+        by_action = {e.action: e for e in actions if e.action is not None}
+        devices = []
+        for d in sorted({e.device for e in events}):
+            compute = transfer = 0.0
+            free = 0.0  # when the device's previous action ended
+            for e in sorted((a for a in actions if a.device == d), key=lambda a: a.start):
+                compute += e.end - e.start
+                producer = _producer(e.action, by_action) if e.action is not None else None
+                if producer is not None and producer.device != d and producer.end >= free:
+                    transfer += max(0.0, e.start - producer.end)
+                free = e.end
+            reduce = sum(e.end - e.start for e in reduces if e.device == d)
+            idle = max(0.0, end - compute - transfer - reduce)
+            devices.append(DeviceTime(d, compute, transfer, reduce, idle))
+        return cls(actions, reduces, devices)
+
+    @property
+    def communication_share(self) -> float:
+        """The largest share of the step any device spent communicating."""
+        return max((d.communication_share for d in self.devices), default=0.0)
+
+    def warning(self) -> str | None:
+        """What to do when communication takes over 30 % of a device's step; else None."""
+        worst = max(self.devices, key=lambda d: d.communication_share, default=None)
+        if worst is None or worst.communication_share <= COMMUNICATION_WARNING:
+            return None
+        return (
+            f"communication takes {worst.communication_share:.0%} of the step on pipeline "
+            f"device {worst.device} (transfers {worst.transfer * 1e3:.1f} ms, all-reduce "
+            f"{worst.all_reduce * 1e3:.1f} ms of {worst.step * 1e3:.1f} ms): give each "
+            "transfer more work to hide behind (more examples per micro-batch: a larger "
+            "batch or fewer micro-batches; fewer stages), keep replica groups inside a host "
+            "(--mesh_order), or compress the stage boundaries (boundary_dtype='bfloat16')"
+        )
+
+
+def _producer(action: Action, by_action: dict[Action, TimedAction]) -> TimedAction | None:
+    """The action whose output ``action`` waits for from a neighbouring stage: F(k, m) the
+    forward of k-1; B(k, m) the backward of k+1 (the fused forward of the last stage)."""
+    k, m = action.stage, action.microbatch
+    if action.op is Op.F:
+        return by_action.get(Action(k - 1, Op.F, m)) if k > 0 else None
+    if action.op is Op.B:
+        return by_action.get(Action(k + 1, Op.B, m)) or by_action.get(Action(k + 1, Op.F, m))
+    return None

@@ -10,6 +10,10 @@ split into R·M equal parts (a dataset's last one) is padded to the size of the 
 batch with examples that count for nothing (``batches.pad``), so it is trained exactly as
 Keras trains it and compiles no new programs.
 
+Every ``timeline_every``-th training step (0: none) is run timed (``timing.StepView``: per
+device compute, transfers, all-reduce, idle) and kept in ``last_timeline``; the launcher's
+``--timeline_every`` writes it to TensorBoard.
+
 Callbacks get the pipeline as their ``model``: ``stop_training``, ``optimizer`` (the one
 logical optimizer: setting ``learning_rate`` sets it on every device's copy),
 ``get_weights``/``set_weights``, ``save``/``save_weights``/``load_weights`` (through the
@@ -98,6 +102,8 @@ class Workflow:
     _specs: Any
 
     def __init__(self) -> None:
+        self.timeline_every = 0
+        self.last_timeline: Any = None
         self.stop_training = False
         self.history: Any = None
         self.train_function = None  # no graph for TensorBoard's write_graph to write
@@ -110,11 +116,26 @@ class Workflow:
     def stages(self) -> Any:
         raise NotImplementedError
 
+    @property
+    def step_counter(self) -> Any:
+        raise NotImplementedError
+
     def _batch(self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: Any = None) -> Any:
         raise NotImplementedError
 
     def _shard_devices(self) -> tuple[list[str], list[str]]:
         raise NotImplementedError
+
+    def _timed_step(self, parts: Any) -> Any:
+        raise NotImplementedError
+
+    def _train_one(self, parts: Any) -> None:
+        """One training step; timed when the step it takes is a ``timeline_every`` one."""
+        every = self.timeline_every
+        if every and (int(self.step_counter.numpy()) + 1) % every == 0:
+            self._timed_step(parts)
+        else:
+            self._train(parts)
 
     @property
     def placement(self) -> Placement:
@@ -279,7 +300,7 @@ class Workflow:
                 with iterator.catch_stop_iteration():
                     for begin, end, data in iterator:
                         callbacks.on_train_batch_begin(begin)
-                        self._train(data[0])
+                        self._train_one(data[0])
                         callbacks.on_train_batch_end(end, self._metrics.result())
                         if self.stop_training:
                             break

@@ -83,6 +83,14 @@ def _define_run_flags() -> None:
         "simulated_devices", None, "CPU only: logical devices to simulate (default: mesh size)."
     )
     flags.DEFINE_bool("progress_bar", False, "Show Keras's progress bar instead of log lines.")
+    flags.DEFINE_integer(
+        "timeline_every",
+        0,
+        "Time every N-th step (0: never): per device compute, transfers, all-reduce and idle "
+        "to the log and TensorBoard (timeline/), a Gantt PNG in --model_dir/timeline, and a "
+        "warning when communication passes 30% of the step.",
+        lower_bound=0,
+    )
     flags.DEFINE_string(
         "export_dir",
         None,
