@@ -57,14 +57,16 @@ def test_recomputation_draws_the_same_masks(schedule):
     x, y = ref.batch(BATCH, seed=3)
     want = never.gradients(x, y)
     # except_last mixes both paths in one step; "always" recomputes every micro-batch.
+    pipes = {}
     for remat in ("always", "except_last") if schedule == "1f1b" else ("always",):
-        pipe = make(schedule, remat)
+        pipes[remat] = pipe = make(schedule, remat)
         pipe.set_weights(weights)
         for got, expected in zip(pipe.gradients(x, y), want, strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=remat)
-    # Training steps (the step counter moves the masks on) stay in lockstep too.
-    always = make(schedule, "always")
-    always.set_weights(weights)
+    # Training steps (the step counter moves the masks on) stay in lockstep too; gradients()
+    # updated nothing, so the "always" pipeline still holds the initial weights.
+    always = pipes["always"]
+    ref.assert_weights_close(always.get_weights(), weights, rtol=0, atol=0)
     for step in range(2):
         xs, ys = ref.batch(BATCH, seed=10 + step)
         np.testing.assert_allclose(
@@ -75,7 +77,7 @@ def test_recomputation_draws_the_same_masks(schedule):
 
 def test_dropout_is_really_active():
     """Masks depend on the seed and on the step: otherwise the test above proves nothing."""
-    a, b = make("gpipe", "always", dropout_seed=7), make("gpipe", "always", dropout_seed=8)
+    a, b = make("1f1b", "always", dropout_seed=7), make("1f1b", "always", dropout_seed=8)
     b.set_weights(a.get_weights())
     x, y = ref.batch(BATCH, seed=3)
     assert not np.allclose(a.gradients(x, y)[0], b.gradients(x, y)[0])

@@ -14,7 +14,10 @@ import runner
 
 
 def make(stages=2, replicas=1, micro_batches=2, layers=None, **kwargs):
+    """The test MLP's pipeline; stage programs as TensorFlow graphs (the API is the point
+    here: the equivalence tests compile them with XLA)."""
     kwargs.setdefault("optimizer", keras.optimizers.Adam(1e-3))
+    kwargs.setdefault("jit_compile", False)
     return ref.pipeline(stages, replicas, layers=layers, micro_batches=micro_batches, **kwargs)
 
 

@@ -150,8 +150,9 @@ class Pipeline(Workflow):
         self._placement: Placement | None = None
         with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-            names = getattr(model, "output_names", None) if isinstance(model, keras.Model) else None
-            self._metrics = StepMetrics(metrics, weighted_metrics, names, graph.output_names)
+        # On the caller's host: reset and read eagerly between steps, in order with them.
+        names = getattr(model, "output_names", None) if isinstance(model, keras.Model) else None
+        self._metrics = StepMetrics(metrics, weighted_metrics, names, graph.output_names)
         self._train = tf.function(self._train_step, autograph=False)
         self._timed = tf.function(functools.partial(self._train_step, record=True), autograph=False)
         self._grads = tf.function(self._gradient_step, autograph=False)
