@@ -64,6 +64,7 @@ bench: install
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/input_feed.py
 	$(PY) benchmarks/engine_overhead.py
+	$(PY) benchmarks/build_time.py
 
 clean:
 	rm -rf $(VENV) benchmarks/results .mypy_cache .ruff_cache
