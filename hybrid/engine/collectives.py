@@ -1,12 +1,13 @@
 """All-reduce of a stage's gradients inside its replica group: the devices that hold copies
 of that stage. How it is done is chosen by where the devices are (one rule, ``method_for``):
 
-- ``"sum"``, CPU devices of one process (the simulated mesh): every device adds the group's
-  tensors itself, in replica order. The devices share the host's memory, so reading another
-  device's tensor moves no data; a ring collective would pack every gradient into one vector,
-  run the ring on the collective executor's own threads (competing with the devices' for
-  the cores) and unpack it. Measured on 2 simulated devices (``benchmarks/engine_overhead.py``,
-  4 × Dense(1024), batch 256): the 1×2 step 140 -> 78 ms.
+- ``"sum"``, CPU devices of one process (the simulated mesh): the group's first device adds
+  the group's tensors in replica order and every device reads the sums. The devices share
+  the host's memory, so reading another device's tensor moves no data; a ring collective
+  would pack every gradient into one vector, run the ring on the collective executor's own
+  threads (competing with the devices' for the cores) and unpack it. Measured on 2
+  simulated devices (``benchmarks/engine_overhead.py``, 4 × Dense(1024), batch 256): the
+  1×2 step 140 -> 78 ms.
 - ``"collective"``, anything else (GPUs, devices on other hosts): every device packs its
   gradients into one flat vector, the group sums the vectors with one ``CollectiveReduceV2``
   (a ring: each device sends and receives 2(R-1)/R of the vector), and every device unpacks
@@ -118,10 +119,16 @@ class ReplicaGroup:
     def _sum_on_each(
         self, per_device: Sequence[Sequence[tf.Tensor]], final_op: str
     ) -> list[list[tf.Tensor]]:
-        """Every device adds the group's tensors in replica order (the same sums on all)."""
+        """The group's first device adds the group's tensors in replica order; every other
+        device reads the sums. (Each device adding them itself gave sums that differed in
+        the last bit between devices once the graph optimizer had rewritten the adds: the
+        replicas drifted apart.)"""
+        with tf.device(self.devices[0]):
+            sums = [tf.add_n(list(each)) for each in zip(*per_device, strict=True)]
+            if final_op != "Id":
+                sums = [t / self.size for t in sums]
         out = []
         for device in self.devices:
             with tf.device(device):
-                sums = [tf.add_n(list(each)) for each in zip(*per_device, strict=True)]
-                out.append(sums if final_op == "Id" else [t / self.size for t in sums])
+                out.append([tf.identity(t) for t in sums])
         return out

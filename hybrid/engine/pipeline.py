@@ -377,6 +377,7 @@ class Pipeline(Workflow):
             self._loss, [t for s in steps for t in s.losses], divisors
         )
         rows = [self.schedule.device_of(k) for k in range(len(self._stages))]
+        starts = timing.reduce_starts(self._clocks, steps[0].tails) if record else []
         grads, stats, penalty = reduction.all_stages(
             steps, self._stages, self._groups, rows, self._loss.late_scale(divisors), loss_scale
         )
@@ -388,8 +389,7 @@ class Pipeline(Workflow):
         predictions = batches.joined(pieces)
         events: list[Any] = list(steps[0].events)
         if record:  # replica 0's devices: from their last action to their reduced gradients
-            reduced = [g[0] for g in grads]
-            events += timing.reduce_events(self._clocks, steps[0].tails, rows, reduced)
+            events += timing.reduce_events(self._clocks, starts, rows, [g[0] for g in grads])
         return StepResult(loss, output_losses, grads, events, stats, predictions)
 
     def _forward_pass(self, parts: Shards) -> Any:

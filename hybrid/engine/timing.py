@@ -24,6 +24,7 @@ __all__ = [
     "StepView",
     "TimedAction",
     "reduce_events",
+    "reduce_starts",
     "timeline",
 ]
 
@@ -101,21 +102,31 @@ def timeline(
     return sorted(found, key=lambda e: e.start)
 
 
+def reduce_starts(clocks: Sequence[DeviceClock], tails: list[list[tf.Tensor]]) -> list[tf.Tensor]:
+    """Each pipeline device's clock read once its last action has ended (``tails[d]``),
+    appended to ``tails[d]``: the all-reduce, which waits for the tails, starts after it."""
+    starts = []
+    for d, clock in enumerate(clocks):
+        with tf.control_dependencies(list(tails[d])):
+            starts.append(clock.now())
+        tails[d] = list(tails[d]) + [starts[-1]]
+    return starts
+
+
 def reduce_events(
     clocks: Sequence[DeviceClock],
-    tails: Sequence[Sequence[tf.Tensor]],
+    starts: Sequence[tf.Tensor],
     device_of_stage: Sequence[int],
     grads: Sequence[Sequence[tf.Tensor]],
 ) -> list[tuple[int, None, tf.Tensor, tf.Tensor]]:
-    """Each pipeline device's all-reduce bracketed by its clock: from its last action's end
-    (``tails[d]``) to its stages' reduced gradients (``grads[k]`` of the stages k on it)."""
+    """Each pipeline device's all-reduce bracketed by its clock: from ``starts[d]``
+    (:func:`reduce_starts`) to its stages' reduced gradients (``grads[k]`` of the stages k
+    on it)."""
     events = []
     for d, clock in enumerate(clocks):
-        with tf.control_dependencies(list(tails[d])):
-            start = clock.now()
         reduced = [g for k, row in enumerate(device_of_stage) if row == d for g in grads[k]]
         with tf.control_dependencies(reduced):
-            events.append((d, None, start, clock.now()))
+            events.append((d, None, starts[d], clock.now()))
     return events
 
 
