@@ -192,17 +192,21 @@ def shards(
     valid: tf.Tensor | None,
 ) -> list[Shard]:
     """The (checked, padded) global batch cut into the R replicas' contiguous shards."""
-    R = config.replicas
-    x_parts, y_parts, w_parts = _cut(xs, R), _cut(ys, R), _cut(ws, R)
-    v_parts = _cut([valid], R) if valid is not None else None
+    return _split(Shard(xs, ys, ws, valid), config.replicas)
+
+
+def _split(part: Shard, n: int) -> list[Shard]:
+    """``part`` cut into ``n`` contiguous equal parts: every tensor split along the batch."""
+    xs, ys, ws = _cut(part.xs, n), _cut(part.ys, n), _cut(part.ws, n)
+    valid = _cut([part.valid], n) if part.valid is not None else None
     return [
         Shard(
-            x_parts[r],  # type: ignore[index]
-            y_parts[r] if y_parts is not None else None,
-            w_parts[r] if w_parts is not None else None,
-            v_parts[r][0] if v_parts is not None else None,
+            xs[i],  # type: ignore[index]
+            ys[i] if ys is not None else None,
+            ws[i] if ws is not None else None,
+            valid[i][0] if valid is not None else None,
         )
-        for r in range(R)
+        for i in range(n)
     ]
 
 
@@ -224,15 +228,9 @@ def examples(parts: Sequence[Shard]) -> tf.Tensor:
 def whole_labels(parts: Sequence[Shard]) -> tuple[list[tf.Tensor] | None, list[tf.Tensor] | None]:
     """The global batch's labels and sample weights (per output) from its shards, in
     example order (the padding last)."""
-
-    def joined_up(tensors: list[list[tf.Tensor] | None]) -> list[tf.Tensor] | None:
-        if tensors[0] is None:
-            return None
-        if len(tensors) == 1:
-            return tensors[0]
-        return [tf.concat(list(each), axis=0) for each in zip(*tensors, strict=True)]
-
-    return joined_up([p.ys for p in parts]), joined_up([p.ws for p in parts])
+    ys = joined([p.ys or [] for p in parts]) if parts[0].ys is not None else None
+    ws = joined([p.ws or [] for p in parts]) if parts[0].ws is not None else None
+    return ys, ws
 
 
 def joined(parts: list[list[tf.Tensor]]) -> list[tf.Tensor] | None:
@@ -292,18 +290,11 @@ def micro_labels(
     """``labels[r][m]``: micro-batch m's (labels, sample weights or None, valid or None) on
     replica r, labels and sample weights a list with one tensor per model output, split on
     ``devices[r]`` (the device of the replica's last stage)."""
-    M = config.micro_batches
     out = []
     for part, device in zip(parts, devices, strict=True):
-        with tf.device(device):
-            ys, ws = _cut(part.ys, M), _cut(part.ws, M)
-            valid = _cut([part.valid], M) if part.valid is not None else None
-        if ys is None:
+        if part.ys is None:
             raise ValueError("labels are needed for the loss")
-        out.append(
-            [
-                (ys[m], ws[m] if ws is not None else None, valid[m][0] if valid else None)
-                for m in range(M)
-            ]
-        )
+        with tf.device(device):
+            pieces = _split(part._replace(xs=[]), config.micro_batches)
+        out.append([(p.ys, p.ws, p.valid) for p in pieces])
     return out

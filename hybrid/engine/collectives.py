@@ -95,7 +95,7 @@ class ReplicaGroup:
         if self.size == 1 or not per_device[0]:
             return [list(tensors) for tensors in per_device]
         if self.method == "sum":
-            return self._sum_on_each(per_device, final_op)
+            return self._sum_once(per_device, final_op)
         instance_key = new_collective_key()
         shapes = [t.shape for t in per_device[0]]
         sizes = [int(np.prod(s)) for s in shapes]
@@ -116,7 +116,7 @@ class ReplicaGroup:
                 out.append([tf.reshape(p, s) for p, s in zip(parts, shapes, strict=True)])
         return out
 
-    def _sum_on_each(
+    def _sum_once(
         self, per_device: Sequence[Sequence[tf.Tensor]], final_op: str
     ) -> list[list[tf.Tensor]]:
         """The group's first device adds the group's tensors in replica order; every other
