@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from hybrid.core.schedule import Action, Schedule, ScheduleError
     from hybrid.engine.devices import simulate_cpu_devices
     from hybrid.engine.pipeline import Pipeline, TimedAction
+    from hybrid.engine.strategy_pipeline import StrategyPipeline
     from hybrid.planning.planner import plan
 
 # public name -> (module, attribute); attribute None: the module itself.
@@ -38,6 +39,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "RunConfig": ("hybrid.core.config", "RunConfig"),
     "Schedule": ("hybrid.core.schedule", "Schedule"),
     "ScheduleError": ("hybrid.core.schedule", "ScheduleError"),
+    "StrategyPipeline": ("hybrid.engine.strategy_pipeline", "StrategyPipeline"),
     "TimedAction": ("hybrid.engine.pipeline", "TimedAction"),
     "local_devices": ("hybrid.core.mesh", "local_devices"),
     "plan": ("hybrid.planning.planner", "plan"),
@@ -49,6 +51,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "planner": ("hybrid.planning.planner", None),
     "schedule": ("hybrid.core.schedule", None),
     "tpu_mesh": ("hybrid.platforms.tpu_mesh", None),
+    "tpu_offline": ("hybrid.platforms.tpu_offline", None),
 }
 _SUBMODULES = (
     "checkpoint",
@@ -73,6 +76,7 @@ __all__ = [
     "RunConfig",
     "Schedule",
     "ScheduleError",
+    "StrategyPipeline",
     "TimedAction",
     "checkpoint",
     "cluster",
@@ -91,6 +95,7 @@ __all__ = [
     "simulate_cpu_devices",
     "timeline",
     "tpu_mesh",
+    "tpu_offline",
     "trainer",
     "validate_run",
 ]

@@ -6,6 +6,7 @@ whole batch with a ``tf.GradientTape`` step on one device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,14 @@ def mlp_layers(seed: int = 0, width: int = 16) -> list[keras.layers.Layer]:
         keras.layers.Dense(width),
         keras.layers.Dense(CLASSES),
     ]
+
+
+@functools.cache
+def mirrored_strategy() -> tf.distribute.MirroredStrategy:
+    """The process's one MirroredStrategy over CPU:0 and CPU:1. Strategies made one after
+    another in a process draw the same collective keys, and the runtime then pairs one's
+    all-reduce with another's (a shape mismatch, or a hang): every test shares this one."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 def batch(size: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:

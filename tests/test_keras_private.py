@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private, losses
 
+import reference as ref
 import runner
 
 
@@ -106,6 +107,29 @@ def test_the_launchers_mixed_float16_scales_the_loss_as_compile_does():
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
     assert isinstance(scaled.inner_optimizer, keras.optimizers.AdamW)
     assert not isinstance(optimizer_for(TrainConfig()), keras.optimizers.LossScaleOptimizer)
+
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_an_optimizer_in_a_replica_context_sums_gradients_unless_kept_local(local):
+    """Keras's TensorFlow optimizer, applied inside ``strategy.run``, sums the replicas'
+    gradients itself; ``keep_gradients_local`` makes it apply them as given (the engine
+    hands it gradients it has already reduced)."""
+    strategy = ref.mirrored_strategy()
+    with strategy.scope():
+        variable = keras.Variable(np.zeros(3, "float32"))
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([variable])
+    if local:
+        keras_private.keep_gradients_local(optimizer)
+
+    @tf.function(autograph=False)
+    def step():
+        strategy.run(lambda: optimizer.apply([tf.ones(3)], [variable]))
+
+    step()
+    replicas = strategy.num_replicas_in_sync
+    np.testing.assert_array_equal(variable.numpy(), -np.ones(3) * (1 if local else replicas))
 
 
 if __name__ == "__main__":

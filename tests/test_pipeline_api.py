@@ -197,6 +197,10 @@ def test_the_all_reduce_is_chosen_by_where_the_devices_are_and_both_agree():
     assert collectives.method_for(remote) == "collective"
     with pytest.raises(ValueError, match="all-reduce method 'ring': choose one of"):
         collectives.ReplicaGroup(local, method="ring")
+    core = "/device:TPU_REPLICATED_CORE:1"  # a logical core of a replicated TPU program
+    assert collectives.method_for([core]) == "cross_replica"
+    with pytest.raises(ValueError, match="one logical device"):
+        collectives.ReplicaGroup(local, method="cross_replica")
 
     rng = np.random.default_rng(0)
     values = [
@@ -204,7 +208,7 @@ def test_the_all_reduce_is_chosen_by_where_the_devices_are_and_both_agree():
         for _ in local
     ]
     results = {}
-    for method in collectives.METHODS:
+    for method in ("sum", "collective"):  # cross_replica: tests/test_tpu_program.py
         group = collectives.ReplicaGroup(local, method=method)
 
         @tf.function(autograph=False)

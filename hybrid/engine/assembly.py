@@ -5,13 +5,15 @@ check every layer call against what the pipeline can honour  (template.check_lay
 balance = explicit counts, or the cut balancing each call's parameters or measured time
 segment k = calls [start_k, stop_k); its inputs are the tensors live at start_k
 stage k holds every model variable its calls read (a tied variable: several stages)
-place: a StageReplica of stage k on device (device_of(k), r) for every replica r
+place: a StageReplica of stage k on device (device_of(k), r) for every replica r, or one on
+       the logical device of row device_of(k) that a tf.distribute strategy replicates
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -28,7 +30,7 @@ from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerCopies, adds_loss, check_layer, warn_added_losses
 from hybrid.engine.variables import Placement
 
-__all__ = ["Layout", "lay_out", "place", "spec_of"]
+__all__ = ["Layout", "LogicalDevices", "lay_out", "place", "spec_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +141,22 @@ def _refuse_per_element_with_penalties(loss: Objective, copies: Sequence[StageRe
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LogicalDevices:
+    """The devices of a program every replica runs (a ``tf.distribute`` strategy's ``run``).
+
+    Attributes:
+      names: ``names[d]``: the device string pipeline row d's ops are placed with inside the
+        program (on a TPU ``/device:TPU_REPLICATED_CORE:d``, which the compiler maps to
+        that core of each replica's pipeline).
+      scope: ``scope(d)``: the context row d's variables are created in; the strategy makes
+        one copy per replica (on a TPU, on core d of every replica).
+    """
+
+    names: tuple[str, ...]
+    scope: Callable[[int], contextlib.AbstractContextManager[Any]]
+
+
 def place(
     layout: Layout,
     schedule: Schedule,
@@ -146,28 +164,36 @@ def place(
     optimizers: OptimizerCopies,
     loss: Objective,
     jit_compile: bool,
+    logical: LogicalDevices | None = None,
 ) -> list[list[StageReplica]]:
-    """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row.
+    """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row; with
+    ``logical``, ``stages[k] == [copy]``: one copy on row ``device_of(k)``'s logical device
+    (its ops inline in the replicated program), which the strategy replicates.
 
     Warns when BatchNormalization or ``add_loss`` layers see micro-batches (R·M > 1).
     """
     K = schedule.num_model_stages
     stages = []
     for k in range(K):
-        row = [
-            StageReplica(
-                k,
-                layout.segments[k],
-                mesh.device(schedule.device_of(k), r),
-                layout.input_specs[k],
-                optimizers,
-                loss if k == K - 1 else None,
-                jit_compile,
-                layout.variables[k],
-                layout.masked,
-            )
-            for r in range(mesh.num_replicas)
-        ]
+        d = schedule.device_of(k)
+        devices = [mesh.device(d, r) for r in range(mesh.num_replicas)]
+        where = contextlib.nullcontext() if logical is None else logical.scope(d)
+        with where:
+            row = [
+                StageReplica(
+                    k,
+                    layout.segments[k],
+                    device,
+                    layout.input_specs[k],
+                    optimizers,
+                    loss if k == K - 1 else None,
+                    jit_compile,
+                    layout.variables[k],
+                    layout.masked,
+                    inline=logical is not None,
+                )
+                for device in (devices if logical is None else [logical.names[d]])
+            ]
         for copy in row:
             copy.owned = layout.placement.owned(k)
             copy.activity_scale = 1.0 / (mesh.num_replicas * schedule.num_microbatches)

@@ -12,6 +12,11 @@ of that stage. How it is done is chosen by where the devices are (one rule, ``me
   gradients into one flat vector, the group sums the vectors with one ``CollectiveReduceV2``
   (a ring: each device sends and receives 2(R-1)/R of the vector), and every device unpacks
   the result. The ops run outside XLA (XLA on CPU has no collectives).
+- ``"cross_replica"``, a program every replica runs (a ``tf.distribute`` strategy's
+  ``run``; ``strategy_pipeline.py``): the group is one logical device (on a TPU, one core
+  of every replica's pipeline), each replica passes its own tensors, and they are packed
+  into one vector summed by the replica context's ``all_reduce``: on a TPU one
+  ``CrossReplicaSum`` inside the step's XLA program, on that core.
 
 Either way every device ends with the same values, bit for bit: the replicas stay equal.
 
@@ -32,7 +37,7 @@ from tensorflow.python.ops import collective_ops
 
 __all__ = ["METHODS", "ReplicaGroup", "method_for", "new_collective_key"]
 
-METHODS = ("sum", "collective")
+METHODS = ("sum", "collective", "cross_replica")
 
 # TensorFlow identifies collective groups and instances by process-wide integer keys, so
 # they are drawn from one process-wide counter.
@@ -45,7 +50,10 @@ def new_collective_key() -> int:
 
 
 def method_for(devices: Sequence[str]) -> str:
-    """``"sum"`` for CPU devices of one process (one task), else ``"collective"``."""
+    """``"sum"`` for CPU devices of one process (one task), ``"cross_replica"`` for a TPU's
+    logical core in a replicated program, else ``"collective"``."""
+    if len(devices) == 1 and "TPU_REPLICATED_CORE" in devices[0]:
+        return "cross_replica"
     specs = [tf.DeviceSpec.from_string(d) for d in devices]
     one_task = len({(s.job, s.replica or 0, s.task or 0) for s in specs}) == 1
     return "sum" if one_task and all(s.device_type == "CPU" for s in specs) else "collective"
@@ -64,9 +72,15 @@ class ReplicaGroup:
         self.method = method_for(self.devices) if method is None else method
         if self.method not in METHODS:
             raise ValueError(f"all-reduce method {method!r}: choose one of {METHODS}")
+        if self.method == "cross_replica" and len(self.devices) != 1:
+            raise ValueError(
+                f"a cross_replica group is one logical device of a program every replica "
+                f"runs, got {len(self.devices)} devices {self.devices}; use 'sum' or "
+                "'collective' for devices named one by one"
+            )
         self.group_key = new_collective_key()
         self._tokens = []
-        for device in self.devices:
+        for device in self.devices if self.method == "collective" else ():
             with tf.device(device):
                 self._tokens.append(tf.Variable(0, dtype=tf.int32, trainable=False))
 
@@ -92,17 +106,17 @@ class ReplicaGroup:
         """
         if len(per_device) != self.size:
             raise ValueError(f"expected tensors from {self.size} devices, got {len(per_device)}")
+        if self.method == "cross_replica" and per_device[0]:
+            return [self._across_replicas(per_device[0], final_op)]
         if self.size == 1 or not per_device[0]:
             return [list(tensors) for tensors in per_device]
         if self.method == "sum":
             return self._sum_once(per_device, final_op)
         instance_key = new_collective_key()
-        shapes = [t.shape for t in per_device[0]]
-        sizes = [int(np.prod(s)) for s in shapes]
         out = []
         for device, tensors, token in zip(self.devices, per_device, self._tokens, strict=True):
             with tf.device(device):
-                flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+                flat = _packed(tensors)
                 mean = collective_ops.all_reduce_v2(
                     flat,
                     group_size=self.size,
@@ -112,9 +126,26 @@ class ReplicaGroup:
                     final_op=final_op,
                     ordering_token=token.handle,
                 )
-                parts = tf.split(mean, sizes)
-                out.append([tf.reshape(p, s) for p, s in zip(parts, shapes, strict=True)])
+                out.append(_unpacked(mean, tensors))
         return out
+
+    def _across_replicas(self, tensors: Sequence[tf.Tensor], final_op: str) -> list[tf.Tensor]:
+        """This replica's ``tensors`` summed (or averaged) with every other replica's copies
+        of them, in one all-reduce of the replica context per dtype, on the group's logical
+        device."""
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            raise RuntimeError("a cross_replica all-reduce runs inside a strategy's run()")
+        op = tf.distribute.ReduceOp.SUM if final_op == "Id" else tf.distribute.ReduceOp.MEAN
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        with tf.device(self.devices[0]):
+            for dtype in dict.fromkeys(t.dtype for t in tensors):
+                which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+                same = [tensors[i] for i in which]
+                summed = _unpacked(context.all_reduce(op, _packed(same)), same)
+                for i, t in zip(which, summed, strict=True):
+                    out[i] = t
+        return out  # type: ignore[return-value]
 
     def _sum_once(
         self, per_device: Sequence[Sequence[tf.Tensor]], final_op: str
@@ -132,3 +163,15 @@ class ReplicaGroup:
             with tf.device(device):
                 out.append([tf.identity(t) for t in sums])
         return out
+
+
+def _packed(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The tensors flattened into one vector (one all-reduce for all of them)."""
+    return tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+
+
+def _unpacked(flat: tf.Tensor, like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``flat`` cut back into tensors of the shapes of ``like``."""
+    shapes = [t.shape for t in like]
+    parts = tf.split(flat, [int(np.prod(s)) for s in shapes])
+    return [tf.reshape(p, s) for p, s in zip(parts, shapes, strict=True)]

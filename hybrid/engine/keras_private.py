@@ -21,6 +21,11 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   excluded variables by identity and the name patterns as a regex in private attributes, which
   ``get_config`` does not carry; a copy of the optimizer for a stage's variables gets the
   same exclusions, mapped onto the stage's copies of the variables.
+- ``keep_gradients_local``: under a ``tf.distribute`` strategy, Keras's TensorFlow optimizer
+  sums the gradients over the replicas itself before its update
+  (``TFOptimizer._all_reduce_sum_gradients``, through the replica context); the engine's
+  gradients arrive already reduced, so a copy applied in a replica context must not sum
+  them again.
 - ``compile_metrics``: the object ``compile(metrics=..., weighted_metrics=...)`` makes
   (``keras.src.trainers.compile_utils.CompileMetrics``): it resolves "accuracy" from the
   shapes of labels and predictions, names each metric (with its output's name on a model
@@ -100,6 +105,14 @@ def batch_norm_moments(layer: keras.layers.BatchNormalization, x: Any) -> tuple[
 def set_variable_path(variable: Any, path: str) -> None:
     """Gives ``variable`` the path ``path`` (a template variable's)."""
     variable._path = path
+
+
+def keep_gradients_local(optimizer: keras.optimizers.Optimizer) -> None:
+    """Makes ``optimizer`` (and a LossScaleOptimizer's inner one) apply the gradients it is
+    given in a replica context as they are, without summing them over the replicas."""
+    for one in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if one is not None and hasattr(one, "_all_reduce_sum_gradients"):
+            one._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
 
 
 def same_rank(values: Any, weights: Any) -> tuple[Any, Any]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
 
 from hybrid.core.schedule import Action, Op, Schedule
 from hybrid.engine.compression import Codec
@@ -30,6 +31,7 @@ from hybrid.engine.timing import DeviceClock, Recorder
 
 __all__ = [
     "ReplicaStep",
+    "action_scope",
     "lower_inference",
     "lower_replicas_inference",
     "lower_training",
@@ -47,14 +49,20 @@ def remat_policy(mode: str, micro_batches: int) -> Callable[[int], bool]:
     return lambda microbatch: False
 
 
-def seeds(step: tf.Tensor, replica: int, micro_batches: int) -> Callable[[int], tf.Tensor]:
+def seeds(
+    step: tf.Tensor, replica: int | tf.Tensor, micro_batches: int
+) -> Callable[[int], tf.Tensor]:
     """micro-batch -> the (step, unit) seed of its random layers on ``replica`` (one tensor
-    per micro-batch, shared by its forward and any recomputation)."""
+    per micro-batch, shared by its forward and any recomputation). ``replica`` is a tensor
+    in a program every replica runs (the replica context's id)."""
     units: dict[int, tf.Tensor] = {}
 
     def seed(microbatch: int) -> tf.Tensor:
         if microbatch not in units:
-            unit = tf.constant(replica * micro_batches + microbatch, tf.int64)
+            if isinstance(replica, int):
+                unit = tf.constant(replica * micro_batches + microbatch, tf.int64)
+            else:
+                unit = tf.cast(replica, tf.int64) * micro_batches + microbatch
             units[microbatch] = tf.stack([step, unit])
         return units[microbatch]
 
@@ -195,14 +203,12 @@ class _TrainingLowering:
         sent = self.pass_down(k, m, dx)
         if not self.split:
             self.upstream.pop((k, m), None)
-        direct, done = sent + dw, sent + self.grads[k]
-        if not done:  # stage 0's first B in a split schedule computes nothing
+        if not (sent or dw):  # stage 0's B in a split schedule computes nothing
             tail = self.tails[self.schedule.device_of(k)]
             return tail, tail
-        return direct, done
+        return sent + dw, sent + self.grads[k]
 
-    def weight(self, k: int, m: int) -> Outputs:
-        dy = self.output_gradient(k, m, keep=False)
+    def weight(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
         saved = self.saved.pop((k, m))
         _, dw = self.stages[k].backward(saved, dy, need_dx=False, need_dw=True, acc=self.grads[k])
         self.accumulate(k, dw)
@@ -221,6 +227,7 @@ def lower_training(
     loss_seed: tf.Tensor,
     clocks: Sequence[DeviceClock] | None = None,
     codec: Codec | None = None,
+    order_by_data: bool = False,
 ) -> ReplicaStep:
     """Issues one replica's training actions in ``order``.
 
@@ -236,6 +243,10 @@ def lower_training(
         (``Objective.seed``).
       clocks: one per pipeline device: record start and end of every action.
       codec: compresses what crosses each stage boundary (``compression.py``), or None.
+      order_by_data: also make each action's inputs (its activations or output gradients)
+        data-dependent on its device's previous action, through an XLA optimization
+        barrier: for a step compiled as one XLA program (a TPU's), where the compiler
+        schedules by data and may drop control dependencies.
     """
     state = _TrainingLowering(schedule, stages, loss_seed, codec)
     recorder = Recorder(clocks)
@@ -245,16 +256,16 @@ def lower_training(
             continue  # already run together with its forward
         k, m, d = action.stage, action.microbatch, schedule.device_of(action.stage)
         labels = ys[m] if stages[k].is_last else None
-        with tf.device(stages[k].device):
+        with tf.device(stages[k].device), tf.name_scope(action_scope(action)):
             # What the action waits for besides its device's previous action.
             if action.op is Op.F:
                 x = list(xs[m]) if k == 0 else state.receive(state.outputs.pop((k - 1, m)))
+                x = _after(x, state.tails[d]) if order_by_data else x
                 inputs = list(x)
-            elif action.op is Op.B:
-                dy = state.output_gradient(k, m, keep=True)
-                inputs = [g for g in dy if g is not None]
             else:
-                inputs = []
+                dy = state.output_gradient(k, m, keep=action.op is Op.B)
+                dy = _after(dy, state.tails[d]) if order_by_data else dy
+                inputs = [g for g in dy if g is not None] if action.op is Op.B else []
             start = recorder.start(d, state.tails[d] + inputs)
             with tf.control_dependencies(state.tails[d] + start):
                 if action in fused:
@@ -265,7 +276,7 @@ def lower_training(
                 elif action.op is Op.B:
                     direct, done = state.backward(k, m, dy)
                 else:
-                    direct, done = state.weight(k, m)
+                    direct, done = state.weight(k, m, dy)
             recorder.end(d, action, start, direct)
             state.tails[d] = list(done)
     return ReplicaStep(
@@ -277,6 +288,26 @@ def lower_training(
         state.activity,
         state.predictions,
     )
+
+
+def action_scope(action: Action) -> str:
+    """The name scope of an action's ops (``F_s1_m0``: the forward of stage 1, micro-batch 0),
+    which a traced program's op names start with."""
+    return f"{action.op.name}_s{action.stage}_m{action.microbatch}"
+
+
+def _after(values: list[Any], tails: list[tf.Tensor]) -> list[Any]:
+    """``values`` (None entries kept) passed through one XLA optimization barrier together
+    with ``tails``: they come out only once ``tails`` are computed, whatever order the
+    compiler picks."""
+    present = [i for i, v in enumerate(values) if v is not None]
+    if not tails or not present:
+        return values
+    out = xla.optimization_barrier(*[values[i] for i in present], *tails)
+    ordered = list(values)
+    for i, t in zip(present, out, strict=False):
+        ordered[i] = t
+    return ordered
 
 
 def lower_inference(

@@ -146,7 +146,6 @@ class Pipeline(Workflow):
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
-        self._groups: list[ReplicaGroup] = []
         self._placement: Placement | None = None
         with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -217,12 +216,7 @@ class Pipeline(Workflow):
         self._balance, self._placement = layout.balance, layout.placement
         masked = [k in layout.masked for k in self._graph.outputs]
         self._loss = self._loss.bind(layout.output_shapes, masked)
-        self._stages = assembly.place(
-            layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile
-        )
-        for k in range(self.schedule.num_model_stages):
-            device_row = self.schedule.device_of(k)
-            self._groups.append(ReplicaGroup(self.mesh.replica_group(device_row)))
+        self._stages = self._place(layout)
         self._ties = layout.placement.ties()
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
         if self._metrics.needs_predictions:
@@ -233,6 +227,13 @@ class Pipeline(Workflow):
                 )
             for copy in self._stages[-1]:
                 copy.predicts = True
+
+    def _place(self, layout: assembly.Layout) -> list[list[StageReplica]]:
+        """Every stage's copies (``stages[k][r]``), and each stage's replica group."""
+        rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
+        self._groups = [ReplicaGroup(self.mesh.replica_group(d)) for d in rows]
+        args = (layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile)
+        return assembly.place(*args)
 
     # -- public steps ----------------------------------------------------------------------
 

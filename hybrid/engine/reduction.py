@@ -13,7 +13,7 @@ Conceptually, for one step on the global batch (``hybrid.engine.objective``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -64,7 +64,8 @@ def loss_scale(copy: StageReplica) -> tf.Tensor | None:
     optimizer = copy.optimizer
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return None
-    return tf.convert_to_tensor(optimizer.dynamic_scale)
+    with tf.device(copy.device):  # read where the variable lives
+        return tf.convert_to_tensor(optimizer.dynamic_scale)
 
 
 def nan_unless_finite(
@@ -87,7 +88,10 @@ def nan_unless_finite(
 
 
 def loss_divisors(
-    objective: Objective, copies: Sequence[StageReplica], labels: Sequence[Sequence[Labels]]
+    objective: Objective,
+    copies: Sequence[StageReplica],
+    labels: Sequence[Sequence[Labels]],
+    across: Callable[[tf.Tensor], tf.Tensor] | None = None,
 ) -> tf.Tensor | None:
     """Each output's divisor over the global batch (from labels and sample weights alone);
     None for a late (masked) output, whose divisor comes from the forward.
@@ -95,6 +99,8 @@ def loss_divisors(
     Args:
       copies: the last stage's copy on each replica (where its labels go).
       labels: ``labels[r][m]``: micro-batch m's labels on replica r.
+      across: sums the denominators over the replicas this program does not see (in a
+        program every replica runs: its all-reduce), or None when it sees them all.
     """
     if objective.late:
         return None
@@ -103,7 +109,8 @@ def loss_divisors(
         with tf.device(copy.device):
             denominators += [objective.denominators(y, w, valid) for y, w, valid in row]
     with tf.device(copies[0].device):
-        return objective.divisors(tf.add_n(denominators))
+        total = tf.add_n(denominators)
+        return objective.divisors(total if across is None else across(total))
 
 
 def global_loss(

@@ -1,5 +1,4 @@
-"""One pipeline stage on one device: its share of the model's variables, its programs, its
-optimizer.
+"""One pipeline stage on one device: its share of the model's variables, programs, optimizer.
 
 A :class:`StageReplica` holds, on its device, a copy of every variable that model stage
 ``k``'s layer calls read (a segment of the user's model, ``hybrid.engine.graph``), and the
@@ -20,12 +19,10 @@ as ``Layer.stateless_call`` does: no layer is rebuilt from its config, and a var
 stages read (a tied embedding) has a copy on each. Weight values come in as tensors, so a
 taped forward program hands only activations to its backward program.
 
-``forward`` returns a :class:`Saved` record with what the backward needs. Without remat it
-holds the forward's activations (a gradient tape around the XLA forward program). With remat
-it holds only the stage inputs, and the backward runs one XLA program that recomputes the
-forward and differentiates it. Random layers (Dropout) get their seed-generator state from
-``seed``, a (step, micro-batch) pair the engine passes in, so a recomputation draws the same
-numbers as the forward it repeats.
+``forward`` returns a :class:`Saved` record: without remat the forward's activations (a tape
+around the forward program), with remat only the stage inputs (the backward recomputes the
+forward). Random layers (Dropout) get their seed-generator state from ``seed``, a (step,
+micro-batch) pair, so a recomputation draws the same numbers as the forward it repeats.
 """
 
 from __future__ import annotations
@@ -85,6 +82,8 @@ class StageReplica:
         its layers' weights in call order).
       masked: keys of the tensors that carry a Keras mask: the masks of the stage's inputs
         come after them (in key order), and the outputs' masks after the outputs.
+      inline: the programs are not functions of their own: their ops go into the caller's
+        program (a TPU step, which XLA compiles whole), under the caller's device scope.
     """
 
     def __init__(
@@ -98,6 +97,7 @@ class StageReplica:
         jit_compile: bool = True,
         variables: Sequence[Any] | None = None,
         masked: frozenset[int] = frozenset(),
+        inline: bool = False,
     ) -> None:
         self.index = index
         self.device = device
@@ -147,7 +147,7 @@ class StageReplica:
         self.activity_scale = 1.0
 
         def program(fn: Callable[..., Any]) -> Any:
-            return tf.function(fn, jit_compile=jit_compile, autograph=False)
+            return fn if inline else tf.function(fn, jit_compile=jit_compile, autograph=False)
 
         self._forward = program(self._run)
         self._forward_backward = program(self._forward_and_backward)
