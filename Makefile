@@ -3,15 +3,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,plot,tpu
-# Extra pip requirements installed in the same resolver pass, e.g. the CUDA build on GPU nodes:
-#   make demo TF_PACKAGE='tensorflow[and-cuda]==2.21.*'
+# TF chooses TensorFlow's build (an extra of pyproject.toml): cpu (tensorflow-cpu, the
+# default), cuda (GPU nodes) or tpu-vm (tensorflow-tpu with libtpu, on a Cloud TPU VM):
+#   make demo TF=cuda
+#   make install TF=tpu-vm TF_PACKAGE='tensorflow-tpu==2.20.*'
+# TF_PACKAGE: extra pip requirements in the same resolver pass (e.g. a TensorFlow version).
+TF ?= cpu
+EXTRAS ?= $(TF),test,plot,tpu
 TF_PACKAGE ?=
 PYTEST_WORKERS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export TF_ENABLE_ONEDNN_OPTS ?= 0
 
-.PHONY: install demo test lint typecheck unit bench bazel bazel-test bazel-ci clean
+.PHONY: install demo test lint typecheck unit bench bazel bazel-test bazel-ci tpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +62,20 @@ bazel-ci: install bazel
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel build //...
 	$(MAKE) bazel-test BAZEL_TARGETS="$(BAZEL_CI_TARGETS)"
 
+# By hand, not in CI: a second virtualenv with the TPU build of TensorFlow 2.20 (what a TPU
+# VM runs; no TPU needed) traces the TPU step there (tests/test_tpu_program.py) and runs the
+# TPU placement tests. TPU_LOAD_LIBRARY=0: TensorFlow does not load libtpu (there is no TPU
+# here, and PyPI's newest libtpu lacks the ops TensorFlow 2.20 asks it for: import aborts).
+TPU_VENV ?= .venv-tpu
+tpu-check: export TPU_LOAD_LIBRARY = 0
+tpu-check:
+	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install --quiet -e ".[tpu-vm,test,tpu]" "tensorflow-tpu==2.20.*"
+	$(TPU_VENV)/bin/python -c "import tensorflow as tf; print('TensorFlow', tf.__version__)"
+	$(TPU_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider \
+		tests/test_tpu_program.py tests/test_tpu_mesh.py
+
 bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/pipeline_speedup.py
@@ -65,7 +83,8 @@ bench: install
 	$(PY) benchmarks/input_feed.py
 	$(PY) benchmarks/engine_overhead.py
 	$(PY) benchmarks/build_time.py
+	$(PY) benchmarks/tpu_smoke.py
 
 clean:
-	rm -rf $(VENV) benchmarks/results .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) benchmarks/results .mypy_cache .ruff_cache
 	-bazel clean --expunge 2>/dev/null

@@ -20,6 +20,7 @@ the weights of an uninterrupted run, and a checkpoint restores onto any mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -34,6 +35,7 @@ from hybrid.checkpoint import Checkpointer, Restored
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.data_sources import is_function_spec
 from hybrid.engine.pipeline import Pipeline
+from hybrid.engine.strategy_pipeline import StrategyPipeline
 from hybrid.train_steps import NonFiniteLossError, StepCallback, Steps
 
 __all__ = [
@@ -254,11 +256,13 @@ def _model(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
     return layers, loss, None, (None, *input_shape), dtype
 
 
-def _pipeline(config: TrainConfig, mesh: DeviceMesh) -> tuple[Pipeline, Any]:
-    """The pipeline of the config's model, built; and the input shape (one, without the
-    batch) the reference data needs (None for a model of several inputs)."""
+def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tuple[Pipeline, Any]:
+    """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
+    and the input shape (one, without the batch) the reference data needs (None for a
+    model of several inputs)."""
     model, loss, metrics, shape, dtype = _model(config)
-    pipe = Pipeline(
+    kind = Pipeline if strategy is None else functools.partial(StrategyPipeline, strategy=strategy)
+    pipe = kind(
         model,
         mesh=mesh,
         loss=loss,
@@ -283,6 +287,7 @@ def train(
     step_callback: StepCallback | None = None,
     devices: Sequence[str] | None = None,
     checkpoint_io_device: str | None = None,
+    strategy: Any = None,
 ) -> TrainResult:
     """Trains ``config.model`` on ``config.data`` on ``config.mesh``; resumes from model_dir.
 
@@ -296,11 +301,13 @@ def train(
         ``config.platform`` ones); e.g. a multi-host mesh's devices.
       checkpoint_io_device: the device whose host writes the checkpoint files (a
         multi-host client passes its own CPU).
+      strategy: run each step as one program per replica under this ``tf.distribute``
+        strategy (a ``TPUStrategy`` on the layout of ``devices``: ``StrategyPipeline``).
 
     Raises:
       NonFiniteLossError: the loss became NaN or Inf.
     """
-    pipe, input_shape = _pipeline(config, _mesh(config, devices))
+    pipe, input_shape = _pipeline(config, _mesh(config, devices), strategy)
     saver = (
         Checkpointer(
             pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device

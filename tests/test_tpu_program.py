@@ -215,7 +215,22 @@ def test_traced_tpu_step_of_the_reference_models(name):
     check_program(pipe, graph)
 
 
-RECIPE_TRACES = ["accumulation", "global_clipnorm", "regularizers", "activity", "float16"]
+RECIPE_TRACES = [
+    "accumulation", "global_clipnorm", "regularizers", "activity", "float16", "batch_norm",
+]  # fmt: skip
+
+
+def batch_norm_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((ref.IN_FEATURES,)),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(ref.CLASSES),
+        ]
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPE_TRACES)
@@ -223,7 +238,9 @@ def test_traced_tpu_step_of_the_keras_recipes(recipe):
     """Gradient accumulation (the update under a conditional), global clipping, weight and
     activity penalties, and mixed_float16 with its LossScaleOptimizer lower onto the cores
     like the rest (their numerics: the MirroredStrategy runs below and test_keras_exact)."""
-    if recipe == "float16":
+    if recipe == "batch_norm":
+        model, optimizer = batch_norm_model(), keras.optimizers.SGD(0.1)
+    elif recipe == "float16":
         model = exact.float16_model()
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     else:
@@ -337,6 +354,57 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
     np.testing.assert_equal(pipe.replica_weights(1), pipe.replica_weights(0))
+
+
+
+
+@pytest.mark.filterwarnings("ignore:.*BatchNormalization")
+def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
+    """BatchNormalization under micro-batching is defined, not Keras-exact (README): the
+    replicated program normalizes and updates the moving statistics exactly as the mesh
+    engine does (statistics summed over the global batch across replicas)."""
+    mesh_model, program_model = batch_norm_model(0), batch_norm_model(1)
+    program_model.set_weights(mesh_model.get_weights())
+    common = dict(loss=ref.loss_fn(), micro_batches=2)
+    on_mesh = hybrid.Pipeline(
+        mesh_model, hybrid.DeviceMesh.create(2, 2), optimizer=keras.optimizers.SGD(0.1),
+        jit_compile=False, **common,
+    )  # fmt: skip
+    program = StrategyPipeline(
+        program_model, hybrid.DeviceMesh.create(2, 2), optimizer=keras.optimizers.SGD(0.1),
+        strategy=ref.mirrored_strategy(), **common,
+    )  # fmt: skip
+    for step in range(exact.STEPS):
+        x, y = ref.batch(exact.BATCH, seed=step)
+        np.testing.assert_allclose(
+            program.train_step(x, y)["loss"], on_mesh.train_step(x, y)["loss"], rtol=1e-6
+        )
+    ref.assert_weights_close(program.get_weights(), on_mesh.get_weights())
+    mean, variance = program.get_weights()[4:6]  # Dense (kernel, bias), BN (gamma, beta, ...)
+    assert mean.shape == variance.shape == (16,)
+    assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)  # they moved
+
+
+def test_the_launcher_builds_the_tpu_step_and_says_where_a_tpu_is_needed(tmp_path):
+    """``--platform=tpu``'s attempt on a TPU system (here an offline one): the mesh placed
+    on the topology, the StrategyPipeline built under the layout's TPUStrategy; running
+    the first step needs the TPU, and the error says so."""
+    from hybrid.launch.train import train_on_tpu
+    from hybrid.platforms.tpu_node import TPUSystem
+    from hybrid.platforms.tpu_offline import offline_resolver
+    from hybrid.trainer import TrainConfig
+
+    slice_ = topology(4)
+    resolver = offline_resolver(slice_)
+    tpus = tuple(d.name for d in resolver.get_tpu_system_metadata().devices if "TPU" in d.name)
+    config = TrainConfig(
+        mesh="stage:2;replica:2", micro_batches=2, train_steps=2, model="mlp",
+        data="synthetic", platform="tpu", model_dir=str(tmp_path),
+    )  # fmt: skip
+    lines = []
+    with pytest.raises(RuntimeError, match="was built, but this process has no TPU device"):
+        train_on_tpu(config, TPUSystem(resolver, slice_, tpus), log=lines.append)
+    assert any(line.startswith("mesh stage:2;replica:2 devices") for line in lines)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ written once, for one replica, and ``strategy.run`` runs it on each::
                    (this shard's denominators, all-reduced: one sum, on the last stage)
         lower_training(schedule, stages, micro-batches of x_r, y_r)    # F/B/W actions
             stage s's ops on logical device s (``/device:TPU_REPLICATED_CORE:s``)
+            on a TPU each action's inputs wait by data (an XLA optimization barrier) for
+            its core's previous action: XLA keeps the schedule's order
         for each stage s, on its device, after its last action:
             one all-reduce of [dW_s, BN statistics_s (+ loss terms, activity: last stage)]
         weight penalties, loss scaling, global_clipnorm, tied sums (``reduction``)
@@ -119,6 +121,11 @@ class StrategyPipeline(Pipeline):
             )
         self.strategy = strategy
         self._logical = logical_devices(strategy, mesh.num_stages)
+        # XLA compiles a TPU step whole and schedules by data: each action's inputs also
+        # wait, through an optimization barrier, for its core's previous action. Elsewhere
+        # TensorFlow's executor keeps the control dependencies (and the barrier, an XLA op,
+        # may have no kernel outside XLA: TensorFlow 2.20's TPU build on CPUs).
+        self._by_data = _is_tpu(strategy)
         super().__init__(model, mesh, loss, optimizer, **kwargs)
         with strategy.scope(), self._logical.scope(0):
             aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -225,7 +232,7 @@ class StrategyPipeline(Pipeline):
             lowering.remat_policy(self.remat, M),
             seed,
             codec=self._codec,
-            order_by_data=True,
+            order_by_data=self._by_data,
         )
         summed, stats, extra = [], [], []
         for k, stage in enumerate(stages):  # one all-reduce per stage, after its last action

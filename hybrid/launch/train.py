@@ -150,17 +150,44 @@ def pause_hook(value: str | None = None) -> Any:
     return pause
 
 
+def train_on_tpu(config: Any, system: Any, step_callback: Any = None, log: Any = print) -> Any:
+    """Trains on a connected TPU system (``tpu_node.TPUSystem``): the mesh placed on its
+    topology (``tpu_mesh.layout``), each step one TPU program per replica under the
+    layout's ``TPUStrategy`` (``StrategyPipeline``)."""
+    import tensorflow as tf
+
+    from hybrid.core.mesh import parse_spec
+    from hybrid.platforms import tpu_mesh
+    from hybrid.trainer import train
+
+    stages, replicas = parse_spec(config.mesh)
+    job = tf.DeviceSpec.from_string(system.devices[0]).job if system.devices else None
+    tpu = tpu_mesh.layout(system.topology, stages, replicas, job=job)
+    strategy = tpu_mesh.tpu_strategy(system.resolver, tpu)
+    devices = [device for row in tpu.devices for device in row]  # stage-major
+    try:
+        return train(config, log, step_callback, devices=devices, strategy=strategy)
+    except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as err:
+        if tf.config.list_logical_devices("TPU"):
+            raise
+        kinds = sorted({d.device_type for d in tf.config.list_logical_devices()})
+        raise RuntimeError(
+            f"the TPU step of mesh {config.mesh} ({tpu.placement}) was built, but this "
+            f"process has no TPU device to run it on (TensorFlow lists {kinds}); connect to "
+            "the TPU first: hybrid.platforms.cloud_tpu.resolve(), which --tpu does"
+        ) from err
+
+
 def _run_on_tpu(config: Any, step_callback: Any) -> Any:
     """Trains on the Cloud TPU node the flags name, through preemptions (the supervisor)."""
     from hybrid.platforms import cloud_tpu as tpu_lib
-    from hybrid.trainer import train
 
     def attempt(restart: int) -> Any:
         # After a preemption the TPU system must be connected and initialised again.
         system = tpu_lib.resolve(
             FLAGS.tpu, FLAGS.tpu_zone, FLAGS.gcp_project, discovery_url=FLAGS.tpu_discovery_url
         )
-        return train(config, devices=system.devices, step_callback=step_callback)
+        return train_on_tpu(config, system, step_callback)
 
     return cloud_tpu.run_supervised(
         attempt, FLAGS.tpu, FLAGS.tpu_zone, FLAGS.gcp_project, log=print
