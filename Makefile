@@ -37,7 +37,7 @@ typecheck: install
 	$(PY) -m mypy hybrid
 
 unit: install
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -p no:cacheprovider tests
 
 test: lint typecheck unit
 

@@ -286,8 +286,8 @@ MIRRORED = [
     pytest.param(recipe, m, schedule, id=f"{recipe}-M{m}-{schedule}")
     for recipe, (m, schedule) in zip(
         MIRRORED_RECIPES,
-        [(1, "1f1b"), (2, "gpipe"), (4, "zb-h1"), (2, "interleaved"), (4, "1f1b"),
-         (2, "zb-h1"), (4, "interleaved")],
+        [(1, "1f1b"), (2, "gpipe"), (2, "zb-h1"), (2, "interleaved"), (4, "1f1b"),
+         (1, "zb-h1"), (2, "interleaved")],
         strict=True,
     )
 ]  # fmt: skip
