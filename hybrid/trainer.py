@@ -81,6 +81,8 @@ class TrainConfig:
       tie_embeddings: the Transformer's output head reads the token embedding matrix.
       jit_compile: XLA-compile the stage programs.
       prefetch: batches prepared on the mesh's devices ahead of the step (0: none).
+      boundary_dtype: what crosses a stage boundary in training (``Pipeline``'s
+        ``boundary_dtype``: "bfloat16" and "int8" compress, inexactly).
       timeline_every: time every this many steps: per device compute, transfers,
         all-reduce and idle to the log, TensorBoard and a PNG (0: never).
       log_every: log and write TensorBoard scalars every this many steps.
@@ -120,6 +122,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     jit_compile: bool = True
     prefetch: int = 2
+    boundary_dtype: str = "float32"
     timeline_every: int = 0
     log_every: int = 10
     model_dir: str | None = None
@@ -275,6 +278,7 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tu
         jit_compile=config.jit_compile,
         metrics=metrics,
         prefetch=config.prefetch,
+        boundary_dtype=config.boundary_dtype,
     )
     pipe.build(shape, dtype)
     pipe.timeline_every = config.timeline_every

@@ -237,6 +237,7 @@ def test_trains_on_tfrecord_files(tmp_path):
         (["--tpu=node", "--tpu_zone=z"], "--tpu, --tpu_zone only apply with --platform=tpu"),
         (["--platform=gpu", "--simulated_devices=4"], "--simulated_devices only applies with"),
         (["--mesh=auto"], "--mesh=auto on --platform=cpu needs --simulated_devices=N"),
+        (["--boundary_dtype=float16"], "value should be one of <float32|bfloat16|int8>"),
         (["stray"], "unexpected arguments: ['stray']"),
     ],
 )

@@ -20,6 +20,7 @@ from hybrid.core import generators
 from hybrid.core.partition import check_balance
 
 __all__ = [
+    "BOUNDARY_DTYPES",
     "BALANCE_MODES",
     "REMAT_MODES",
     "ConfigError",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 REMAT_MODES = ("never", "except_last", "always")
+# What crosses a stage boundary in training (hybrid.engine.compression); float32: as it is.
+BOUNDARY_DTYPES = ("float32", "bfloat16", "int8")
 BALANCE_MODES = ("params", "time")
 
 Balance = str | tuple[int, ...] | None

@@ -23,9 +23,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from hybrid.core.config import BOUNDARY_DTYPES
+
 __all__ = ["BOUNDARY_DTYPES", "Codec", "Wire", "check_boundary_dtype", "codec_for"]
 
-BOUNDARY_DTYPES = ("float32", "bfloat16", "int8")  # float32: not compressed
 
 _WIDE = (tf.float32, tf.float64)
 

@@ -30,7 +30,7 @@ def define_flags() -> None:
 
 def _define_mesh_flags() -> None:
     from hybrid.core import schedule  # no TensorFlow: safe before the device count is set
-    from hybrid.core.config import REMAT_MODES
+    from hybrid.core.config import BOUNDARY_DTYPES, REMAT_MODES
 
     flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu", "tpu"], "Device type of the mesh.")
     flags.DEFINE_string(
@@ -52,6 +52,13 @@ def _define_mesh_flags() -> None:
         "virtual_stages", 1, "Model stages per device (--schedule=interleaved).", lower_bound=1
     )
     flags.DEFINE_enum("remat", "except_last", list(REMAT_MODES), "Recompute mode.")
+    flags.DEFINE_enum(
+        "boundary_dtype",
+        "float32",
+        list(BOUNDARY_DTYPES),
+        "What crosses a stage boundary in training: bfloat16 or int8 compress the "
+        "activations and their gradients (inexact; for slow links between stages).",
+    )
     flags.DEFINE_string(
         "balance", "params", "Layers per stage: 'params', 'time' (profiled) or counts '3,2'."
     )
