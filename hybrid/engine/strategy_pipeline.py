@@ -257,16 +257,10 @@ class StrategyPipeline(Pipeline):
         with tf.device(stages[-1].device):
             penalties += [extra[1] * stages[0].activity_scale] if len(extra) > 1 else []
             loss = loss + tf.add_n(penalties) if penalties else loss
-        reduction.whole_model(grads, [[s] for s in stages], self._optimizers)
-        flat = [g[0] for g in grads]
-        sum_tied(flat, [s.device for s in stages], self._ties)
-        for k, stage in enumerate(stages):
-            with tf.device(stage.device):
-                stage.apply_gradients(flat[k])
-                if stats[k]:
-                    stage.update_norms(stats[k][0], self.config.replicas * M)
-        with tf.device(stages[0].device), tf.control_dependencies([g for f in flat for g in f]):
-            self._step.assign_add(1)
+        # As on a mesh: tied gradients summed first, then Pipeline._apply (global finite
+        # check and clipping over every stage, the updates, the step counter).
+        sum_tied([g[0] for g in grads], [s.device for s in stages], self._ties)
+        self._apply(grads, [[found] if found else [] for found in stats])
         with tf.device(stages[-1].device):
             predictions = batches.joined([step.predictions[m] for m in range(M)]) or []
         return loss, output_losses, predictions
