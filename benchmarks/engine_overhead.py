@@ -10,6 +10,8 @@ candidate is timed in alternation (interleaved rounds, medians):
     pipeline_1x1_M8         Pipeline on a 1×1 mesh, M = --micro_batches
     pipeline_2x1_M{2,4,8}   2 stages × 1 replica (pipelining)
     pipeline_1x2_M1         1 stage × 2 replicas (data parallelism)
+    independent_2_devices   the host's ceiling: a plain one-device XLA step on half the
+                            batch on each device at once, nothing exchanged
     mirrored_2_devices      tf.distribute.MirroredStrategy on the same 2 devices, a custom
                             loop with XLA-compiled gradients per replica (Keras's
                             compile(jit_compile=True) fails under the strategy: XLA cannot
@@ -22,6 +24,7 @@ and prints the issue-16 ratios:
     pipelined vs plain   keras_1_device / best pipeline_2x1          (target >= 1.2)
     data parallelism     keras_1_device / pipeline_1x2_M1            (target >= 1.7)
     vs MirroredStrategy  mirrored_2_devices / pipeline_1x2_M1        (target >= 1.2)
+    two-device ceiling   keras_1_device / independent_2_devices      (what the host allows)
 
     python benchmarks/engine_overhead.py [--rounds=7] [--steps_per_round=3]
 """
@@ -104,6 +107,44 @@ def mirrored_step(x: Any, y: Any, devices: list[str]) -> Callable[[], float]:
     return lambda: float(step(data))
 
 
+def independent_step(x: Any, y: Any, devices: list[str]) -> Callable[[], float]:
+    """The machine's ceiling for two devices: on each device its own copy of the model
+    takes plain Keras's one-device XLA step (gradients and update in one program) on half
+    the batch, both in one ``tf.function``, with nothing exchanged. No two-device step can
+    beat it; on this host two busy cores share caches and memory bandwidth, so it is
+    faster than one device by less than 2×."""
+    import keras
+    import tensorflow as tf
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    halves = list(zip(tf.split(x, len(devices)), tf.split(y, len(devices)), strict=True))
+    programs = []
+    for device in devices:
+        with tf.device(device):
+            model = _model()
+            optimizer = keras.optimizers.SGD(LEARNING_RATE)
+            optimizer.build(model.trainable_variables)
+
+        def update(xr: Any, yr: Any, model: Any = model, optimizer: Any = optimizer) -> Any:
+            with tf.GradientTape() as tape:
+                value = loss(yr, model(xr, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return value
+
+        programs.append(tf.function(update, jit_compile=True))
+
+    @tf.function
+    def step() -> Any:
+        values = []
+        for device, program, (xr, yr) in zip(devices, programs, halves, strict=True):
+            with tf.device(device):
+                values.append(program(xr, yr))
+        return tf.add_n(values)
+
+    return lambda: float(step())
+
+
 def handwritten_step(x: Any, y: Any, micro_batches: int) -> Callable[[], float]:
     """One device, by hand: M XLA calls each adding one micro-batch's gradients (of the
     batch-mean loss) to the accumulators, then one XLA apply."""
@@ -168,6 +209,7 @@ def candidates() -> dict[str, Callable[[], Any]]:
     for m in sorted({2, 4, M}):
         steps[f"pipeline_2x1_M{m}"] = pipeline(2, 1, m)
     steps["pipeline_1x2_M1"] = pipeline(1, 2, 1)
+    steps["independent_2_devices"] = independent_step(x, y, devices)
     steps["mirrored_2_devices"] = mirrored_step(x, y, devices)
     return steps
 
@@ -182,6 +224,7 @@ def ratios(ms: dict[str, float]) -> dict[str, float]:
         "pipelined_vs_plain": ms["keras_1_device"] / best_2x1,
         "data_parallel_vs_plain": ms["keras_1_device"] / ms["pipeline_1x2_M1"],
         "data_parallel_vs_mirrored": ms["mirrored_2_devices"] / ms["pipeline_1x2_M1"],
+        "two_device_ceiling": ms["keras_1_device"] / ms["independent_2_devices"],
     }
     targets = {
         "engine_overhead": "<= 1.05",
@@ -189,6 +232,7 @@ def ratios(ms: dict[str, float]) -> dict[str, float]:
         "pipelined_vs_plain": ">= 1.2",
         "data_parallel_vs_plain": ">= 1.7",
         "data_parallel_vs_mirrored": ">= 1.2",
+        "two_device_ceiling": "what this host allows any 2-device step (no target)",
     }
     for name, value in values.items():
         print(f"  {name:28s} {value:6.3f}  (target {targets[name]})")

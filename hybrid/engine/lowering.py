@@ -183,7 +183,7 @@ class _TrainingLowering:
         seed: tf.Tensor,
         remat: bool,
     ) -> Outputs:
-        record = self.stages[k].forward(x, labels, seed, remat, self.split)
+        record = self.stages[k].forward(x, labels, seed, remat, self.split, need_dx=k > 0)
         self.saved[(k, m)] = record
         self.stats[k] += record.stats
         self.activity += record.activity

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Labels", "Saved", "StepResult", "TensorSpec"]
+__all__ = ["Kept", "Labels", "Saved", "StepResult", "TensorSpec"]
 
 # ([y_true per output], [sample_weight per output] or None, valid or None): ``valid`` is 1
 # per real example and 0 per padding example of a partial batch (None: all are real).
@@ -28,6 +28,24 @@ class TensorSpec:
         return np.zeros((batch,) + tuple(d or 1 for d in self.shape), dtype=self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A forward's residuals for its backward program, when the stage runs the two as the
+    halves of one traced computation (``split_programs``).
+
+    Attributes:
+      programs: the ``SplitPrograms`` the forward ran.
+      args: the forward program's arguments, which its backward program reads again.
+      residuals: what the forward program returned for its backward, after its outputs.
+      need_dx: whether the backward program computes the input gradients.
+    """
+
+    programs: Any
+    args: Tensors
+    residuals: Tensors
+    need_dx: bool
+
+
 @dataclasses.dataclass
 class Saved:
     """What one micro-batch's forward leaves for its backward on this stage.
@@ -43,6 +61,8 @@ class Saved:
         when the stage has BatchNormalization layers.
       activity: the micro-batch's activity-regularization penalty, when the stage has
         layers with an ``activity_regularizer``.
+      kept: the residuals of a forward program cut from its backward (then ``tape`` is
+        None and the backward program uses them).
     """
 
     inputs: Tensors
@@ -53,6 +73,7 @@ class Saved:
     weights: list[tf.Tensor] = dataclasses.field(default_factory=list)
     stats: list[tf.Tensor] = dataclasses.field(default_factory=list)
     activity: list[tf.Tensor] = dataclasses.field(default_factory=list)
+    kept: Kept | None = None
 
 
 class StepResult(NamedTuple):

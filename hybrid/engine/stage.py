@@ -19,10 +19,11 @@ as ``Layer.stateless_call`` does: no layer is rebuilt from its config, and a var
 stages read (a tied embedding) has a copy on each. Weight values come in as tensors, so a
 taped forward program hands only activations to its backward program.
 
-``forward`` returns a :class:`Saved` record: without remat the forward's activations (a tape
-around the forward program), with remat only the stage inputs (the backward recomputes the
-forward). Random layers (Dropout) get their seed-generator state from ``seed``, a (step,
-micro-batch) pair, so a recomputation draws the same numbers as the forward it repeats.
+``forward`` returns a :class:`Saved` record: without remat the residuals of a forward
+program cut from its backward (``split_programs``; a tape around the forward when the
+backward comes in two calls or the programs are inline), with remat only the stage inputs
+(the backward recomputes the forward). Random layers (Dropout) get their seed-generator
+state from ``seed``, a (step, micro-batch) pair, so a recomputation draws the same numbers.
 """
 
 from __future__ import annotations
@@ -34,20 +35,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine import batch_norm, keras_private
+from hybrid.engine import batch_norm, keras_private, split_programs
+from hybrid.engine.gradients import (
+    Grads,
+    accumulated,
+    differentiable,
+    gradients,
+    weight_penalty,
+)
 from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
-from hybrid.engine.records import Labels, Saved, TensorSpec
+from hybrid.engine.records import Kept, Labels, Saved, TensorSpec
 from hybrid.engine.template import adds_loss, seed_generators
 
 __all__ = ["Labels", "Saved", "StageReplica", "TensorSpec"]
 
 Tensors = list[tf.Tensor]
-Grads = tuple[list[tf.Tensor | None] | None, list[tf.Tensor]]
-
-
-def _differentiable(t: Any) -> bool:
-    return t is not None and t.dtype.is_floating  # integer ids and masks have no gradient
 
 
 def _device_copy(template: Any) -> keras.Variable:
@@ -100,6 +103,7 @@ class StageReplica:
         inline: bool = False,
     ) -> None:
         self.index = index
+        self.inline = inline
         self.device = device
         self.loss = loss
         self.segment = segment if isinstance(segment, Segment) else Segment.chain(segment)
@@ -152,6 +156,7 @@ class StageReplica:
         self._forward = program(self._run)
         self._forward_backward = program(self._forward_and_backward)
         self._apply = program(self._apply_gradients)
+        self._jit_compile, self._cut = jit_compile, dict[str, split_programs.SplitPrograms]()
 
     @property
     def is_last(self) -> bool:
@@ -249,51 +254,54 @@ class StageReplica:
         need_dx: bool,
         need_dw: bool,
         acc: list[tf.Tensor] | None = None,
+        weights: Tensors | None = None,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
         """One program: the forward, then its gradients against ``dys`` (and the activity
         penalty's weight); nothing kept between. Returns the forward's outputs (activity
         penalty and BatchNormalization statistics last), dx and dW (plus ``acc``, the
-        gradients of the micro-batches before, when given: accumulated in the program)."""
-        weights = self._read_weights()
+        gradients of the micro-batches before, when given: accumulated in the program).
+        The weights are read in the program unless given."""
+        weights = self._read_weights() if weights is None else weights
         with tf.GradientTape() as tape:
-            tape.watch([x for x in xs if _differentiable(x)])
+            tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
             out = self._run(xs, labels, seed, weights)
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity)
-        dx, dw = self._gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
-        return out, dx, _accumulated(acc, dw)
+        dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
+        return out, dx, accumulated(acc, dw)
 
-    @staticmethod
-    def _gradients(
-        tape: tf.GradientTape,
-        xs: Tensors,
-        ys: Tensors,
-        dys: list[tf.Tensor | None],
-        weights: list[tf.Tensor],
-        need_dx: bool,
-        need_dw: bool,
-    ) -> Grads:
-        inputs = [x for x in xs if _differentiable(x)] if need_dx else []
-        sources = inputs + (list(weights) if need_dw else [])
-        if not sources:
-            return ([None] * len(xs) if need_dx else None), []
-        targets = [
-            (y, dy) for y, dy in zip(ys, dys, strict=True) if dy is not None and _differentiable(y)
-        ]
-        grads = tape.gradient(
-            [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
-        )
-        # Embedding lookups give IndexedSlices; accumulation and the all-reduce want dense
-        # tensors of the variable's static shape.
-        grads = [
-            tf.zeros_like(s) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), s.shape)
-            for g, s in zip(grads, sources, strict=True)
-        ]
-        if not need_dx:
-            return None, grads
-        found = iter(grads[: len(inputs)])
-        return [next(found) if _differentiable(x) else None for x in xs], grads[len(inputs) :]
+    def _kept_programs(
+        self, xs: Tensors, labels: Labels | None, seed: tf.Tensor, weights: Tensors, need_dx: bool
+    ) -> tuple[split_programs.SplitPrograms, Tensors]:
+        """The forward and backward programs that keep activations, cut from one traced
+        forward + backward (``split_programs``), and the forward's arguments. The backward
+        computes the input gradients only when ``need_dx`` and adds the weight gradients to
+        the running sums inside the program."""
+        structure = (list(xs), labels, seed, list(weights))
+        args, rebuild = split_programs.flatten(structure)
+        key = f"{need_dx} {split_programs.signature(structure)}"
+        if key in self._cut:
+            return self._cut[key], args
+        out = self._forward.get_concrete_function(xs, labels, seed, weights).structured_outputs
+        ys = self._split(out)[0]
+        wanted = [(not self.is_last or i == 0) and differentiable(y) for i, y in enumerate(ys)]
+        dys = [tf.TensorSpec(y.shape, y.dtype) for y, w in zip(ys, wanted, strict=True) if w]
+        sums = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable_variables]
+
+        def joint(f_args: Tensors, b_args: Tensors) -> tuple[Tensors, Tensors]:
+            xs, labels, seed, weights = rebuild(f_args)
+            found = iter(b_args)
+            dys = [next(found) if w else None for w in wanted]
+            acc = list(found)
+            out, dx, dw = self._forward_and_backward(
+                xs, dys, labels, seed, need_dx, True, acc, weights
+            )
+            return out, [d for d in dx or [] if d is not None] + dw
+
+        data = range(len(split_programs.flatten((list(xs), labels))[0]))
+        self._cut[key] = split_programs.split(joint, args, dys + sums, data, self._jit_compile)
+        return self._cut[key], args
 
     def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
         assert self.optimizer is not None
@@ -302,19 +310,32 @@ class StageReplica:
     # -- what the engine calls, inside its step function, under tf.device(self.device) --
 
     def forward(
-        self, xs: Tensors, labels: Labels | None, seed: tf.Tensor, remat: bool, split: bool
+        self,
+        xs: Tensors,
+        labels: Labels | None,
+        seed: tf.Tensor,
+        remat: bool,
+        split: bool,
+        need_dx: bool = True,
     ) -> Saved:
         """Runs the forward program; keeps activations for the backward unless ``remat``.
 
         Args:
           split: the backward will come as two calls (B then W), so the tape must persist.
+          need_dx: the backward will be asked for the input gradients.
         """
         weights = self._read_weights()
         if remat:
             ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
             return Saved(xs, ys, labels, seed, stats=stats, activity=activity)
+        if not (split or self.inline):
+            programs, args = self._kept_programs(xs, labels, seed, weights, need_dx)
+            out, residuals = programs.forward(args)
+            ys, activity, stats = self._split(out)
+            kept = Kept(programs, args, residuals, need_dx)
+            return Saved(xs, ys, labels, seed, None, weights, stats, activity, kept)
         with tf.GradientTape(persistent=split) as tape:
-            tape.watch([x for x in xs if _differentiable(x)])
+            tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
             ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
         return Saved(xs, ys, labels, seed, tape, weights, stats, activity)
@@ -340,14 +361,23 @@ class StageReplica:
         the forward kept no tape."""
         if not (need_dx or need_dw):
             return None, []
+        kept = saved.kept
+        if kept is not None:  # the backward half of a cut program (_kept_programs)
+            if need_dx and not kept.need_dx:
+                raise ValueError(f"stage {self.index}: its forward was run with need_dx=False")
+            given = [d for d in dys if d is not None] + self._sums(acc)
+            found = iter(kept.programs.backward(kept.args, kept.residuals, given))
+            if kept.need_dx:  # its input gradients come first
+                given = [next(found) if differentiable(x) else None for x in saved.inputs]
+            return (given if need_dx else None), list(found)
         if saved.tape is None:
             sums = self._sums(acc) if need_dw else None
             args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
             _, dx, dw = self._forward_backward(*args)
             return dx, dw
         ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
-        dx, dw = self._gradients(saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw)
-        return dx, _accumulated(acc, dw)
+        dx, dw = gradients(saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw)
+        return dx, accumulated(acc, dw)
 
     def forward_backward(
         self,
@@ -371,8 +401,7 @@ class StageReplica:
         return ys, dx, dw, activity, stats
 
     def _sums(self, acc: list[tf.Tensor] | None) -> list[tf.Tensor]:
-        """The running gradient sums a backward program adds to: zeros before the first
-        micro-batch, so that every micro-batch calls the same program (one compile)."""
+        """The running gradient sums a backward adds to (zeros first: one compile)."""
         return acc or [tf.zeros(v.shape, v.dtype) for v in self.trainable_variables]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
@@ -386,35 +415,5 @@ class StageReplica:
         batch_norm.update_moving(self.norms, copies, summed, count)
 
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
-        """This stage's weight regularization, as Keras adds it to the loss once per step:
-        the sum of ``variable.regularizer(variable)`` over its trainable variables that have
-        one (kernel and bias regularizers) and that this stage owns (a variable shared with
-        an earlier stage is counted there), and its gradient per trainable variable; None
-        when no variable is regularized."""
-        regularizers = [
-            getattr(v, "regularizer", None) if owned else None
-            for v, owned in zip(self.trainable_variables, self.owned, strict=True)
-        ]
-        if not any(regularizers):
-            return None
-        weights = self._read_weights()
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            penalty = tf.add_n(
-                [
-                    tf.cast(tf.reduce_sum(regularize(w)), tf.float32)
-                    for regularize, w in zip(regularizers, weights, strict=True)
-                    if regularize
-                ]
-            )
-        grads = tape.gradient(penalty, weights)
-        return penalty, [
-            tf.zeros_like(w) if g is None else g for g, w in zip(grads, weights, strict=True)
-        ]
-
-
-def _accumulated(acc: list[tf.Tensor] | None, dw: list[tf.Tensor]) -> list[tf.Tensor]:
-    """``acc + dw`` element-wise (``dw`` when there is nothing before)."""
-    if not acc or not dw:
-        return dw
-    return [a + g for a, g in zip(acc, dw, strict=True)]
+        """This stage's weight regularization and its gradients (``gradients``), or None."""
+        return weight_penalty(self.trainable_variables, self.owned, self._read_weights)

@@ -72,7 +72,7 @@ class StagePrograms:
             return stage.forward([x], labels, seed, True, False).output
 
         def stored(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward([x], labels, seed, False, False)
+            saved = stage.forward([x], labels, seed, False, False, need_dx)
             dx, dw = stage.backward(saved, [dy], need_dx=need_dx, need_dw=True)
             return saved.output + _present(dx) + dw
 

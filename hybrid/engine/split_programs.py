@@ -1,0 +1,275 @@
+"""One traced forward-and-backward computation cut into two programs that pass their
+residuals explicitly: what a stage runs when it keeps activations (``remat="never"``).
+
+TensorFlow's own route, a ``GradientTape`` around a compiled forward program, makes the
+forward return every tensor its backward reads, the inputs included; an XLA program cannot
+return an input without copying it, so each micro-batch's forward copied the stage's whole
+weights, its backward computed the input gradient even where nothing needs it (the first
+stage), and the gradients were accumulated by TensorFlow ops outside the program. Here the
+joint computation is traced once as one graph,
+
+    joint(forward_args, backward_args) -> forward_outputs + backward_outputs,
+
+and its nodes are sorted by what they depend on:
+
+- backward nodes: everything that depends on ``backward_args`` (output gradients, the
+  running gradient sums);
+- recomputed in the backward: pure nodes that depend on no data input (constants, a weight
+  cast to float16, a dropout mask of the seed) and cheap views of what the backward has;
+- residuals: every other forward tensor a backward node reads (activations, the loss's
+  softmax): the forward program returns them after its outputs.
+
+The two programs import their halves of the one graph (``tf.graph_util.import_graph_def``),
+so they compute exactly the ops the joint computation would, and every input of the
+forward (weights, micro-batch) is passed to the backward directly, never through the
+forward's outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+
+__all__ = ["SplitPrograms", "flatten", "signature", "split"]
+
+Tensors = list[tf.Tensor]
+
+# Ops a backward may recompute from what it has although they depend on data: views.
+_VIEWS = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "Shape", "Const"})
+_SOURCES = frozenset({"Placeholder", "Const"})
+
+
+def _pure(op: tf.Operation) -> bool:
+    """Whether running ``op`` twice gives the same values and changes nothing."""
+    if op.type in ("Placeholder", "Const"):
+        return True
+    definition = op_def_registry.get(op.type)
+    return definition is not None and not definition.is_stateful
+
+
+class SplitPrograms:
+    """The forward and backward programs of one joint computation at one signature.
+
+    ``forward(forward_args) -> forward_outputs + residuals``;
+    ``backward(forward_args, residuals, backward_args) -> backward_outputs``.
+    """
+
+    def __init__(self, forward: Any, backward: Any, num_outputs: int) -> None:
+        self._forward = forward
+        self._backward = backward
+        self.num_outputs = num_outputs
+
+    def forward(self, args: Sequence[tf.Tensor]) -> tuple[Tensors, Tensors]:
+        """The forward outputs and the residuals to hand to :meth:`backward`."""
+        out = self._forward(list(args))
+        return out[: self.num_outputs], out[self.num_outputs :]
+
+    def backward(
+        self, args: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], more: Sequence[tf.Tensor]
+    ) -> Tensors:
+        return self._backward(list(args), list(residuals), list(more))
+
+
+def split(
+    joint: Callable[[Tensors, Tensors], tuple[Tensors, Tensors]],
+    forward_args: Sequence[tf.Tensor | tf.TensorSpec],
+    backward_args: Sequence[tf.Tensor | tf.TensorSpec],
+    data: Sequence[int],
+    jit_compile: bool,
+) -> SplitPrograms:
+    """Traces ``joint`` once and cuts it (see the module docstring).
+
+    Args:
+      joint: ``joint(forward_args, backward_args) -> (forward_outputs, backward_outputs)``,
+        lists of tensors; no forward output may depend on a backward argument.
+      forward_args, backward_args: tensors or specs of the two argument lists.
+      data: indices into ``forward_args`` of the data (what varies per micro-batch: stage
+        inputs, labels); nodes that depend on them are never recomputed by the backward
+        unless they are views.
+      jit_compile: compile both programs with XLA.
+    """
+    f_specs = [_spec(a) for a in forward_args]
+    b_specs = [_spec(a) for a in backward_args]
+    counts: list[int] = []
+
+    def flat(f_args: Tensors, b_args: Tensors) -> Tensors:
+        outs, grads = joint(f_args, b_args)
+        counts[:] = [len(outs), len(grads)]
+        return list(outs) + list(grads)
+
+    traced = tf.function(flat, autograph=False).get_concrete_function(f_specs, b_specs)
+    graph = traced.graph
+    n_f, n_b = len(f_specs), len(b_specs)
+    placeholders = [t.op for t in graph.inputs]
+    f_inputs, b_inputs = placeholders[:n_f], placeholders[n_f : n_f + n_b]
+    captures = (t.op.name for t in graph.internal_captures)
+    captured = dict(zip(captures, traced.captured_inputs, strict=True))
+    outputs = list(graph.outputs)
+    f_outputs, b_outputs = outputs[: counts[0]], outputs[counts[0] :]
+
+    backward_ops = _descendants(graph, b_inputs)
+    data_ops = _descendants(graph, [f_inputs[i] for i in data])
+    for t in f_outputs:
+        if t.op in backward_ops:
+            raise ValueError(f"forward output {t.name} depends on a backward argument")
+
+    # What the backward needs from outside its own nodes, and which of it is recomputed.
+    recompute: set[tf.Operation] = set()
+    residuals: list[tf.Tensor] = []
+
+    def recomputable(op: tf.Operation) -> bool:
+        if op in recompute or op.type == "Placeholder":
+            return True
+        if not _pure(op) or (op in data_ops and op.type not in _VIEWS):
+            return False
+        if all(recomputable(t.op) for t in op.inputs):
+            recompute.add(op)
+            return True
+        return False
+
+    def needed(t: tf.Tensor) -> None:
+        """Makes ``t`` available to the backward: its own, recomputed, or a residual."""
+        if t.op in backward_ops or recomputable(t.op) or any(t is r for r in residuals):
+            return
+        residuals.append(t)
+
+    b_program = _ancestors(b_outputs, stop=lambda op: op not in backward_ops)
+    for op in sorted(b_program, key=lambda o: o.name):
+        for t in op.inputs:
+            needed(t)
+    for t in b_outputs:  # a gradient that does not depend on the output gradients (zeros)
+        needed(t)
+    b_ops = b_program | recompute
+    b_ops |= {t.op for op in b_ops for t in op.inputs if t.op.type == "Placeholder"}
+    b_nodes = {op.name for op in b_ops}
+    f_nodes = {op.name for op in _ancestors(f_outputs + residuals)}
+    graph_def = graph.as_graph_def()
+    f_def, b_def = _subgraph(graph_def, f_nodes), _subgraph(graph_def, b_nodes)
+
+    f_names = [op.name for op in f_inputs]
+    b_names = [op.name for op in b_inputs]
+    r_names = [t.name for t in residuals]
+    consumed = {t.name for op in b_ops for t in op.inputs}
+    f_returns = [t.name for t in f_outputs + residuals]
+    b_returns = [t.name for t in b_outputs]
+
+    def forward(f_args: Tensors) -> Tensors:
+        return _import(f_def, _input_map(f_names, f_args, captured, f_nodes), f_returns)
+
+    def backward(f_args: Tensors, rs: Tensors, b_args: Tensors) -> Tensors:
+        mapping = _input_map(f_names, f_args, captured, b_nodes)
+        mapping.update(_input_map(b_names, b_args, {}, b_nodes))
+        given = dict(zip(r_names, rs, strict=True))
+        mapping.update((n, r) for n, r in given.items() if n in consumed)
+        imported = iter(_import(b_def, mapping, [n for n in b_returns if n not in given]))
+        return [given[n] if n in given else next(imported) for n in b_returns]
+
+    def program(fn: Callable[..., Any]) -> Any:
+        return tf.function(fn, jit_compile=jit_compile, autograph=False)
+
+    return SplitPrograms(program(forward), program(backward), counts[0])
+
+
+def flatten(structure: Any) -> tuple[Tensors, Callable[[Sequence[tf.Tensor]], Any]]:
+    """The tensors of a nest of lists and tuples (None leaves skipped), and the function
+    that puts tensors back in their places."""
+    leaves = tf.nest.flatten(structure)
+    tensors = [leaf for leaf in leaves if leaf is not None]
+
+    def rebuild(values: Sequence[tf.Tensor]) -> Any:
+        found = iter(values)
+        return tf.nest.pack_sequence_as(
+            structure, [None if leaf is None else next(found) for leaf in leaves]
+        )
+
+    return tensors, rebuild
+
+
+def signature(structure: Any) -> str:
+    """What a trace of ``structure`` depends on: its nesting, its None leaves, and the
+    shape and dtype of each tensor."""
+    return repr(
+        tf.nest.map_structure(
+            lambda t: None if t is None else (tuple(t.shape), t.dtype.name), structure
+        )
+    )
+
+
+def _spec(value: tf.Tensor | tf.TensorSpec) -> tf.TensorSpec:
+    if isinstance(value, tf.TensorSpec):
+        return value
+    return tf.TensorSpec(value.shape, value.dtype)
+
+
+def _descendants(graph: tf.Graph, roots: Sequence[tf.Operation]) -> set[tf.Operation]:
+    """The ops that depend on ``roots`` (data or control), the roots included."""
+    found = set(roots)
+    for op in graph.get_operations():  # creation order is a topological order
+        if any(t.op in found for t in op.inputs) or any(c in found for c in op.control_inputs):
+            found.add(op)
+    return found
+
+
+def _ancestors(
+    tensors: Sequence[tf.Tensor],
+    stop: Callable[[tf.Operation], bool] = lambda op: False,
+    roots: Any = (),
+) -> set[tf.Operation]:
+    """The ops ``tensors`` (and ``roots``) are computed from, data and control inputs
+    followed, not going past an op for which ``stop`` holds."""
+    found: set[tf.Operation] = set()
+    todo = [t.op for t in tensors] + list(roots)
+    while todo:
+        op = todo.pop()
+        if op in found or stop(op):
+            continue
+        found.add(op)
+        todo += [t.op for t in op.inputs] + list(op.control_inputs)
+    return found
+
+
+def _subgraph(graph_def: Any, names: set[str]) -> Any:
+    """``graph_def`` with only the nodes ``names`` that are not placeholders (what they
+    fed comes through the import's ``input_map``), control inputs to dropped nodes and
+    colocation hints removed, its function library kept."""
+    kept = {n.name for n in graph_def.node if n.name in names and n.op != "Placeholder"}
+    out = type(graph_def)()
+    out.versions.CopyFrom(graph_def.versions)
+    out.library.CopyFrom(graph_def.library)
+    for node in graph_def.node:
+        if node.name not in kept:
+            continue
+        copy = out.node.add()
+        copy.CopyFrom(node)
+        del copy.input[:]
+        for name in node.input:
+            if not name.startswith("^") or name[1:] in kept:
+                copy.input.append(name)
+        if "_class" in copy.attr:
+            del copy.attr["_class"]
+        copy.device = ""
+    return out
+
+
+def _input_map(
+    names: Sequence[str], values: Sequence[Any], captured: dict[str, Any], used: set[str]
+) -> dict[str, Any]:
+    """Placeholder tensor name -> the value it takes in the program being traced: the
+    arguments, and what the joint computation captured (variable handles), captured
+    again by this program."""
+    mapping = {f"{n}:0": v for n, v in zip(names, values, strict=True) if n in used}
+    graph = tf.compat.v1.get_default_graph()
+    mapping.update({f"{n}:0": graph.capture(v) for n, v in captured.items() if n in used})
+    return mapping
+
+
+def _import(graph_def: Any, mapping: dict[str, Any], returns: Sequence[str]) -> Tensors:
+    if not returns:
+        return []
+    found = tf.graph_util.import_graph_def(
+        graph_def, input_map=mapping, return_elements=list(returns), name="split"
+    )
+    return list(found)
