@@ -8,7 +8,8 @@ candidate is timed in alternation (interleaved rounds, medians):
     handwritten_M8          one device, by hand: M XLA gradient calls on the micro-batches,
                             accumulated, one XLA apply (what the 1×1 pipeline does)
     pipeline_1x1_M8         Pipeline on a 1×1 mesh, M = --micro_batches
-    pipeline_2x1_M{2,4,8}   2 stages × 1 replica (pipelining)
+    pipeline_2x1_M{1,2,4,8} 2 stages × 1 replica (pipelining); the planner, from this
+                            model's profiled layers, predicts each and picks one
     pipeline_1x2_M1         1 stage × 2 replicas (data parallelism)
     independent_2_devices   the host's ceiling: a plain one-device XLA step on half the
                             batch on each device at once, nothing exchanged
@@ -22,6 +23,7 @@ and prints the issue-16 ratios:
     engine overhead      pipeline_1x1_M8 / handwritten_M8            (target <= 1.05)
     pipelining speedup   pipeline_1x1_M8 / pipeline_2x1_M8           (target >= 1.65, ideal 1.78)
     pipelined vs plain   keras_1_device / best pipeline_2x1          (target >= 1.2)
+    planned vs plain     keras_1_device / pipeline_2x1 at the planner's M (target >= 1.2)
     data parallelism     keras_1_device / pipeline_1x2_M1            (target >= 1.7)
     vs MirroredStrategy  mirrored_2_devices / pipeline_1x2_M1        (target >= 1.2)
     two-device ceiling   keras_1_device / independent_2_devices      (what the host allows)
@@ -190,7 +192,36 @@ def handwritten_step(x: Any, y: Any, micro_batches: int) -> Callable[[], float]:
     return step
 
 
-def candidates() -> dict[str, Callable[[], Any]]:
+def planned_micro_batches(counts: list[int]) -> tuple[int, dict[int, float]]:
+    """What the planner predicts for 2 stages × 1 replica (GPipe, ``remat="never"``) at each
+    micro-batch count in ``counts``, from this model's layers profiled at the micro-batch
+    sizes those counts make, on this host's cores: the count it picks and the predicted
+    milliseconds per step of each."""
+    import os
+
+    import keras
+
+    from hybrid.planning import planner
+
+    result = planner.plan(
+        common.dense_stack(FLAGS.width, FLAGS.depth),
+        devices=2,
+        global_batch=FLAGS.batch,
+        hardware=planner.Hardware(host_cores=os.cpu_count() or 1),
+        input_shape=(FLAGS.width,),
+        loss=_loss(),
+        optimizer=lambda: keras.optimizers.SGD(LEARNING_RATE),
+        optimizer_slots=0,
+        schedules=["gpipe"],
+        remats=["never"],
+        micro_batches=counts,
+        stages=[2],
+    )
+    predicted = {p.config.micro_batches: 1e3 * p.step_time for p in result.ranked}
+    return result.best.config.micro_batches, predicted
+
+
+def candidates(counts: list[int]) -> dict[str, Callable[[], Any]]:
     import keras
     import tensorflow as tf
 
@@ -216,7 +247,7 @@ def candidates() -> dict[str, Callable[[], Any]]:
         f"handwritten_M{M}": handwritten_step(x, y, M),
         f"pipeline_1x1_M{M}": pipeline(1, 1, M),
     }
-    for m in sorted({2, 4, M}):
+    for m in counts:
         steps[f"pipeline_2x1_M{m}"] = pipeline(2, 1, m)
     steps["pipeline_1x2_M1"] = pipeline(1, 2, 1)
     steps["independent_2_devices"] = independent_step(x, y, devices)
@@ -224,11 +255,12 @@ def candidates() -> dict[str, Callable[[], Any]]:
     return steps
 
 
-def ratios(ms: dict[str, float]) -> dict[str, float]:
+def ratios(ms: dict[str, float], chosen: int) -> dict[str, float]:
     """The issue-16 ratios (see the module docstring), printed with their targets."""
     M = FLAGS.micro_batches
     best_2x1 = min(v for k, v in ms.items() if k.startswith("pipeline_2x1"))
     values = {
+        "planned_vs_plain": ms["keras_1_device"] / ms[f"pipeline_2x1_M{chosen}"],
         "engine_overhead": ms[f"pipeline_1x1_M{M}"] / ms[f"handwritten_M{M}"],
         "pipelining_speedup": ms[f"pipeline_1x1_M{M}"] / ms[f"pipeline_2x1_M{M}"],
         "pipelined_vs_plain": ms["keras_1_device"] / best_2x1,
@@ -237,6 +269,7 @@ def ratios(ms: dict[str, float]) -> dict[str, float]:
         "two_device_ceiling": ms["keras_1_device"] / ms["independent_2_devices"],
     }
     targets = {
+        "planned_vs_plain": ">= 1.2",
         "engine_overhead": "<= 1.05",
         "pipelining_speedup": f">= 1.65 (ideal {2 * M / (M + 1):.2f})",
         "pipelined_vs_plain": ">= 1.2",
@@ -252,9 +285,19 @@ def ratios(ms: dict[str, float]) -> dict[str, float]:
 def main(argv: list[str]) -> None:
     del argv
     env = common.start("engine_overhead", devices=2)
-    samples, ms = common.time_steps(candidates(), warmup=3)
+    counts = sorted({1, 2, 4, FLAGS.micro_batches})
+    chosen, predicted = planned_micro_batches(counts)
+    samples, ms = common.time_steps(candidates(counts), warmup=3)
     common.print_ms(ms, width=22)
-    values = ratios(ms)
+    print(f"  the planner's 2x1 choice: M = {chosen}")
+    errors = {}
+    for m, value in predicted.items():
+        measured = ms[f"pipeline_2x1_M{m}"]
+        errors[m] = value / measured - 1
+        print(
+            f"    M = {m}: predicted {value:7.2f} ms, measured {measured:7.2f} ({errors[m]:+.0%})"
+        )
+    values = ratios(ms, chosen)
     common.write_timed(
         "engine_overhead",
         env,
@@ -263,6 +306,7 @@ def main(argv: list[str]) -> None:
         ms,
         "ms per step: the pipeline vs plain Keras, a hand loop, MirroredStrategy",
         ratios=values,
+        planner={"chosen_micro_batches": chosen, "predicted_ms": predicted, "error": errors},
     )
     print("SUMMARY engine_overhead " + " ".join(f"{k}={v:.3f}" for k, v in values.items()))
 
