@@ -197,6 +197,7 @@ def place(
         for copy in row:
             copy.owned = layout.placement.owned(k)
             copy.activity_scale = 1.0 / (mesh.num_replicas * schedule.num_microbatches)
+            copy.accumulates = schedule.num_microbatches > 1
             if copy.regularized and loss.late:
                 raise NotImplementedError(
                     f"layers {[layer.name for layer in copy.regularized]} have activity "

@@ -149,6 +149,7 @@ class StageReplica:
             if layer.activity_regularizer is not None or adds_loss(layer)
         ]
         self.activity_scale = 1.0
+        self.accumulates = True  # a step has several micro-batches whose gradients are summed
 
         def program(fn: Callable[..., Any]) -> Any:
             return fn if inline else tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -287,7 +288,7 @@ class StageReplica:
         ys = self._split(out)[0]
         wanted = [(not self.is_last or i == 0) and differentiable(y) for i, y in enumerate(ys)]
         dys = [tf.TensorSpec(y.shape, y.dtype) for y, w in zip(ys, wanted, strict=True) if w]
-        sums = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable_variables]
+        sums = [tf.TensorSpec(t.shape, t.dtype) for t in self._sums(None)]
 
         def joint(f_args: Tensors, b_args: Tensors) -> tuple[Tensors, Tensors]:
             xs, labels, seed, weights = rebuild(f_args)
@@ -388,20 +389,18 @@ class StageReplica:
         need_dx: bool,
         acc: list[tf.Tensor] | None = None,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor], Tensors, Tensors]:
-        """F immediately followed by its whole backward, as one program: its outputs, dx,
-        dW (plus ``acc`` when given, added in the program), its activity penalty and its
-        BatchNormalization statistics.
-
-        Used when the schedule runs a micro-batch's backward right after its forward on the
-        same device (the last stage, whose output gradient is known): no activation is
-        stored and nothing is recomputed.
-        """
+        """F immediately followed by its whole backward, as one program (the last stage,
+        whose output gradient is known, when its B follows its F): its outputs, dx, dW (plus
+        ``acc`` when given, added in the program), its activity penalty and BN statistics."""
         out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True, self._sums(acc))
         ys, activity, stats = self._split(out)
         return ys, dx, dw, activity, stats
 
     def _sums(self, acc: list[tf.Tensor] | None) -> list[tf.Tensor]:
-        """The running gradient sums a backward adds to (zeros first: one compile)."""
+        """The running gradient sums a backward adds to (zeros first: one compile; none
+        with one micro-batch per step)."""
+        if not (self.accumulates or acc):
+            return []
         return acc or [tf.zeros(v.shape, v.dtype) for v in self.trainable_variables]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
