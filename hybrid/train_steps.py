@@ -170,8 +170,7 @@ def _report_timeline(
         shares.append(
             f"device {d.device} "
             + " ".join(
-                f"{name} {value / d.step:.0%}"
-                for name, value in zip(NAMES, parts, strict=True)
+                f"{name} {value / d.step:.0%}" for name, value in zip(NAMES, parts, strict=True)
             )
         )
     log(f"timeline step {step}: " + "; ".join(shares))

@@ -120,14 +120,18 @@ def split(
     recompute: set[tf.Operation] = set()
     residuals: list[tf.Tensor] = []
 
+    kept: set[tf.Operation] = set()  # known not to be recomputable
+
     def recomputable(op: tf.Operation) -> bool:
         if op in recompute or op.type == "Placeholder":
             return True
-        if not _pure(op) or (op in data_ops and op.type not in _VIEWS):
+        if op in kept or not _pure(op) or (op in data_ops and op.type not in _VIEWS):
+            kept.add(op)
             return False
         if all(recomputable(t.op) for t in op.inputs):
             recompute.add(op)
             return True
+        kept.add(op)
         return False
 
     def needed(t: tf.Tensor) -> None:
@@ -157,15 +161,16 @@ def split(
     b_returns = [t.name for t in b_outputs]
 
     def forward(f_args: Tensors) -> Tensors:
-        return _import(f_def, _input_map(f_names, f_args, captured, f_nodes), f_returns)
+        given = dict(zip((f"{n}:0" for n in f_names), f_args, strict=True))
+        mapping = _input_map(f_names, f_args, captured, f_nodes)
+        return _import(f_def, mapping, f_returns, given)
 
     def backward(f_args: Tensors, rs: Tensors, b_args: Tensors) -> Tensors:
         mapping = _input_map(f_names, f_args, captured, b_nodes)
         mapping.update(_input_map(b_names, b_args, {}, b_nodes))
         given = dict(zip(r_names, rs, strict=True))
         mapping.update((n, r) for n, r in given.items() if n in consumed)
-        imported = iter(_import(b_def, mapping, [n for n in b_returns if n not in given]))
-        return [given[n] if n in given else next(imported) for n in b_returns]
+        return _import(b_def, mapping, b_returns, given)
 
     def program(fn: Callable[..., Any]) -> Any:
         return tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -266,10 +271,18 @@ def _input_map(
     return mapping
 
 
-def _import(graph_def: Any, mapping: dict[str, Any], returns: Sequence[str]) -> Tensors:
-    if not returns:
-        return []
-    found = tf.graph_util.import_graph_def(
-        graph_def, input_map=mapping, return_elements=list(returns), name="split"
+def _import(
+    graph_def: Any, mapping: dict[str, Any], returns: Sequence[str], given: dict[str, Any]
+) -> Tensors:
+    """The tensors ``returns`` names: those in ``given`` as they are (an argument or a
+    residual returned unchanged), the others from ``graph_def`` imported into the program
+    being traced with ``mapping`` as its inputs."""
+    wanted = [n for n in returns if n not in given]
+    imported = iter(
+        tf.graph_util.import_graph_def(
+            graph_def, input_map=mapping, return_elements=wanted, name="split"
+        )
+        if wanted
+        else []
     )
-    return list(found)
+    return [given[n] if n in given else next(imported) for n in returns]
