@@ -17,13 +17,13 @@ def _dense_joint(model):
     def joint(f_args, b_args):
         x, weights = f_args[0], f_args[1:]
         dy, sums = b_args[0], b_args[1:]
-        mapping = list(zip(model.trainable_variables, weights))
+        mapping = list(zip(model.trainable_variables, weights, strict=True))
         with tf.GradientTape() as tape:
             tape.watch([x] + weights)
             with keras.StatelessScope(state_mapping=mapping):
                 y = model(x, training=True)
         grads = tape.gradient(y, [x] + weights, output_gradients=dy)
-        return [y], [grads[0]] + [s + g for s, g in zip(sums, grads[1:])]
+        return [y], [grads[0]] + [s + g for s, g in zip(sums, grads[1:], strict=True)]
 
     return joint
 
@@ -56,7 +56,7 @@ def test_the_cut_computes_the_joint_and_keeps_only_activations(jit_compile):
     want_out, want_grads = joint([x] + weights, [dy] + sums)
     np.testing.assert_allclose(out[0], want_out[0], rtol=1e-6, atol=1e-6)
     assert len(grads) == len(want_grads) == 1 + len(weights)
-    for got, want in zip(grads, want_grads):
+    for got, want in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
