@@ -82,6 +82,24 @@ def test_an_input_passed_through_and_a_gradient_the_output_does_not_reach():
     np.testing.assert_array_equal(du, np.zeros([5]))
 
 
+def test_a_gradient_that_is_the_output_gradient_itself():
+    """y = x + b: both gradients are the output gradient, an argument of the backward."""
+
+    def joint(f_args, b_args):
+        x, b = f_args
+        with tf.GradientTape() as tape:
+            tape.watch([x, b])
+            y = x + b
+        return [y], tape.gradient(y, [x, b], output_gradients=b_args[0])
+
+    x, b, dy = tf.ones([3]), tf.zeros([3]), tf.constant([1.0, 2.0, 3.0])
+    programs = split_programs.split(joint, [x, b], [dy], [0], True)
+    out, residuals = programs.forward([x, b])
+    assert residuals == []
+    for grad in programs.backward([x, b], residuals, [dy]):
+        np.testing.assert_array_equal(grad, dy)
+
+
 def test_a_forward_output_that_needs_the_output_gradient_is_refused():
     def joint(f_args, b_args):
         return [f_args[0] * b_args[0]], [b_args[0]]

@@ -136,7 +136,7 @@ def split(
 
     def needed(t: tf.Tensor) -> None:
         """Makes ``t`` available to the backward: its own, recomputed, or a residual."""
-        if t.op in backward_ops or recomputable(t.op) or any(t is r for r in residuals):
+        if t.op in backward_ops or recomputable(t.op) or t.name in {r.name for r in residuals}:
             return
         residuals.append(t)
 
@@ -160,16 +160,20 @@ def split(
     f_returns = [t.name for t in f_outputs + residuals]
     b_returns = [t.name for t in b_outputs]
 
+    def arguments(names: Sequence[str], values: Tensors) -> dict[str, tf.Tensor]:
+        return dict(zip((f"{n}:0" for n in names), values, strict=True))
+
     def forward(f_args: Tensors) -> Tensors:
-        given = dict(zip((f"{n}:0" for n in f_names), f_args, strict=True))
         mapping = _input_map(f_names, f_args, captured, f_nodes)
-        return _import(f_def, mapping, f_returns, given)
+        return _import(f_def, mapping, f_returns, arguments(f_names, f_args))
 
     def backward(f_args: Tensors, rs: Tensors, b_args: Tensors) -> Tensors:
         mapping = _input_map(f_names, f_args, captured, b_nodes)
         mapping.update(_input_map(b_names, b_args, {}, b_nodes))
         given = dict(zip(r_names, rs, strict=True))
         mapping.update((n, r) for n, r in given.items() if n in consumed)
+        given.update(arguments(f_names, f_args))
+        given.update(arguments(b_names, b_args))
         return _import(b_def, mapping, b_returns, given)
 
     def program(fn: Callable[..., Any]) -> Any:
