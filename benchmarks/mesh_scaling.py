@@ -200,8 +200,24 @@ def measured_timeline(pipe: Any, data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def keras_step(data: dict[str, Any]) -> Any:
+    """What the user would run instead: the same model (same initial weights) compiled by
+    plain Keras on one device (XLA when --jit_compile), one ``train_on_batch`` per step."""
+    import keras
+
+    fresh = common.reference_model(**common.flag_values(*common.REFERENCE_MODEL_FLAGS))
+    inputs = keras.Input(data["input_shape"], dtype=data["input_dtype"])
+    model = keras.Sequential([inputs, *fresh["layers"]])
+    model.compile(_optimizer(), fresh["loss"], jit_compile=FLAGS.jit_compile)
+    return lambda: model.train_on_batch(data["x"], data["y"])
+
+
+KERAS = "plain Keras, 1 device"
+
+
 def run_configurations(configs: list[dict], devices: int) -> None:
-    """In this process: build, time and measure every configuration; print RESULT lines."""
+    """In this process: build, time (beside plain Keras) and measure every configuration;
+    print RESULT lines, the last one with the environment and plain Keras's step."""
     import hybrid
 
     hybrid.simulate_cpu_devices(devices)
@@ -212,20 +228,22 @@ def run_configurations(configs: list[dict], devices: int) -> None:
     pipes, rows = {}, {}
     for c in configs:
         pipes[_label(c)], rows[_label(c)] = build(c, data)
-    samples, _ = common.time_steps(
-        {label: common.train_step(p, data["x"], data["y"]) for label, p in pipes.items()},
-        warmup=2,
-    )
+    steps = {label: common.train_step(p, data["x"], data["y"]) for label, p in pipes.items()}
+    samples, _ = common.time_steps({KERAS: keras_step(data), **steps}, warmup=2)
     for label, pipe in pipes.items():
         measure(pipe, rows[label], samples[label], data, devices)
     for label in pipes:
         print("RESULT " + json.dumps(rows[label]))
     env = common.environment()
-    print("RESULT " + json.dumps({"environment": env}))
+    keras_ms = 1e3 * common.median(samples[KERAS])
+    print("RESULT " + json.dumps({"environment": env, "keras_step_ms": keras_ms}))
 
 
-def _rank_and_derive(rows: list[dict]) -> None:
-    """Speedup over the best 1×1 of the same process, efficiency = speedup / N."""
+def _rank_and_derive(rows: list[dict], keras_ms: dict[int, float]) -> None:
+    """Speedup over the best 1×1 of the same process, efficiency = speedup / N, and the
+    speedup over plain Keras's one-device step timed in that process (``keras_ms``)."""
+    for r in rows:
+        r["speedup_vs_keras"] = keras_ms[r["process_devices"]] / r["step_ms"]
     best_single: dict[int, float] = {}
     for r in rows:
         if r["devices"] == 1:
@@ -326,7 +344,7 @@ def plot(name: str, rows: list[dict], title: str) -> str:
 
 def run_budgets(budgets: list[int], layers: int) -> tuple[list[dict], list[dict], dict]:
     """Every budget's runnable configurations in a child process of its own: the rows, the
-    skipped configurations and each child's environment."""
+    skipped configurations and each child's environment (with ``keras_step_ms``)."""
     rows: list[dict] = []
     skipped: list[dict] = []
     environments = {}
@@ -344,7 +362,10 @@ def run_budgets(budgets: list[int], layers: int) -> tuple[list[dict], list[dict]
             env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
             timeout=4 * 3600,
         )
-        environments[n] = results[-1]["environment"]
+        environments[n] = {
+            **results[-1]["environment"],
+            "keras_step_ms": results[-1]["keras_step_ms"],
+        }
         rows += results[:-1]
     return rows, skipped, environments
 
@@ -352,7 +373,7 @@ def run_budgets(budgets: list[int], layers: int) -> tuple[list[dict], list[dict]
 def print_table(rows: list[dict], skipped: list[dict]) -> None:
     print(
         f"  {'#':>3} {'N':>2} {'mesh':>5} {'M':>3} {'schedule':<16} {'remat':<12} "
-        f"{'ms/step':>8} {'ex/s':>8} {'speedup':>7} {'eff':>5} {'bubble':>6} "
+        f"{'ms/step':>8} {'ex/s':>8} {'speedup':>7} {'eff':>5} {'vs Keras':>8} {'bubble':>6} "
         f"{'MiB/dev':>8} {'compile s':>9}"
     )
     for i, r in enumerate(rows, 1):
@@ -363,6 +384,7 @@ def print_table(rows: list[dict], skipped: list[dict]) -> None:
             f"  {i:>3} {r['devices']:>2} {r['stages']}x{r['replicas']:<3} "
             f"{r['micro_batches']:>3} {sched_name:<16} {r['remat']:<12} {r['step_ms']:>8.2f} "
             f"{r['examples_per_s']:>8.1f} {r['speedup']:>7.2f} {r['efficiency']:>5.2f} "
+            f"{r['speedup_vs_keras']:>8.2f} "
             f"{r['measured_bubble']:>6.1%} {r['peak_mib_per_device']:>8.2f} "
             f"{r['compile_s']:>9.1f}"
         )
@@ -408,7 +430,8 @@ def print_summary(budgets: list[int], rows: list[dict], skipped: list[dict]) -> 
         f"skipped={len(skipped)} best={best['stages']}x{best['replicas']}/{best['schedule']}/"
         f"M={best['micro_batches']}/{best['remat']} best_examples_per_s="
         f"{best['examples_per_s']:.1f} best_speedup={best['speedup']:.3f} "
-        f"best_efficiency={best['efficiency']:.3f}"
+        f"best_efficiency={best['efficiency']:.3f} "
+        f"best_speedup_vs_keras={best['speedup_vs_keras']:.3f}"
     )
 
 
@@ -424,9 +447,10 @@ def main(argv: list[str]) -> None:
     budgets = sorted({int(n) for n in FLAGS.devices})
     started = time.perf_counter()
     rows, skipped, environments = run_budgets(budgets, layers)
-    _rank_and_derive(rows)
+    _rank_and_derive(rows, {n: e["keras_step_ms"] for n, e in environments.items()})
     env = dict(next(iter(environments.values()), {}))
     env["devices"] = {n: e["devices"] for n, e in environments.items()}
+    env["keras_step_ms"] = {n: e["keras_step_ms"] for n, e in environments.items()}
     common.print_header(FLAGS.name, env)
     model = common.flag_values(*common.REFERENCE_MODEL_FLAGS)
     print(f"  model: {model}, {layers} layers; optimizer {FLAGS.optimizer}")
