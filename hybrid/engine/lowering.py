@@ -161,9 +161,15 @@ class _TrainingLowering:
         self.upstream[(k - 1, m)], sent = self.send(dx)
         return sent
 
+    @staticmethod
+    def needs_dx(k: int) -> bool:
+        """Whether model stage k's backward computes its input gradients: all but the
+        first's (stage 0's inputs are the batch)."""
+        return k > 0
+
     def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
         out, dx, dw, activity, stats = self.stages[k].forward_backward(
-            x, labels, seed, self.loss_scale, k > 0, self.grads[k]
+            x, labels, seed, self.loss_scale, self.needs_dx(k), self.grads[k]
         )
         self.stats[k] += stats
         self.activity += activity
@@ -183,7 +189,7 @@ class _TrainingLowering:
         seed: tf.Tensor,
         remat: bool,
     ) -> Outputs:
-        record = self.stages[k].forward(x, labels, seed, remat, self.split, need_dx=k > 0)
+        record = self.stages[k].forward(x, labels, seed, remat, self.split, self.needs_dx(k))
         self.saved[(k, m)] = record
         self.stats[k] += record.stats
         self.activity += record.activity
@@ -197,7 +203,7 @@ class _TrainingLowering:
     def backward(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
         keep = self.saved[(k, m)] if self.split else self.saved.pop((k, m))
         dx, dw = self.stages[k].backward(
-            keep, dy, need_dx=k > 0, need_dw=not self.split, acc=self.grads[k]
+            keep, dy, need_dx=self.needs_dx(k), need_dw=not self.split, acc=self.grads[k]
         )
         self.accumulate(k, dw)
         sent = self.pass_down(k, m, dx)

@@ -118,7 +118,7 @@ def split(
 
     # What the backward needs from outside its own nodes, and which of it is recomputed.
     recompute: set[tf.Operation] = set()
-    residuals: list[tf.Tensor] = []
+    residuals: dict[str, tf.Tensor] = {}  # by name, in the order found
 
     kept: set[tf.Operation] = set()  # known not to be recomputable
 
@@ -136,9 +136,9 @@ def split(
 
     def needed(t: tf.Tensor) -> None:
         """Makes ``t`` available to the backward: its own, recomputed, or a residual."""
-        if t.op in backward_ops or recomputable(t.op) or t.name in {r.name for r in residuals}:
+        if t.op in backward_ops or recomputable(t.op) or t.name in residuals:
             return
-        residuals.append(t)
+        residuals[t.name] = t
 
     b_program = _ancestors(b_outputs, stop=lambda op: op not in backward_ops)
     for op in sorted(b_program, key=lambda o: o.name):
@@ -149,15 +149,15 @@ def split(
     b_ops = b_program | recompute
     b_ops |= {t.op for op in b_ops for t in op.inputs if t.op.type == "Placeholder"}
     b_nodes = {op.name for op in b_ops}
-    f_nodes = {op.name for op in _ancestors(f_outputs + residuals)}
+    f_nodes = {op.name for op in _ancestors(f_outputs + list(residuals.values()))}
     graph_def = graph.as_graph_def()
     f_def, b_def = _subgraph(graph_def, f_nodes), _subgraph(graph_def, b_nodes)
 
     f_names = [op.name for op in f_inputs]
     b_names = [op.name for op in b_inputs]
-    r_names = [t.name for t in residuals]
     consumed = {t.name for op in b_ops for t in op.inputs}
-    f_returns = [t.name for t in f_outputs + residuals]
+    r_names = list(residuals)
+    f_returns = [t.name for t in f_outputs] + r_names
     b_returns = [t.name for t in b_outputs]
 
     def arguments(names: Sequence[str], values: Tensors) -> dict[str, tf.Tensor]:
@@ -208,9 +208,7 @@ def signature(structure: Any) -> str:
 
 
 def _spec(value: tf.Tensor | tf.TensorSpec) -> tf.TensorSpec:
-    if isinstance(value, tf.TensorSpec):
-        return value
-    return tf.TensorSpec(value.shape, value.dtype)
+    return value if isinstance(value, tf.TensorSpec) else tf.TensorSpec.from_tensor(value)
 
 
 def _descendants(graph: tf.Graph, roots: Sequence[tf.Operation]) -> set[tf.Operation]:

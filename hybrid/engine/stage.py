@@ -334,7 +334,7 @@ class StageReplica:
             out, residuals = programs.forward(args)
             ys, activity, stats = self._split(out)
             kept = Kept(programs, args, residuals, need_dx)
-            return Saved(xs, ys, labels, seed, None, weights, stats, activity, kept)
+            return Saved(xs, ys, labels, seed, stats=stats, activity=activity, kept=kept)
         with tf.GradientTape(persistent=split) as tape:
             tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
@@ -366,11 +366,12 @@ class StageReplica:
         if kept is not None:  # the backward half of a cut program (_kept_programs)
             if need_dx and not kept.need_dx:
                 raise ValueError(f"stage {self.index}: its forward was run with need_dx=False")
-            given = [d for d in dys if d is not None] + self._sums(acc)
-            found = iter(kept.programs.backward(kept.args, kept.residuals, given))
-            if kept.need_dx:  # its input gradients come first
-                given = [next(found) if differentiable(x) else None for x in saved.inputs]
-            return (given if need_dx else None), list(found)
+            more = [d for d in dys if d is not None] + self._sums(acc)
+            found = iter(kept.programs.backward(kept.args, kept.residuals, more))
+            inputs = None
+            if kept.need_dx:  # the program returns the input gradients first
+                inputs = [next(found) if differentiable(x) else None for x in saved.inputs]
+            return (inputs if need_dx else None), list(found)
         if saved.tape is None:
             sums = self._sums(acc) if need_dw else None
             args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
