@@ -1,15 +1,24 @@
-"""Scaling across mesh shapes: every S × R = N, micro-batch count and schedule, measured.
+"""Scaling across mesh shapes: every S × R = N, micro-batch count and schedule, measured
+against what the user would run instead: the same model trained by plain Keras on one device.
 
 For each device budget N in ``--devices`` one child process simulates N CPU devices (TF's
-logical devices are fixed per process) and runs, on the reference model (a Transformer by
-default), every configuration of that budget:
+logical devices are fixed per process) and runs, on the reference model, every
+configuration of that budget:
 
     for S × R = N (every factorization), M in --micro_batches, schedule in --schedules
     (one stage: --single_stage_schedule only, the schedules coincide), remat in --remats:
         build the Pipeline; first step (traces and compiles)         -> compile_s
-    then, all configurations of the process timed in alternation     -> step_ms (median)
+    then, all configurations of the process and plain Keras's one-device step
+    (compile(jit_compile=True) + train_on_batch) timed in alternation -> step_ms (median)
     for each: one step after resetting the allocator's peak          -> peak memory
     for each pipelined one: one instrumented step                    -> measured bubble
+
+Two curves: the default model is sized so compute dominates (4 × Dense(1024), batch 2048:
+GEMMs of 256 rows and more even at M = 8), as on the accelerators users train on; the same
+sweep then runs on ``--small_model`` (the tiny Transformer, batch 32), where launching
+programs and exchanging data weigh as much as the compute. Each row has ``speedup`` and
+``efficiency`` (over the best 1×1 of its process; ÷ N) and ``speedup_vs_keras`` (over plain
+Keras's one-device step timed beside it).
 
 With ``--baseline`` (default) the 1×1 configurations run in the same process, so speedups
 are ratios measured side by side. Configurations that cannot run (a batch not divisible by
@@ -21,10 +30,11 @@ all its devices, from before its build to after its first step) plus the peak on
 allocates on top. ``peak_mib_per_device`` is that total divided by the S × R devices: exact
 for replicas (identical copies), the mean over the stages of a pipeline.
 
-    python benchmarks/mesh_scaling.py                       # N = 2: 1x1, 1x2, 2x1, M in {2, 8}
-    python benchmarks/mesh_scaling.py --devices=2,4 --micro_batches=1,2,4,8
+    python benchmarks/mesh_scaling.py          # N = 2: 1x1, 1x2, 2x1; M in {1, 2, 8}; 2 curves
+    python benchmarks/mesh_scaling.py --devices=2,4 --micro_batches=1,2,4,8 --small_model=
 
-Writes benchmarks/results/mesh_scaling.{csv,json,png}; ends with one SUMMARY line.
+Writes benchmarks/results/mesh_scaling.{csv,json,png} (the small model's rows under
+``small_model`` in the JSON, labelled by ``curve`` in the CSV); ends with one SUMMARY line.
 """
 
 from __future__ import annotations
@@ -43,12 +53,21 @@ import common  # first: it sets TensorFlow's environment and puts the source tre
 from hybrid.core import schedule as sched
 
 common.define_timing_flags(rounds=5, steps_per_round=3)
-common.define_reference_model_flags()
+# Compute dominates by default, as on the accelerators users train on: GEMMs of 256 rows
+# and more even at M = 8, against which launching programs and exchanging data is small.
+common.define_reference_model_flags(model="mlp", width=1024, depth=4, batch=2048)
+flags.DEFINE_string(
+    "small_model",
+    "transformer:64:2:32",
+    "A second, labelled curve: the same sweep on a small model (model:width:depth:batch, "
+    "the other reference-model flags as given), where launching programs and exchanging "
+    "data weigh as much as the compute; '' runs none.",
+)
 flags.DEFINE_list("devices", ["2"], "Device budgets N; each runs in its own process.")
-flags.DEFINE_list("micro_batches", ["2", "8"], "Micro-batch counts M.")
+flags.DEFINE_list("micro_batches", ["1", "2", "8"], "Micro-batch counts M.")
 flags.DEFINE_list("schedules", sched.names(), "Schedules for meshes with S > 1.")
 flags.DEFINE_string("single_stage_schedule", "1f1b", "The schedule of S = 1 meshes.")
-flags.DEFINE_list("remats", ["except_last"], "Remat modes.")
+flags.DEFINE_list("remats", ["never"], "Remat modes.")
 flags.DEFINE_integer("virtual_stages", 2, "Virtual stages of the interleaved schedule.")
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
 flags.DEFINE_bool("baseline", True, "Also run the 1×1 configurations in every process.")
@@ -65,8 +84,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def configurations(devices: int, num_layers: int) -> tuple[list[dict], list[dict]]:
-    """(runnable, skipped) configurations of one device budget, as plain dicts."""
+def configurations(devices: int, num_layers: int, batch: int) -> tuple[list[dict], list[dict]]:
+    """(runnable, skipped) configurations of one device budget for a model of
+    ``num_layers`` layers and a global batch of ``batch``, as plain dicts."""
     meshes = [(S, devices // S) for S in _divisors(devices)]
     if FLAGS.baseline and devices > 1:
         meshes.insert(0, (1, 1))
@@ -87,8 +107,8 @@ def configurations(devices: int, num_layers: int) -> tuple[list[dict], list[dict
                         "remat": remat,
                     }
                     reason = None
-                    if FLAGS.batch % (R * M):
-                        reason = f"batch {FLAGS.batch} not divisible by R×M = {R * M}"
+                    if batch % (R * M):
+                        reason = f"batch {batch} not divisible by R×M = {R * M}"
                     elif name == "interleaved" and M % S:
                         reason = f"interleaved needs M % S == 0 (M={M}, S={S})"
                     elif S * v > num_layers:
@@ -262,6 +282,14 @@ def _of(rows: list[dict], S: int, R: int, schedule: str) -> list[dict]:
     return sorted(mine, key=lambda r: r["micro_batches"])
 
 
+def _bar(
+    ax: Any, x: float, height: float, width: float, text: str, color: str, label: Any = None
+) -> None:
+    """One bar with ``text`` on top."""
+    ax.bar(x, height, width, color=color, label=label)
+    ax.text(x, height, text, ha="center", va="bottom", fontsize=6)
+
+
 def _throughput_panel(
     ax: Any, rows: list[dict], meshes: list[tuple[int, int]], colors: dict[str, str]
 ) -> None:
@@ -274,14 +302,8 @@ def _throughput_panel(
         for j, schedule in enumerate(present):
             best = max(_of(rows, S, R, schedule), key=lambda r: r["examples_per_s"])
             x = i + (j - (len(present) - 1) / 2) * width
-            ax.bar(x, best["examples_per_s"], width, color=colors[schedule])
-            ax.text(
-                x,
-                best["examples_per_s"],
-                f"M={best['micro_batches']}",
-                ha="center",
-                va="bottom",
-                fontsize=6,
+            _bar(
+                ax, x, best["examples_per_s"], width, f"M={best['micro_batches']}", colors[schedule]
             )
     ax.set_xticks(range(len(meshes)))
     ax.set_xticklabels([f"{S}×{R}" for S, R in meshes])
@@ -320,19 +342,52 @@ def _efficiency_panel(
     ax.set_title("efficiency vs micro-batches", fontsize=10)
 
 
-def plot(name: str, rows: list[dict], title: str) -> str:
-    """Two panels: throughput per mesh shape (best M per schedule), efficiency vs M."""
+def _versus_keras_panel(ax: Any, sweeps: list[dict]) -> None:
+    """Speedup over plain Keras on one device of each mesh shape (its best configuration), a
+    bar per model; a tick at the ideal N."""
+    meshes = sorted(
+        {(r["stages"], r["replicas"]) for sw in sweeps for r in sw["rows"]},
+        key=lambda t: (t[0] * t[1], t),
+    )
+    width = 0.8 / len(sweeps)
+    for j, sw in enumerate(sweeps):
+        for i, (S, R) in enumerate(meshes):
+            mine = [r for r in sw["rows"] if (r["stages"], r["replicas"]) == (S, R)]
+            if not mine:
+                continue
+            best = max(mine, key=lambda r: r["speedup_vs_keras"])
+            x = i + (j - (len(sweeps) - 1) / 2) * width
+            label = sw["label"] if i == 0 else None
+            value = best["speedup_vs_keras"]
+            _bar(ax, x, value, width, f"{value:.2f}", f"C{j}", label)
+    for i, (S, R) in enumerate(meshes):
+        ax.plot([i - 0.45, i + 0.45], [S * R] * 2, color="k", linestyle=":", linewidth=1)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylim(0, 1.35 * max(S * R for S, R in meshes))  # room for the legend
+    ax.set_xticks(range(len(meshes)))
+    ax.set_xticklabels([f"{S}×{R}" for S, R in meshes])
+    ax.set_xlabel("mesh S × R (best configuration; dotted: ideal N)")
+    ax.set_ylabel("speedup over plain Keras, 1 device")
+    ax.set_title("vs what the user would run instead", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def plot(name: str, sweeps: list[dict], title: str) -> str:
+    """Three panels: the main sweep's throughput per mesh shape (best M per schedule) and
+    efficiency vs M; every sweep's speedup over plain Keras per mesh shape."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = sweeps[0]["rows"]
     meshes = sorted({(r["stages"], r["replicas"]) for r in rows}, key=lambda t: (t[0] * t[1], t))
     schedules = sorted({r["schedule"] for r in rows})
     colors = {s: f"C{i}" for i, s in enumerate(schedules)}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 3.8))
     _throughput_panel(left, rows, meshes, colors)
-    _efficiency_panel(right, rows, meshes, colors)
+    _efficiency_panel(middle, rows, meshes, colors)
+    _versus_keras_panel(right, sweeps)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     os.makedirs(common.RESULTS, exist_ok=True)
@@ -342,17 +397,36 @@ def plot(name: str, rows: list[dict], title: str) -> str:
     return path
 
 
-def run_budgets(budgets: list[int], layers: int) -> tuple[list[dict], list[dict], dict]:
-    """Every budget's runnable configurations in a child process of its own: the rows, the
-    skipped configurations and each child's environment (with ``keras_step_ms``)."""
+def model_values(small: bool) -> dict[str, Any]:
+    """The reference-model flags of the main sweep, or of --small_model's (its model, width,
+    depth and batch; the other flags as given)."""
+    values = common.flag_values(*common.REFERENCE_MODEL_FLAGS)
+    if small:
+        try:
+            model, width, depth, batch = FLAGS.small_model.split(":")
+            values.update(model=model, width=int(width), depth=int(depth), batch=int(batch))
+        except ValueError:
+            raise app.UsageError(
+                f"--small_model={FLAGS.small_model!r}: give model:width:depth:batch, e.g. "
+                "transformer:64:2:32, or '' for none"
+            ) from None
+    return values
+
+
+def run_budgets(budgets: list[int], model: dict[str, Any]) -> dict[str, Any]:
+    """Every budget's runnable configurations of ``model`` (reference-model flag values) in
+    a child process of its own: the rows (ranked, speedups derived), the skipped
+    configurations and each child's environment (with ``keras_step_ms``)."""
+    from hybrid.models import num_layers
+
+    layers = num_layers(model["model"], model["depth"])
     rows: list[dict] = []
     skipped: list[dict] = []
     environments = {}
-    passed = common.flag_args(
-        *common.REFERENCE_MODEL_FLAGS, *common.TIMING_FLAGS, "optimizer", "timeline", "jit_compile"
-    )
+    passed = [f"--{name}={value}" for name, value in model.items()]
+    passed += common.flag_args(*common.TIMING_FLAGS, "optimizer", "timeline", "jit_compile")
     for n in budgets:
-        runnable, skip = configurations(n, layers)
+        runnable, skip = configurations(n, layers, model["batch"])
         skipped += skip
         if not runnable:
             continue
@@ -367,7 +441,16 @@ def run_budgets(budgets: list[int], layers: int) -> tuple[list[dict], list[dict]
             "keras_step_ms": results[-1]["keras_step_ms"],
         }
         rows += results[:-1]
-    return rows, skipped, environments
+    _rank_and_derive(rows, {n: e["keras_step_ms"] for n, e in environments.items()})
+    rows.sort(key=lambda r: -r["examples_per_s"])
+    return {
+        "model": model,
+        "layers": layers,
+        "rows": rows,
+        "skipped": skipped,
+        "environments": environments,
+        "keras_step_ms": {n: e["keras_step_ms"] for n, e in environments.items()},
+    }
 
 
 def print_table(rows: list[dict], skipped: list[dict]) -> None:
@@ -392,12 +475,18 @@ def print_table(rows: list[dict], skipped: list[dict]) -> None:
         print(f"      skipped {_label(r)}: {r['status'][len('skipped: ') :]}")
 
 
-def write_results(
-    env: dict, budgets: list[int], rows: list[dict], skipped: list[dict]
-) -> tuple[str, str, str]:
-    """<name>.json, <name>.csv (rows, then the skipped) and <name>.png; their paths."""
+def describe(model: dict[str, Any]) -> str:
+    """``mlp 1024×4, batch 2048``: a sweep's model in a few words."""
+    return f"{model['model']} {model['width']}×{model['depth']}, batch {model['batch']}"
+
+
+def write_results(env: dict, budgets: list[int], sweeps: list[dict]) -> tuple[str, str, str]:
+    """<name>.json (the main sweep's rows and skipped; the small model's under
+    ``small_model``), <name>.csv (every row, labelled by ``curve``, then the skipped) and
+    <name>.png; their paths."""
     config = common.flag_values(
         *common.REFERENCE_MODEL_FLAGS,
+        "small_model",
         "devices",
         "micro_batches",
         "schedules",
@@ -410,28 +499,44 @@ def write_results(
         "jit_compile",
         *common.TIMING_FLAGS,
     )
-    path = common.write_json(
-        FLAGS.name, {"environment": env, "config": config, "rows": rows, "skipped": skipped}
-    )
-    csv_path = common.write_csv(FLAGS.name, rows + skipped)
+    main_sweep = sweeps[0]
+    result = {
+        "environment": env,
+        "config": config,
+        "rows": main_sweep["rows"],
+        "skipped": main_sweep["skipped"],
+    }
+    if len(sweeps) > 1:
+        small = sweeps[1]
+        result["small_model"] = {k: small[k] for k in ("model", "rows", "skipped", "keras_step_ms")}
+    path = common.write_json(FLAGS.name, result)
+    labelled = [dict(r, curve=sw["label"]) for sw in sweeps for r in sw["rows"] + sw["skipped"]]
+    csv_path = common.write_csv(FLAGS.name, labelled)
     title = (
-        f"{FLAGS.model} (width {FLAGS.width}, depth {FLAGS.depth}), batch {FLAGS.batch}, "
-        f"N = {', '.join(map(str, budgets))} simulated CPU devices ({os.cpu_count()} cores)"
+        f"{' | '.join(sw['label'] for sw in sweeps)}; N = {', '.join(map(str, budgets))} "
+        f"simulated CPU devices ({os.cpu_count()} cores), optimizer {FLAGS.optimizer}"
     )
-    return path, csv_path, plot(FLAGS.name, rows, title)
+    return path, csv_path, plot(FLAGS.name, sweeps, title)
 
 
-def print_summary(budgets: list[int], rows: list[dict], skipped: list[dict]) -> None:
-    """The SUMMARY line: counts, and the fastest multi-device configuration."""
+def summary_terms(sweep: dict, prefix: str = "") -> str:
+    """The SUMMARY's terms of one sweep: its fastest multi-device configuration, and the
+    slowest mesh shape's best speedup over plain Keras (``worst_mesh_vs_keras``)."""
+    rows = sweep["rows"]
     pipelined = [r for r in rows if r["devices"] > 1]
     best = pipelined[0] if pipelined else rows[0]
-    print(
-        f"SUMMARY {FLAGS.name} devices={','.join(map(str, budgets))} configs={len(rows)} "
-        f"skipped={len(skipped)} best={best['stages']}x{best['replicas']}/{best['schedule']}/"
-        f"M={best['micro_batches']}/{best['remat']} best_examples_per_s="
-        f"{best['examples_per_s']:.1f} best_speedup={best['speedup']:.3f} "
-        f"best_efficiency={best['efficiency']:.3f} "
-        f"best_speedup_vs_keras={best['speedup_vs_keras']:.3f}"
+    per_mesh: dict[tuple[int, int], float] = {}
+    for r in pipelined:
+        key = (r["stages"], r["replicas"])
+        per_mesh[key] = max(per_mesh.get(key, 0.0), r["speedup_vs_keras"])
+    worst = min(per_mesh.values(), default=float("nan"))
+    return (
+        f"{prefix}best={best['stages']}x{best['replicas']}/{best['schedule']}/"
+        f"M={best['micro_batches']}/{best['remat']} {prefix}best_examples_per_s="
+        f"{best['examples_per_s']:.1f} {prefix}best_speedup={best['speedup']:.3f} "
+        f"{prefix}best_efficiency={best['efficiency']:.3f} "
+        f"{prefix}best_speedup_vs_keras={best['speedup_vs_keras']:.3f} "
+        f"{prefix}worst_mesh_vs_keras={worst:.3f}"
     )
 
 
@@ -441,25 +546,36 @@ def main(argv: list[str]) -> None:
         spec = json.loads(FLAGS.child)
         run_configurations(spec["configs"], spec["devices"])
         return
-    from hybrid.models import num_layers
-
-    layers = num_layers(FLAGS.model, FLAGS.depth)
     budgets = sorted({int(n) for n in FLAGS.devices})
     started = time.perf_counter()
-    rows, skipped, environments = run_budgets(budgets, layers)
-    _rank_and_derive(rows, {n: e["keras_step_ms"] for n, e in environments.items()})
+    models = [model_values(small=False)] + ([model_values(small=True)] if FLAGS.small_model else [])
+    sweeps = []
+    for i, model in enumerate(models):
+        sweep = run_budgets(budgets, model)
+        kind = "compute-dominated" if i == 0 else "small model"
+        sweep["label"] = f"{kind}: {describe(model)}"
+        sweeps.append(sweep)
+    environments = sweeps[0]["environments"]
     env = dict(next(iter(environments.values()), {}))
     env["devices"] = {n: e["devices"] for n, e in environments.items()}
-    env["keras_step_ms"] = {n: e["keras_step_ms"] for n, e in environments.items()}
+    env["keras_step_ms"] = sweeps[0]["keras_step_ms"]
     common.print_header(FLAGS.name, env)
-    model = common.flag_values(*common.REFERENCE_MODEL_FLAGS)
-    print(f"  model: {model}, {layers} layers; optimizer {FLAGS.optimizer}")
-    print(f"  {len(rows)} configurations measured, {len(skipped)} skipped")
-    rows.sort(key=lambda r: -r["examples_per_s"])
-    print_table(rows, skipped)
-    path, csv_path, png = write_results(env, budgets, rows, skipped)
+    for sweep in sweeps:
+        print(f"  -- {sweep['label']} --")
+        print(f"  model: {sweep['model']}, {sweep['layers']} layers; optimizer {FLAGS.optimizer}")
+        print(f"  plain Keras, 1 device: {sweep['keras_step_ms']} ms/step")
+        print(f"  {len(sweep['rows'])} configurations measured, {len(sweep['skipped'])} skipped")
+        print_table(sweep["rows"], sweep["skipped"])
+    path, csv_path, png = write_results(env, budgets, sweeps)
     print(f"  wrote {path}, {csv_path} and {png} in {time.perf_counter() - started:.0f} s")
-    print_summary(budgets, rows, skipped)
+    main_sweep = sweeps[0]
+    terms = summary_terms(main_sweep)
+    if len(sweeps) > 1:
+        terms += " " + summary_terms(sweeps[1], prefix="small_")
+    print(
+        f"SUMMARY {FLAGS.name} devices={','.join(map(str, budgets))} "
+        f"configs={len(main_sweep['rows'])} skipped={len(main_sweep['skipped'])} {terms}"
+    )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ class TrainConfig:
       precision: the Keras dtype policy the model is built under.
       mesh: mesh spec, e.g. "stage:2;replica:2".
       platform: "cpu", "gpu" or "tpu": the device type the mesh is made of.
-      micro_batches: micro-batches per replica per step.
+      micro_batches: micro-batches per replica per step, or "auto": the planner picks the
+        fastest for the mesh, schedule and remat (the launcher resolves it before training).
       schedule: pipeline schedule name.
       virtual_stages: model stages per device (interleaved schedule).
       remat: "never", "except_last" or "always".
@@ -105,7 +106,7 @@ class TrainConfig:
     precision: str = "float32"
     mesh: str = "stage:2;replica:2"
     platform: str = "cpu"
-    micro_batches: int = 4
+    micro_batches: int | str = 4
     schedule: str = "gpipe"
     virtual_stages: int = 1
     remat: str = "except_last"
@@ -263,6 +264,12 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tu
     """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
     and the input shape (one, without the batch) the reference data needs (None for a
     model of several inputs)."""
+    if not isinstance(config.micro_batches, int):
+        raise ValueError(
+            f"micro_batches={config.micro_batches!r}: the planner chooses M before training "
+            "(hybrid-train --micro_batches=auto does, or hybrid.planner.choose_mesh(..., "
+            "stages=S) in Python); give train() an integer"
+        )
     model, loss, metrics, shape, dtype = _model(config)
     kind = Pipeline if strategy is None else functools.partial(StrategyPipeline, strategy=strategy)
     pipe = kind(
@@ -392,7 +399,8 @@ def _resume(
     mesh = pipe.mesh
     log(
         f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
-        f"balance {pipe.balance} schedule {config.schedule} remat {config.remat}"
+        f"balance {pipe.balance} micro_batches {pipe.micro_batches} schedule {config.schedule} "
+        f"remat {config.remat}"
     )
     if restored:
         log(f"restored {restored.path}: resuming at step {restored.step + 1}")

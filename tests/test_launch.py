@@ -106,7 +106,7 @@ np.testing.assert_allclose(pipelined, want, atol=1e-4)
 def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     run = launch(
         "--mesh=auto", "--simulated_devices=2", "--model=mlp", "--data=synthetic", "--width=16",
-        "--depth=1", "--global_batch_size=16", "--train_steps=4", "--schedule=1f1b",
+        "--depth=1", "--global_batch_size=8", "--train_steps=4", "--schedule=1f1b",
         "--progress_bar", f"--keras_file={tmp_path}/mlp.keras",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -118,6 +118,21 @@ def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     spec = planned[0].split("--mesh=")[1].split(" ")[0]
     assert spec in ("stage:1;replica:2", "stage:2;replica:1")
     assert f"mesh {spec} devices" in run.stdout and "done:" in run.stdout
+
+
+def test_micro_batches_auto_plans_m_alone_on_the_given_mesh():
+    run = launch(
+        "--mesh=stage:2;replica:1", "--micro_batches=auto", "--model=mlp", "--data=synthetic",
+        "--width=16", "--depth=1", "--global_batch_size=4", "--train_steps=2",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    planned = [line for line in run.stdout.splitlines() if line.startswith("planned: ")]
+    assert planned and "--mesh=stage:2;replica:1 " in planned[0]
+    assert "--schedule=gpipe --remat=except_last" in planned[0]  # the flags' defaults stay
+    m = int(planned[0].split("--micro_batches=")[1].split(" ")[0])
+    assert 4 % m == 0
+    assert f"micro_batches {m} schedule gpipe" in run.stdout, run.stdout[-2000:]
+    assert "done:" in run.stdout
 
 
 def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_path):
@@ -195,7 +210,12 @@ def test_trains_on_tfrecord_files(tmp_path):
             ["--model=mine:model", "--data=mine:data", "--mesh=auto", "--simulated_devices=2"],
             "--mesh=auto --model=mine:model: the planner profiles the reference models only",
         ),
-        (["--micro_batches=0"], "--micro_batches"),
+        (["--micro_batches=0"], "--micro_batches=0 must be a positive integer, or 'auto'"),
+        (
+            ["--micro_batches=auto", "--platform=tpu", "--tpu=n", "--tpu_zone=z"]
+            + ["--gcp_project=p"],
+            "--micro_batches=auto plans for the local devices",
+        ),
         (
             ["--mesh=stage:2", "--simulated_devices=1"],
             "--mesh=stage:2 needs 2 devices but --simulated_devices=1",

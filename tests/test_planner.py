@@ -141,6 +141,17 @@ def test_host_cores_bound_replicas_sharing_a_host():
     shared = planner.evaluate(profile, config, 2, Hardware(host_cores=1.0)).step_time
     assert shared == pytest.approx(2 * alone)  # both replicas' work on one core
     assert planner.evaluate(profile, config, 2, Hardware(host_cores=2.0)).step_time == alone
+    # two busy cores worth 1.6 alone: every device of a 2-device mesh computes 2/1.6 slower,
+    # a pipeline's too (with its bubble, where only one device computes, counted as busy)
+    slow = Hardware(host_cores=1.6)
+    assert planner.evaluate(profile, config, 2, slow).step_time == pytest.approx(alone * 1.25)
+    pipe = RunConfig(2, 1, 2, "gpipe", "never")
+    pipelined = planner.evaluate(profile, pipe, 2).step_time
+    assert planner.evaluate(profile, pipe, 2, slow).step_time == pytest.approx(pipelined * 1.25)
+    one = RunConfig(1, 1, 1, "gpipe", "never")  # one device: a core to itself
+    assert planner.evaluate(profile, one, 2, slow).step_time == planner.evaluate(
+        profile, one, 2
+    ).step_time
 
 
 def test_memory_per_device_follows_peak_in_flight():
@@ -429,6 +440,44 @@ def test_interpolation_between_and_beyond_measured_batches():
     assert profile.value(0, "output_bytes", 4) == pytest.approx(16.0)
     single = uniform(1)  # one point: proportional to the batch
     assert single.value(0, "forward", 6) == pytest.approx(6 * F)
+
+
+
+def test_the_profile_is_a_curve_over_every_micro_batch_size_a_candidate_runs():
+    # 2 devices, batch 16: R=1 runs 16/M for M in 1..16, R=2 runs 8/M: sizes 1, 2, 4, 8, 16
+    assert search._profile_batches(2, 16, None, 32) == [1, 2, 4, 8, 16]
+    assert search._profile_batches(2, 16, [2], 32) == [4, 8]  # only what M=2 runs
+    assert search._profile_batches(2, 16, None, 4) == [2, 4, 8, 16]  # M <= 4
+    assert search._profile_batches(2, 16, None, 32, stages=[1]) == [1, 2, 4, 8]  # R = 2 only
+    # more sizes than PROFILED_SIZES: thinned evenly on a log scale, both ends kept
+    sizes = search._profile_batches(1, 2**10, None, 2**10)
+    assert len(sizes) == search.PROFILED_SIZES == 6
+    assert sizes == [1, 4, 16, 64, 256, 1024]
+    assert search._thinned([3, 5, 7], 6) == [3, 5, 7]
+
+def test_on_a_given_mesh_the_planner_picks_the_fastest_m_on_the_cost_curve():
+    # each layer's action costs a fixed 1 (F) or 2 (B) per micro-batch plus its examples:
+    # more micro-batches shrink the bubble but pay the fixed cost more often
+    sizes = (1, 2, 4, 8)
+
+    def curve(fixed, each):
+        return tuple(fixed + each * b for b in sizes)
+
+    layer = LayerCost(
+        "l", curve(1, 1), curve(2, 2), curve(2, 2), curve(1, 1), *[(0.0,) * 4] * 3, 0.0
+    )
+    layers = tuple(dataclasses.replace(layer, name=f"l{i}") for i in range(4))
+    profile = CostProfile(layers, sizes, 0.0)
+    steps = {
+        M: planner.evaluate(profile, RunConfig(2, 1, M, "1f1b", "never"), 8).step_time
+        for M in sizes
+    }
+    assert steps == {1: 99.0, 2: 85.0, 4: 87.0, 8: 106.0}  # the knee at M = 2
+    choice = planner.choose_mesh(
+        profile, None, devices=2, stages=2, global_batch=8, schedule="1f1b", remat="never"
+    )
+    assert (choice.config.stages, choice.config.replicas) == (2, 1)  # the mesh stays
+    assert choice.config.micro_batches == 2 and choice.step_time == 85.0
 
 
 def test_profile_round_trip_and_link_fit():

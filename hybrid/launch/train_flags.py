@@ -46,7 +46,12 @@ def _define_mesh_flags() -> None:
         "--mesh=auto: memory per device the plan must fit in (default: unlimited).",
         lower_bound=0.0,
     )
-    flags.DEFINE_integer("micro_batches", 4, "Micro-batches per replica per step.", lower_bound=1)
+    flags.DEFINE_string(
+        "micro_batches",
+        "4",
+        "Micro-batches per replica per step, or 'auto': the planner profiles the model and "
+        "picks the fastest M for the mesh, schedule and remat (local devices only).",
+    )
     flags.DEFINE_enum("schedule", "gpipe", schedule.names(), "Pipeline schedule.")
     flags.DEFINE_integer(
         "virtual_stages", 1, "Model stages per device (--schedule=interleaved).", lower_bound=1
@@ -146,7 +151,16 @@ def _register_validators() -> None:
         ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
     )
     flags.register_multi_flags_validator(
-        ["platform", "tpu", "tpu_zone", "gcp_project", "simulated_devices", "cluster", "mesh"],
+        [
+            "platform",
+            "tpu",
+            "tpu_zone",
+            "gcp_project",
+            "simulated_devices",
+            "cluster",
+            "mesh",
+            "micro_batches",
+        ],
         _check_platform,
     )
 
@@ -192,6 +206,21 @@ def parse_balance(text: str) -> str | tuple[int, ...]:
         ) from None
 
 
+def parse_micro_batches(text: str) -> int | str:
+    """``"8"`` -> 8; ``"auto"`` stays (the planner chooses M before training)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise flags.ValidationError(
+            f"--micro_batches={text} must be a positive integer, or 'auto' for the planner's choice"
+        )
+    return value
+
+
 def _check_run_config(values: dict[str, Any]) -> bool:
     """The run the flags describe, checked by the rule the library itself applies
     (``hybrid.core.config.validate_run``); its error is reported with the flags to change."""
@@ -202,10 +231,13 @@ def _check_run_config(values: dict[str, Any]) -> bool:
     if mesh is None:
         return True
     stages, replicas = mesh
+    micro_batches = parse_micro_batches(values["micro_batches"])
+    if micro_batches == "auto":  # the least any choice runs: 1, or S for interleaved
+        micro_batches = stages if values["schedule"] == "interleaved" else 1
     config = RunConfig(
         stages=stages,
         replicas=replicas,
-        micro_batches=values["micro_batches"],
+        micro_batches=int(micro_batches),
         schedule=values["schedule"],
         remat=values["remat"],
         virtual_stages=values["virtual_stages"],
@@ -274,12 +306,14 @@ def _check_platform(values: dict[str, Any]) -> bool:
             raise flags.ValidationError(
                 f"{', '.join(given)} only apply with --platform=tpu (got --platform={platform})"
             )
-    if values["mesh"] == "auto":
+    if values["mesh"] == "auto" or values["micro_batches"] == "auto":
+        name = "--mesh=auto" if values["mesh"] == "auto" else "--micro_batches=auto"
         if platform == "tpu" or values["cluster"] is not None:
             raise flags.ValidationError(
-                "--mesh=auto plans for the local devices; give --mesh explicitly with "
-                "--platform=tpu or --cluster"
+                f"{name} plans for the local devices; give --mesh and --micro_batches "
+                "explicitly with --platform=tpu or --cluster"
             )
+    if values["mesh"] == "auto":
         if platform == "cpu" and values["simulated_devices"] is None:
             raise flags.ValidationError(
                 "--mesh=auto on --platform=cpu needs --simulated_devices=N (the device budget)"

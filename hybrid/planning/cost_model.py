@@ -106,8 +106,9 @@ def evaluate(
         run = schedule.simulate(schedule, costs)
         end_d = when device d's last action ends in run
         step = max_d (end_d + all_reduce(param bytes on d, R) + update_d) + step overhead
-        (with host_cores: at least R · Σ_d (busy_d + all_reduce_d + update_d) / host_cores,
-         and at least R · M · Σ_k weight arrays_k · tensor_overhead)
+        (with host_cores: every compute cost × max(1, S·R / host_cores), the devices
+         sharing the host's cores; the step at least R · Σ_d (busy_d at full speed +
+         all_reduce_d + update_d) / host_cores and R · M · Σ_k arrays_k · tensor_overhead)
         memory_d = param bytes on d · (2 + optimizer_slots) + 2 · param bytes if R > 1
                    + the activations peak_in_flight[d] micro-batches hold (its largest stage)
 
@@ -137,7 +138,9 @@ def evaluate(
     sched = _schedule(config.schedule, S, M, config.virtual_stages)
     batch = global_batch / (R * M)
     balance = _balance(profile, config, batch)
-    stages = _stage_costs(profile, balance, batch, hardware.compute_scale)
+    stages = _stage_costs(
+        profile, balance, batch, hardware.compute_scale * _sharing(config, hardware)
+    )
     run = _simulate(sched, stages, config.remat, hardware)
     ends = _device_ends(sched, run)
     devices = [
@@ -258,9 +261,20 @@ def _device_cost(
         finish=end + reduce + update,
         reduce=reduce,
         update=update,
-        work=R * (float(run.busy[d]) + reduce + update),
+        work=R * (float(run.busy[d]) / _sharing(config, hardware) + reduce + update),
         memory=resident + held,
     )
+
+
+def _sharing(config: RunConfig, hardware: Hardware) -> float:
+    """How much slower each device computes with the mesh's S·R devices sharing
+    ``host_cores`` cores (1 without a shared host, or with a core to each): each core's
+    time is split among the devices on it, and on a real host two busy cores already run
+    slower than one (shared caches, memory bandwidth, clocks), which a fitted host_cores
+    below the core count expresses."""
+    if hardware.host_cores is None:
+        return 1.0
+    return max(1.0, config.stages * config.replicas / hardware.host_cores)
 
 
 def _step_time(

@@ -74,11 +74,13 @@ class Hardware:
       step_overhead: seconds every step costs once (launching the step).
       compute_scale: factor on every profiled compute time (a device faster or slower than
         the one profiled, or a calibration).
-      host_cores: for simulated devices that share one host: the cores they share. A step
-        then takes at least (all devices' work) / host_cores, and at least the sum of every
-        device's gradient accumulations (``tensor_overhead``: framework ops outside the
-        device programs, which run one at a time on the host). None: every device is its
-        own hardware (GPUs, TPU cores).
+      host_cores: for simulated devices that share one host: the cores they share (fitted,
+        it may be below the core count: two busy cores of one host each run slower than
+        one alone). Each device of an S·R mesh then computes max(1, S·R / host_cores)
+        times slower; a step takes at least (all devices' work) / host_cores, and the sum
+        of every device's gradient accumulations (``tensor_overhead``: framework ops outside
+        the device programs, which run one at a time on the host). None: every device is
+        its own hardware (GPUs, TPU cores).
     """
 
     memory_per_device: float | None = None

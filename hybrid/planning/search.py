@@ -7,6 +7,7 @@ virtual stages, remat), each judged by the cost model and ranked by predicted st
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -114,7 +115,7 @@ def plan(
     if isinstance(model, CostProfile):
         profile = model
     else:
-        sizes = _profile_batches(devices, global_batch, micro_batches, max_micro_batches)
+        sizes = _profile_batches(devices, global_batch, micro_batches, max_micro_batches, stages)
         profile = _profile_layers(
             model, input_shape, input_dtype, sizes, loss, target_shape, optimizer, device
         )
@@ -194,11 +195,20 @@ def _rank_key(p: Prediction) -> tuple[float, float, int, int, str, str]:
 
 
 def _profile_batches(
-    devices: int, global_batch: int, micro_batches: Sequence[int] | None, cap: int
+    devices: int,
+    global_batch: int,
+    micro_batches: Sequence[int] | None,
+    cap: int,
+    stages: Sequence[int] | None = None,
 ) -> list[int]:
-    """The smallest and largest micro-batch any candidate runs (two points to interpolate)."""
+    """The micro-batch sizes to profile: every size a candidate runs, so each figure is a
+    measured cost curve over the micro-batch size (a small micro-batch is slower per
+    example: GEMMs too small to fill the device, weights streamed once per micro-batch),
+    not a line through two points. More than :data:`PROFILED_SIZES` sizes are thinned to
+    that many, evenly on a log scale, the smallest and largest always kept."""
     sizes = set()
-    for R in _divisors(devices):
+    for S in stages if stages is not None else _divisors(devices):
+        R = devices // S
         if global_batch % R:
             continue
         per = global_batch // R
@@ -207,7 +217,25 @@ def _profile_batches(
                 sizes.add(per // M)
     if not sizes:
         return [max(1, global_batch // devices)]
-    return sorted({min(sizes), max(sizes)})
+    return _thinned(sorted(sizes), PROFILED_SIZES)
+
+
+# At most this many micro-batch sizes are profiled (each costs one timing of every layer).
+PROFILED_SIZES = 6
+
+
+def _thinned(sizes: list[int], keep: int) -> list[int]:
+    """``keep`` of the increasing ``sizes`` (all when there are no more), the nearest on a
+    log scale to evenly spaced points from the first to the last."""
+    if len(sizes) <= keep:
+        return sizes
+    lo, hi = math.log(sizes[0]), math.log(sizes[-1])
+    chosen: list[int] = []
+    for i in range(keep):
+        target = lo + (hi - lo) * i / (keep - 1)
+        best = min((s for s in sizes if s not in chosen), key=lambda s: abs(math.log(s) - target))
+        chosen.append(best)
+    return sorted(chosen)
 
 
 def _profile_layers(
@@ -252,6 +280,7 @@ def choose_mesh(
     optimizer: Callable[[], Any] | None = None,
     optimizer_slots: int = 2,
     micro_batches: int | None = None,
+    stages: int | None = None,
     device: str | None = None,
 ) -> Prediction:
     """The fastest configuration of ``devices`` devices that fits.
@@ -260,8 +289,10 @@ def choose_mesh(
     build the Pipeline with, ``.step_time`` and ``.peak_memory`` what the cost model
     predicts.
 
-    :func:`plan` over every mesh, with ``schedule``, ``remat`` and ``micro_batches``
-    fixed when given (None: the planner chooses).
+    :func:`plan` over every mesh (only S = ``stages`` × R when given), with ``schedule``,
+    ``remat`` and ``micro_batches`` fixed when given (None: the planner chooses). On a
+    given mesh (``stages`` and ``devices`` = S × R) with ``schedule`` and ``remat`` fixed,
+    it is the choice of M alone: the fastest on the profiled cost curve of the model.
 
     Args:
       layers: the model's layers (profiled on ``device``) or a :class:`CostProfile`.
@@ -286,6 +317,7 @@ def choose_mesh(
         schedules=[schedule] if schedule else None,
         remats=[remat] if remat else None,
         micro_batches=[micro_batches] if micro_batches else None,
+        stages=[stages] if stages else None,
         device=device,
     )
     best = result.best
