@@ -67,8 +67,8 @@ class TrainConfig:
       precision: the Keras dtype policy the model is built under.
       mesh: mesh spec, e.g. "stage:2;replica:2".
       platform: "cpu", "gpu" or "tpu": the device type the mesh is made of.
-      micro_batches: micro-batches per replica per step, or "auto": the planner picks the
-        fastest for the mesh, schedule and remat (the launcher resolves it before training).
+      micro_batches: micro-batches per replica per step, or "auto": the first step times
+        every M the schedule accepts and keeps the fastest (``Pipeline``'s "auto").
       schedule: pipeline schedule name.
       virtual_stages: model stages per device (interleaved schedule).
       remat: "never", "except_last" or "always".
@@ -264,12 +264,6 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tu
     """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
     and the input shape (one, without the batch) the reference data needs (None for a
     model of several inputs)."""
-    if not isinstance(config.micro_batches, int):
-        raise ValueError(
-            f"micro_batches={config.micro_batches!r}: the planner chooses M before training "
-            "(hybrid-train --micro_batches=auto does, or hybrid.planner.choose_mesh(..., "
-            "stages=S) in Python); give train() an integer"
-        )
     model, loss, metrics, shape, dtype = _model(config)
     kind = Pipeline if strategy is None else functools.partial(StrategyPipeline, strategy=strategy)
     pipe = kind(
@@ -399,7 +393,7 @@ def _resume(
     mesh = pipe.mesh
     log(
         f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
-        f"balance {pipe.balance} micro_batches {pipe.micro_batches} schedule {config.schedule} "
+        f"balance {pipe.balance} micro_batches {config.micro_batches} schedule {config.schedule} "
         f"remat {config.remat}"
     )
     if restored:

@@ -168,6 +168,62 @@ def test_bad_micro_batches(micro_batches):
         make(micro_batches=micro_batches)
 
 
+def test_micro_batches_auto_times_every_m_on_the_first_batch_and_trains_as_keras():
+    keras_model = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS["sgd_momentum"]())
+    pipe = ref.pipeline(2, 2, micro_batches="auto", schedule="1f1b", remat="never")
+    pipe.build((None, ref.IN_FEATURES))
+    pipe.set_weights(keras_model.model.get_weights())
+    assert pipe.micro_batches == 1 and pipe.micro_batch_seconds == {}  # until a batch
+    x, y = ref.batch(16)
+    loss = pipe.train_step(x, y)["loss"]
+    # 8 examples per replica: M in 1, 2, 4, 8 timed; the fastest kept
+    seconds = pipe.micro_batch_seconds
+    assert sorted(seconds) == [1, 2, 4, 8] and min(seconds.values()) > 0
+    M = pipe.micro_batches
+    assert seconds[M] == min(seconds.values())
+    assert pipe.config.micro_batches == M and pipe.schedule.num_microbatches == M
+    # choosing trained nothing: one step is the one Keras takes on the whole batch
+    np.testing.assert_allclose(loss, keras_model.train_step(x, y), rtol=1e-5)
+    ref.assert_weights_close(pipe.get_weights(), keras_model.model.get_weights())
+    pipe.train_step(x, y)
+    keras_model.train_step(x, y)
+    assert sorted(pipe.micro_batch_seconds) == [1, 2, 4, 8]  # chosen once
+    ref.assert_weights_close(pipe.get_weights(), keras_model.model.get_weights())
+    assert int(pipe.step_counter.numpy()) == 2
+
+
+def test_micro_batches_auto_candidates_and_refusals(monkeypatch):
+    from hybrid.core.config import RunConfig
+    from hybrid.engine import micro_batching
+
+    interleaved = RunConfig(2, 1, 2, "interleaved", "never", 2)
+    assert micro_batching.candidates(interleaved, 16) == [2, 4, 8, 16]  # M % S == 0
+    assert micro_batching.candidates(RunConfig(1, 2, 1), 64) == [1, 2, 4, 8, 16]  # up to 16
+    assert micro_batching.candidates(RunConfig(2, 2, 2, "interleaved", "never", 2), 2) == []
+    with pytest.raises(ValueError, match=r"micro_batches='fast': give a positive integer"):
+        make(micro_batches="fast")
+    with pytest.raises(ValueError, match="no micro-batch count that the 'interleaved'"):
+        make(micro_batches="auto", schedule="interleaved", virtual_stages=2).train_step(
+            *ref.batch(1)
+        )
+    with pytest.raises(ValueError, match="micro_batches='auto' times the gradient step"):
+        hybrid.StrategyPipeline(
+            ref.mlp_layers(),
+            hybrid.DeviceMesh.create(1, 1),
+            ref.loss_fn(),
+            keras.optimizers.SGD(0.1),
+            strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
+            micro_batches="auto",
+        )
+    # a BatchNormalization model whose choice splits the batch is warned, as a given M is
+    monkeypatch.setattr(micro_batching, "candidates", lambda config, examples: [2])
+    norm = [keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(10)]
+    pipe = make(stages=1, micro_batches="auto", layers=norm)
+    with pytest.warns(UserWarning, match=r"normalize each micro-batch .* = 1/2 of it"):
+        pipe.train_step(*ref.batch(4))
+    assert pipe.micro_batches == 2
+
+
 def test_bad_model_and_optimizer():
     with pytest.raises(
         TypeError,

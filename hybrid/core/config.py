@@ -26,6 +26,7 @@ __all__ = [
     "ConfigError",
     "RunConfig",
     "check_global_batch",
+    "least_micro_batches",
     "validate_run",
 ]
 
@@ -166,6 +167,13 @@ def _check_model(config: RunConfig) -> None:
             raise ConfigError(
                 "bad balance", str(err), ["balance", "stages", "virtual_stages", "num_layers"]
             ) from None
+
+
+def least_micro_batches(schedule: str, stages: int) -> int:
+    """The fewest micro-batches ``schedule`` runs on ``stages`` pipeline stages (1; S for
+    the interleaved schedule, which needs M % S == 0): what a Pipeline with
+    ``micro_batches="auto"`` is built with until its first batch chooses."""
+    return stages if schedule == "interleaved" else 1
 
 
 def check_global_batch(config: RunConfig, global_batch: int) -> None:

@@ -206,11 +206,16 @@ def place(
                 )
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
+    warn_parts(stages, mesh.num_replicas * schedule.num_microbatches)
+    return stages
+
+
+def warn_parts(stages: list[list[StageReplica]], parts: int) -> None:
+    """Warns when BatchNormalization or ``add_loss`` layers see 1/``parts`` of the global
+    batch (``parts`` = R·M > 1)."""
     norms = [layer for row in stages for layer, _ in row[0].norms]
     added = [layer for row in stages for layer in row[0].regularized if adds_loss(layer)]
-    parts = mesh.num_replicas * schedule.num_microbatches
     if norms and parts > 1:
         batch_norm.warn_micro_batches(norms, parts)
     if added and parts > 1:
         warn_added_losses(added, parts)
-    return stages

@@ -26,7 +26,6 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -34,7 +33,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine import assembly, batches, compression, feed, lowering, reduction, timing
@@ -43,6 +41,12 @@ from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import graph_of
 from hybrid.engine.losses import LossLike
 from hybrid.engine.metrics import StepMetrics
+from hybrid.engine.micro_batching import (
+    AUTO,
+    choose_micro_batches,
+    initial_micro_batches,
+    use_micro_batches,
+)
 from hybrid.engine.objective import Objective
 from hybrid.engine.records import StepResult
 from hybrid.engine.stage import StageReplica, TensorSpec
@@ -74,7 +78,9 @@ class Pipeline(Workflow):
         holds a copy for its variables (same class, configuration and weight-decay
         exclusions) and ``global_clipnorm`` clips by the norm over every stage; or a
         zero-argument factory returning a new one.
-      micro_batches: M, the micro-batches each replica's shard of the batch is split into.
+      micro_batches: M, the micro-batches each replica's shard of the batch is split into;
+        or "auto": the first labelled batch times the gradient step at every M the schedule
+        accepts and keeps the fastest (``micro_batching.py``; ``micro_batch_seconds``).
       balance: layer calls per stage (in the model's topological order): None or "params"
         (balance parameter counts), "time" (balance profiled forward+backward time per
         call), or explicit counts.
@@ -99,7 +105,7 @@ class Pipeline(Workflow):
         mesh: DeviceMesh,
         loss: LossLike,
         optimizer: OptimizerLike,
-        micro_batches: int = 1,
+        micro_batches: int | str = 1,
         balance: str | Sequence[int] | None = None,
         schedule: str = "gpipe",
         remat: str = "except_last",
@@ -120,11 +126,14 @@ class Pipeline(Workflow):
         policy = getattr(getattr(model, "dtype_policy", None), "name", None)
         self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")
         counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
+        self._auto = micro_batches == AUTO
+        M = initial_micro_batches(micro_batches, schedule, mesh.num_stages)
+        self.micro_batch_seconds: dict[int, float] = {}
         self.config = validate_run(
             RunConfig(
                 stages=mesh.num_stages,
                 replicas=mesh.num_replicas,
-                micro_batches=micro_batches,
+                micro_batches=M,
                 schedule=schedule,
                 virtual_stages=virtual_stages,
                 remat=remat,
@@ -132,16 +141,8 @@ class Pipeline(Workflow):
                 num_layers=len(self._graph.calls),
             )
         )
-        self.micro_batches = micro_batches
         self.remat = remat
         self.jit_compile = jit_compile
-        self.schedule = schedule_lib.validate(
-            schedule_lib.get(schedule, mesh.num_stages, micro_batches, virtual_stages)
-        )
-        self._order = schedule_lib.execution_order(self.schedule)
-        self._fused = schedule_lib.pairs_to_fuse(self.schedule)
-        self._inference = schedule_lib.forward_only(mesh.num_stages, micro_batches, virtual_stages)
-        self._inference_order = schedule_lib.execution_order(self._inference)
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
@@ -152,11 +153,7 @@ class Pipeline(Workflow):
         # On the caller's host: reset and read eagerly between steps, in order with them.
         names = getattr(model, "output_names", None) if isinstance(model, keras.Model) else None
         self._metrics = StepMetrics(metrics, weighted_metrics, names, graph.output_names)
-        self._train = tf.function(self._train_step, autograph=False)
-        self._timed = tf.function(functools.partial(self._train_step, record=True), autograph=False)
-        self._grads = tf.function(self._gradient_step, autograph=False)
-        self._eval = tf.function(self._eval_step, autograph=False)
-        self._predict = tf.function(self._predict_step, autograph=False)
+        use_micro_batches(self, M)  # the schedules and step functions of M
 
     # -- building --------------------------------------------------------------------------
 
@@ -295,6 +292,13 @@ class Pipeline(Workflow):
             )
         if ys is not None:
             self._metrics.build(ys, self._loss.shapes)
+            if self._auto:  # the first labelled batch chooses M
+                self.micro_batch_seconds = choose_micro_batches(self, xs, ys, ws)
+                self._auto = False
+        return self._shards(xs, ys, ws, pad_to)
+
+    def _shards(self, xs: Flat, ys: Any, ws: Any, pad_to: int | None = None) -> Shards:
+        """Flat inputs, labels and weights padded and cut into the replicas' shards."""
         xs, ys, ws, valid = batches.pad(self.config, xs, ys, ws, pad_to)
         if valid is not None:
             batches.warn_padding([row[0] for row in self._stages])
@@ -331,14 +335,13 @@ class Pipeline(Workflow):
         optimizer asks) with its copy of the optimizer and updates its BatchNormalization
         moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
         reduction.whole_model(grads, self._stages, self._optimizers)
+        parts = self.config.replicas * self.micro_batches
         for k, row in enumerate(self._stages):
             for r, stage in enumerate(row):
                 with tf.device(stage.device):
                     stage.apply_gradients(grads[k][r])
                     if stats[k]:
-                        stage.update_norms(
-                            stats[k][r][0], self.config.replicas * self.micro_batches
-                        )
+                        stage.update_norms(stats[k][r][0], parts)
         with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
@@ -396,15 +399,12 @@ class Pipeline(Workflow):
     def _forward_pass(self, parts: Shards) -> Any:
         """The forward-only schedule on every replica (``lower_replicas_inference``)."""
         firsts, lasts = self._shard_devices()
-        labels = None
-        if parts[0].ys is not None:
-            labels = batches.micro_labels(self.config, parts, lasts)
+        labelled = parts[0].ys is not None
+        labels = batches.micro_labels(self.config, parts, lasts) if labelled else None
         copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
         xs = batches.micro_inputs(self.config, parts, firsts)
-        order = self._inference_order
-        return lowering.lower_replicas_inference(
-            self._inference, order, copies, xs, labels, self._seeds
-        )
+        inference, order = self._inference, self._inference_order
+        return lowering.lower_replicas_inference(inference, order, copies, xs, labels, self._seeds)
 
     def _eval_step(self, parts: Shards) -> None:
         outs, activity = self._forward_pass(parts)

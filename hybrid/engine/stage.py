@@ -281,7 +281,7 @@ class StageReplica:
         the running sums inside the program."""
         structure = (list(xs), labels, seed, list(weights))
         args, rebuild = split_programs.flatten(structure)
-        key = f"{need_dx} {split_programs.signature(structure)}"
+        key = f"{need_dx} {self.accumulates} {split_programs.signature(structure)}"
         if key in self._cut:
             return self._cut[key], args
         out = self._forward.get_concrete_function(xs, labels, seed, weights).structured_outputs

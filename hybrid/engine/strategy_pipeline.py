@@ -114,6 +114,12 @@ class StrategyPipeline(Pipeline):
         strategy: Any,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("micro_batches") == "auto":
+            raise ValueError(
+                "micro_batches='auto' times the gradient step at each M, which a "
+                "StrategyPipeline does not run on its own; give an integer "
+                "(hybrid.planner.choose_mesh(..., stages=S) predicts the fastest)"
+            )
         if strategy.num_replicas_in_sync != mesh.num_replicas:
             raise ValueError(
                 f"the strategy runs {strategy.num_replicas_in_sync} replica(s) and the mesh "

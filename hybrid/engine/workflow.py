@@ -95,7 +95,16 @@ class Workflow:
     config: RunConfig
     prefetch: int
     _metrics: StepMetrics
+    # M and what a step derives from it (set by micro_batching.use)
+    micro_batches: int
+    schedule: Any
+    _order: Any
+    _fused: Any
+    _inference: Any
+    _inference_order: Any
     _train: Any
+    _timed: Any
+    _grads: Any
     _eval: Any
     _predict: Any
     _graph: Any

@@ -29,7 +29,7 @@ def define_flags() -> None:
 def register_late_validators() -> None:
     """The validators that also read flags defined elsewhere (--mesh, --keras_file)."""
     flags.register_multi_flags_validator(["keras_file", "tie_embeddings"], _check_keras_file)
-    flags.register_multi_flags_validator(["model", "mesh", "micro_batches"], _check_user_model)
+    flags.register_multi_flags_validator(["model", "mesh"], _check_user_model)
 
 
 def _define_model_flags() -> None:
@@ -139,13 +139,11 @@ def _check_optimizer(values: dict[str, Any]) -> bool:
 
 
 def _check_user_model(values: dict[str, Any]) -> bool:
-    for name in ("mesh", "micro_batches"):
-        if is_function_spec(values["model"]) and values[name] == "auto":
-            raise flags.ValidationError(
-                f"--{name}=auto --model={values['model']}: the planner profiles the "
-                "reference models only; give --mesh='stage:S;replica:R' and --micro_batches=M "
-                "for your model"
-            )
+    if is_function_spec(values["model"]) and values["mesh"] == "auto":
+        raise flags.ValidationError(
+            f"--mesh=auto --model={values['model']}: the planner profiles the reference "
+            "models only; give --mesh='stage:S;replica:R' for your model"
+        )
     return True
 
 

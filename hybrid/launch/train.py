@@ -77,21 +77,17 @@ _PLANNED = ("micro_batches", "schedule", "remat", "virtual_stages", "balance")
 
 
 def _planned(config: Any, devices: int) -> Any:
-    """``config`` with what the planner picks for ``devices`` devices: with --mesh=auto the
-    mesh, micro-batches, schedule, remat and balance (flags given explicitly stay as given);
-    on a given mesh with --micro_batches=auto, the micro-batch count alone."""
+    """``config`` with the mesh, micro-batches, schedule, remat and balance the planner picks
+    for ``devices`` devices; flags the user gave explicitly stay as given."""
     import dataclasses
 
     import keras
 
-    from hybrid.core.mesh import parse_spec
     from hybrid.planning import planner
     from hybrid.trainer import build_model
 
     layers, shape, dtype = build_model(config)
-    fixed_mesh = config.mesh != "auto"
-    given = {name: FLAGS[name].present for name in ("schedule", "remat")}
-    given = {name: present or fixed_mesh for name, present in given.items()}
+    given = {name: FLAGS[name].present for name in ("schedule", "remat", "micro_batches")}
     micro = config.micro_batches
     memory = FLAGS.memory_per_device_gib
     choice = planner.choose_mesh(
@@ -102,8 +98,7 @@ def _planned(config: Any, devices: int) -> Any:
         memory_per_device=memory * 2**30 if memory else None,
         schedule=config.schedule if given["schedule"] else None,
         remat=config.remat if given["remat"] else None,
-        micro_batches=micro if FLAGS["micro_batches"].present and micro != "auto" else None,
-        stages=parse_spec(config.mesh)[0] if fixed_mesh else None,
+        micro_batches=micro if given["micro_batches"] and micro != "auto" else None,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=lambda: keras.optimizers.Adam(config.learning_rate),
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
@@ -118,8 +113,6 @@ def _planned(config: Any, devices: int) -> Any:
         f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} (predicted "
         f"{choice.step_time * 1e3:.1f} ms/step, {choice.peak_memory / 2**20:.0f} MiB/device)"
     )
-    if fixed_mesh:
-        return dataclasses.replace(config, micro_batches=run.micro_batches)
     planned = {name: getattr(run, name) for name in _PLANNED}
     return dataclasses.replace(config, mesh=run.mesh_spec, **planned)
 
@@ -218,11 +211,6 @@ def _run(config: Any, step_callback: Any) -> Any:
         if config.platform == "cpu":
             hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
         config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
-    elif config.micro_batches == "auto":
-        stages, replicas = parse_spec(config.mesh)
-        if config.platform == "cpu":
-            hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-        config = _planned(config, stages * replicas)
     if FLAGS.cluster is not None:
         return config, _run_on_cluster(config, step_callback)
     if config.platform == "tpu":

@@ -49,8 +49,8 @@ def _define_mesh_flags() -> None:
     flags.DEFINE_string(
         "micro_batches",
         "4",
-        "Micro-batches per replica per step, or 'auto': the planner profiles the model and "
-        "picks the fastest M for the mesh, schedule and remat (local devices only).",
+        "Micro-batches per replica per step, or 'auto': the first step times the gradient step "
+        "at every M the schedule accepts and keeps the fastest (not with --platform=tpu).",
     )
     flags.DEFINE_enum("schedule", "gpipe", schedule.names(), "Pipeline schedule.")
     flags.DEFINE_integer(
@@ -207,7 +207,7 @@ def parse_balance(text: str) -> str | tuple[int, ...]:
 
 
 def parse_micro_batches(text: str) -> int | str:
-    """``"8"`` -> 8; ``"auto"`` stays (the planner chooses M before training)."""
+    """``"8"`` -> 8; ``"auto"`` stays (the Pipeline times every M at its first step)."""
     if text == "auto":
         return text
     try:
@@ -216,7 +216,8 @@ def parse_micro_batches(text: str) -> int | str:
         value = 0
     if value < 1:
         raise flags.ValidationError(
-            f"--micro_batches={text} must be a positive integer, or 'auto' for the planner's choice"
+            f"--micro_batches={text} must be a positive integer, or 'auto' (the fastest, timed "
+            "at the first step)"
         )
     return value
 
@@ -224,7 +225,7 @@ def parse_micro_batches(text: str) -> int | str:
 def _check_run_config(values: dict[str, Any]) -> bool:
     """The run the flags describe, checked by the rule the library itself applies
     (``hybrid.core.config.validate_run``); its error is reported with the flags to change."""
-    from hybrid.core.config import ConfigError, RunConfig, validate_run
+    from hybrid.core.config import ConfigError, RunConfig, least_micro_batches, validate_run
     from hybrid.models import catalog
 
     mesh = _mesh_of(values)
@@ -232,8 +233,8 @@ def _check_run_config(values: dict[str, Any]) -> bool:
         return True
     stages, replicas = mesh
     micro_batches = parse_micro_batches(values["micro_batches"])
-    if micro_batches == "auto":  # the least any choice runs: 1, or S for interleaved
-        micro_batches = stages if values["schedule"] == "interleaved" else 1
+    if micro_batches == "auto":  # checked as built until the first step chooses
+        micro_batches = least_micro_batches(values["schedule"], stages)
     config = RunConfig(
         stages=stages,
         replicas=replicas,
@@ -306,14 +307,17 @@ def _check_platform(values: dict[str, Any]) -> bool:
             raise flags.ValidationError(
                 f"{', '.join(given)} only apply with --platform=tpu (got --platform={platform})"
             )
-    if values["mesh"] == "auto" or values["micro_batches"] == "auto":
-        name = "--mesh=auto" if values["mesh"] == "auto" else "--micro_batches=auto"
+    if values["micro_batches"] == "auto" and platform == "tpu":
+        raise flags.ValidationError(
+            "--micro_batches=auto times a Pipeline's gradient step at each M; the TPU step "
+            "runs under TPUStrategy: give --micro_batches=M with --platform=tpu"
+        )
+    if values["mesh"] == "auto":
         if platform == "tpu" or values["cluster"] is not None:
             raise flags.ValidationError(
-                f"{name} plans for the local devices; give --mesh and --micro_batches "
-                "explicitly with --platform=tpu or --cluster"
+                "--mesh=auto plans for the local devices; give --mesh explicitly with "
+                "--platform=tpu or --cluster"
             )
-    if values["mesh"] == "auto":
         if platform == "cpu" and values["simulated_devices"] is None:
             raise flags.ValidationError(
                 "--mesh=auto on --platform=cpu needs --simulated_devices=N (the device budget)"
