@@ -12,9 +12,10 @@
      tensor_overhead o_t       actions: linear in both; o_t: accumulating one weight
                                array's gradient, a TF op outside XLA, per micro-batch)
      host_cores C,             grid search on the 1×2 rows: the cores the two simulated
-     replica latency           devices really get (2 on an idle host, less when other
-                               processes share it) and the all-reduce's hand-over latency
-     pipeline latency          grid search on the 2×1 rows of one schedule (1F1B)
+     replica latency           devices really get (below 2: two busy cores each run slower
+                               than one alone) and the all-reduce's hand-over latency
+     pipeline latency, C       grid search on the 2×1 rows of one schedule (1F1B), C
+                               again (it ends as what the pipelined rows say)
    Every row is then predicted with ``hybrid.planning.planner.evaluate`` at the balance it ran with;
    the 2×1 rows of GPipe, interleaved and ZB-H1 are the held-out check.
 4. Projections from the cost model alone (no profiling, stated hardware): the GPipe
@@ -285,14 +286,21 @@ def fit_hardware(
             for j in range(41)
         ],
     )
-    # Pipelines: the latency of handing an activation or a gradient to the next device.
+    # Pipelines: the latency of handing an activation or a gradient to the next device, and
+    # the cores two busy pipeline devices get (fitted again: a pipeline's devices are busy
+    # at the same time only outside its bubble, its replicas always).
     pipeline = hw.pipeline
     return fit_grid(
         profile,
         having.get("fit: pipeline", []),
         slots,
         [
-            dataclasses.replace(hw, pipeline=Link(pipeline.bandwidth, pipeline.latency + 5e-5 * j))
+            dataclasses.replace(
+                hw,
+                host_cores=1.0 + (cores - 1.0) * i / 20,
+                pipeline=Link(pipeline.bandwidth, pipeline.latency + 5e-5 * j),
+            )
+            for i in range(21)
             for j in range(61)
         ],
     )
