@@ -44,7 +44,7 @@ _SOURCES = frozenset({"Placeholder", "Const"})
 
 def _pure(op: tf.Operation) -> bool:
     """Whether running ``op`` twice gives the same values and changes nothing."""
-    if op.type in ("Placeholder", "Const"):
+    if op.type in _SOURCES:
         return True
     definition = op_def_registry.get(op.type)
     return definition is not None and not definition.is_stateful
