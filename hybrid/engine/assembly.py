@@ -196,8 +196,6 @@ def place(
             ]
         for copy in row:
             copy.owned = layout.placement.owned(k)
-            copy.activity_scale = 1.0 / (mesh.num_replicas * schedule.num_microbatches)
-            copy.accumulates = schedule.num_microbatches > 1
             if copy.regularized and loss.late:
                 raise NotImplementedError(
                     f"layers {[layer.name for layer in copy.regularized]} have activity "
@@ -206,8 +204,18 @@ def place(
                 )
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
+    split_batch(stages, mesh.num_replicas, schedule.num_microbatches)
     warn_parts(stages, mesh.num_replicas * schedule.num_microbatches)
     return stages
+
+
+def split_batch(stages: list[list[StageReplica]], replicas: int, micro_batches: int) -> None:
+    """Tells every stage copy how the global batch is split: each micro-batch's activity
+    penalty is 1/(R·M) of the batch's, and its weight gradients are summed when M > 1."""
+    for row in stages:
+        for copy in row:
+            copy.activity_scale = 1.0 / (replicas * micro_batches)
+            copy.accumulates = micro_batches > 1
 
 
 def warn_parts(stages: list[list[StageReplica]], parts: int) -> None:

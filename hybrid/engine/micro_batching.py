@@ -81,10 +81,7 @@ def use_micro_batches(pipe: Pipeline, micro_batches: int) -> None:
     pipe._fused = schedule_lib.pairs_to_fuse(pipe.schedule)
     pipe._inference = schedule_lib.forward_only(S, M, v)
     pipe._inference_order = schedule_lib.execution_order(pipe._inference)
-    for row in pipe.stages:
-        for copy in row:
-            copy.activity_scale = 1.0 / (pipe.mesh.num_replicas * M)
-            copy.accumulates = M > 1
+    assembly.split_batch(pipe.stages, pipe.mesh.num_replicas, M)
     # fresh step functions: a traced step has M in its graph
     pipe._train = tf.function(pipe._train_step, autograph=False)
     pipe._timed = tf.function(functools.partial(pipe._train_step, record=True), autograph=False)
@@ -137,7 +134,7 @@ def choose_micro_batches(pipe: Pipeline, xs: Any, ys: Any, ws: Any) -> dict[int,
         seconds[M] = min(runs)
     best = min(seconds, key=lambda m: (seconds[m], m))
     use_micro_batches(pipe, best)
-    placeholder = initial_micro_batches(AUTO, pipe.config.schedule, pipe.mesh.num_stages)
+    placeholder = least_micro_batches(pipe.config.schedule, pipe.mesh.num_stages)
     if pipe.config.replicas * placeholder == 1:  # else the build warned of R·M > 1 already
         assembly.warn_parts(pipe.stages, pipe.config.replicas * best)
     timings = ", ".join(f"M={m} {1e3 * s:.1f} ms" for m, s in seconds.items())
