@@ -227,10 +227,9 @@ def planned_micro_batches(counts: list[int]) -> tuple[int, dict[int, float]]:
     return result.best.config.micro_batches, predicted
 
 
-AUTO_PIPELINES: dict[str, Any] = {}  # the micro_batches="auto" candidates, by name
-
-
-def candidates(counts: list[int]) -> dict[str, Callable[[], Any]]:
+def candidates(counts: list[int]) -> tuple[dict[str, Callable[[], Any]], Any]:
+    """Every candidate's step, by name, and the 2×1 ``micro_batches="auto"`` pipeline (its
+    choice is read after the timing)."""
     import keras
     import tensorflow as tf
 
@@ -240,8 +239,8 @@ def candidates(counts: list[int]) -> dict[str, Callable[[], Any]]:
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     M = FLAGS.micro_batches
 
-    def pipeline(stages: int, replicas: int, micro_batches: int | str) -> Callable[[], Any]:
-        pipe = common.dense_pipeline(
+    def pipeline(stages: int, replicas: int, micro_batches: int | str) -> Any:
+        return common.dense_pipeline(
             FLAGS.width,
             FLAGS.depth,
             hybrid.DeviceMesh.create(stages, replicas),
@@ -249,22 +248,19 @@ def candidates(counts: list[int]) -> dict[str, Callable[[], Any]]:
             micro_batches=micro_batches,
             remat="never",
         )
-        if micro_batches == "auto":
-            AUTO_PIPELINES[f"pipeline_{stages}x{replicas}_auto"] = pipe
-        return common.train_step(pipe, x, y)
 
+    auto = pipeline(2, 1, "auto")  # chooses M at its first step
+    pipes = {f"pipeline_1x1_M{M}": pipeline(1, 1, M)}
+    pipes.update({f"pipeline_2x1_M{m}": pipeline(2, 1, m) for m in counts})
+    pipes.update({"pipeline_2x1_auto": auto, "pipeline_1x2_M1": pipeline(1, 2, 1)})
     steps = {
         "keras_1_device": keras_step(x, y),
         f"handwritten_M{M}": handwritten_step(x, y, M),
-        f"pipeline_1x1_M{M}": pipeline(1, 1, M),
+        **{name: common.train_step(pipe, x, y) for name, pipe in pipes.items()},
+        "independent_2_devices": independent_step(x, y, devices),
+        "mirrored_2_devices": mirrored_step(x, y, devices),
     }
-    for m in counts:
-        steps[f"pipeline_2x1_M{m}"] = pipeline(2, 1, m)
-    steps["pipeline_2x1_auto"] = pipeline(2, 1, "auto")  # chooses M at its first step
-    steps["pipeline_1x2_M1"] = pipeline(1, 2, 1)
-    steps["independent_2_devices"] = independent_step(x, y, devices)
-    steps["mirrored_2_devices"] = mirrored_step(x, y, devices)
-    return steps
+    return steps, auto
 
 
 def ratios(ms: dict[str, float], chosen: int) -> dict[str, float]:
@@ -301,7 +297,8 @@ def main(argv: list[str]) -> None:
     env = common.start("engine_overhead", devices=2)
     counts = sorted({1, 2, 4, FLAGS.micro_batches})
     chosen, predicted = planned_micro_batches(counts)
-    samples, ms = common.time_steps(candidates(counts), warmup=3)
+    steps, auto = candidates(counts)
+    samples, ms = common.time_steps(steps, warmup=3)
     common.print_ms(ms, width=22)
     print(f"  the planner's 2x1 choice: M = {chosen}")
     errors = {}
@@ -311,7 +308,6 @@ def main(argv: list[str]) -> None:
         print(
             f"    M = {m}: predicted {value:7.2f} ms, measured {measured:7.2f} ({errors[m]:+.0%})"
         )
-    auto = AUTO_PIPELINES["pipeline_2x1_auto"]
     timed = ", ".join(f"M={m} {1e3 * t:.1f}" for m, t in auto.micro_batch_seconds.items())
     print(f"  micro_batches='auto' on 2x1: M = {auto.micro_batches} (gradient step ms: {timed})")
     values = ratios(ms, chosen)
