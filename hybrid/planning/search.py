@@ -31,6 +31,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _counts(per_replica: int, micro_batches: Sequence[int] | None, cap: int) -> list[int]:
+    """The micro-batch counts to try with ``per_replica`` examples on each replica: the
+    given ones, else the divisors up to ``cap`` (1 when there are none)."""
+    if micro_batches is not None:
+        return list(micro_batches)
+    return [m for m in _divisors(per_replica) if m <= cap] or [1]
+
+
 def candidates(
     devices: int,
     global_batch: int,
@@ -49,10 +57,7 @@ def candidates(
     for S in stages if stages is not None else _divisors(devices):
         R = devices // S
         per_replica = global_batch // R if global_batch % R == 0 else 0
-        if micro_batches is not None:
-            ms = list(micro_batches)
-        else:
-            ms = [m for m in _divisors(per_replica) if m <= max_micro_batches] or [1]
+        ms = _counts(per_replica, micro_batches, max_micro_batches)
         for name in schedules:
             virtuals = range(2, max_virtual_stages + 1) if name == "interleaved" else [1]
             for v in virtuals:
@@ -212,7 +217,7 @@ def _profile_batches(
         if global_batch % R:
             continue
         per = global_batch // R
-        for M in micro_batches or [m for m in _divisors(per) if m <= cap]:
+        for M in _counts(per, micro_batches, cap):
             if per % M == 0:
                 sizes.add(per // M)
     if not sizes:
