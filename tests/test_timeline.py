@@ -53,6 +53,14 @@ def test_timed_step_records_every_action_in_schedule_order(schedule):
         for before, after in itertools.pairwise(mine):
             assert before.end <= after.start
     assert all(0.0 <= e.start <= e.end < 60.0 for e in events)
+    # Each action's clock reads bracket its own work: none shows as taking no time (its
+    # end read late, after the device's next action had run, would squeeze that one to 0),
+    # but stage 0's B in a split schedule, which computes nothing (no input gradients).
+    idle_b = any(a.op is sched.Op.W for a in s.actions[0])
+    working = [
+        e for e in events if not (idle_b and e.action.stage == 0 and e.action.op is sched.Op.B)
+    ]
+    assert all(e.end > e.start for e in working), [(e.action, e.end - e.start) for e in events]
     bubble = timeline.bubble_fraction(s, [(e.action, e.start, e.end) for e in events])
     assert 0.0 <= bubble < 1.0
 

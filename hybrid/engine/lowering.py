@@ -283,8 +283,7 @@ def lower_training(
                     direct, done = state.backward(k, m, dy)
                 else:
                     direct, done = state.weight(k, m, dy)
-            recorder.end(d, action, start, direct)
-            state.tails[d] = list(done)
+            state.tails[d] = list(done) + recorder.end(d, action, start, direct)
     return ReplicaStep(
         state.losses,
         state.grads,

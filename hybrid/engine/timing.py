@@ -45,7 +45,9 @@ class DeviceClock:
     A bare ``tf.timestamp()`` is a stateful op with no resource, and a ``tf.function``'s
     automatic control dependencies chain all such ops in program order: timestamps on
     different devices would serialize the whole step. Reading a per-device token variable
-    inside a small function ties each clock read to that device's resource instead.
+    inside a small function ties each clock read to that device's resource instead; reads
+    of one resource are not ordered against each other, so :class:`Recorder` orders a
+    device's clock reads itself.
     """
 
     def __init__(self, device: str) -> None:
@@ -74,10 +76,20 @@ class Recorder:
 
     def end(
         self, device: int, action: Action, start: list[tf.Tensor], outputs: list[tf.Tensor]
-    ) -> None:
-        if self.clocks is not None:
-            with tf.control_dependencies(outputs):
-                self.events.append((device, action, start[0], self.clocks[device].now()))
+    ) -> list[tf.Tensor]:
+        """The clock read after ``start`` once ``outputs`` are ready, recorded, and returned
+        for the device's next action to wait on ([] when not recording).
+
+        Clock reads only read their token, and TensorFlow does not order reads of one
+        resource against each other: without these waits an action's end could be read
+        before its start (an action with no outputs of its own) or after the device's next
+        action had run (the timeline would show that one taking no time)."""
+        if self.clocks is None:
+            return []
+        with tf.control_dependencies(start + outputs):
+            end = self.clocks[device].now()
+        self.events.append((device, action, start[0], end))
+        return [end]
 
 
 def timeline(
