@@ -4,8 +4,9 @@ The reference is the user's own workflow: ``model.compile(optimizer, loss)`` and
 ``model.train_on_batch(x, y, sample_weight)`` on the whole batch. The pipeline gets the same
 layers with the same initial weights and an equal optimizer, trains the same batches, and
 must end with the same losses, every weight and every optimizer variable (Adam's moments,
-EMA copies, the iteration count). Each recipe runs on an all-pairs grid of meshes 2×1, 1×2,
-2×2, micro-batches 1, 2, 4 and the GPipe and 1F1B schedules (``covering.py``).
+EMA copies, the iteration count). Each recipe runs on an all-pairs grid of meshes 3×1, 1×2,
+2×2, micro-batches 1, 2, 4 and the GPipe, 1F1B and ZB-H1 schedules (``covering.py``; 3×1
+ZB-H1 runs a middle stage's backward as two programs, B then W).
 
 Recipes:
   sum / sum_over_batch_size / mean_with_sample_weight   loss reductions with sample weights
@@ -113,11 +114,11 @@ RECIPES = [
     "activity",
     "accumulation",
 ]
-MESHES = [(2, 1), (1, 2), (2, 2)]
+MESHES = [(3, 1), (1, 2), (2, 2)]
 GRID = [
     pytest.param(recipe, s, r, m, sched, id=f"{recipe}-{s}x{r}-M{m}-{sched}")
     for recipe, (s, r), m, sched in covering.all_pairs(
-        RECIPES, MESHES, [1, 2, 4], ["gpipe", "1f1b"]
+        RECIPES, MESHES, [1, 2, 4], ["gpipe", "1f1b", "zb-h1"]
     )
 ]
 
@@ -181,6 +182,7 @@ PRECISION_GRID = [
     ((1, 2), 2, "1f1b"),
     ((2, 2), 4, "1f1b"),
     ((2, 2), 2, "gpipe"),
+    ((3, 1), 2, "zb-h1"),
 ]
 
 

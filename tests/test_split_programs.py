@@ -60,6 +60,51 @@ def test_the_cut_computes_the_joint_and_keeps_only_activations(jit_compile):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _matmuls(program, *args):
+    """How many MatMul ops the traced ``program(*args)`` runs."""
+    graph = program.get_concrete_function(*args).graph
+    return sum(op.type == "MatMul" for op in graph.get_operations())
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_split_backward_runs_each_gradient_op_once(jit_compile):
+    """Cut after its input gradient, the backward's B computes dx (one MatMul per layer)
+    and W the weight gradients (one MatMul per layer) from what B carried over: the same
+    numbers as the whole backward, and no op of B again in W."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(5),
+        ]
+    )
+    weights = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+    x = tf.random.stateless_normal([6, 12], seed=[1, 2])
+    dy = tf.random.stateless_normal([6, 5], seed=[3, 4])
+    sums = [tf.ones_like(w) for w in weights]
+    programs = split_programs.split(
+        _dense_joint(model), [x] + weights, [dy] + sums, [0], jit_compile, first=1
+    )
+    assert programs.cut_backward
+    args = [x] + weights
+    _, residuals = programs.forward(args)
+    whole = programs.backward(args, residuals, [dy] + sums)
+    dx, carried = programs.input_backward(args, residuals, [dy] + sums)
+    dw = programs.weight_backward(args, residuals, [dy] + sums, carried)
+    assert len(dx) == 1 and len(dw) == len(weights)
+    for got, want in zip(dx + dw, whole, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # B: dx through 3 layers; W: dW of 3 layers; the whole backward: both, nothing twice.
+    b_args = (args, residuals, [dy] + sums)
+    assert _matmuls(programs._parts[0], *b_args) == 3
+    assert _matmuls(programs._parts[1], *b_args, carried) == 3
+    assert _matmuls(programs._backward, *b_args) == 6
+    # The uncut programs have no parts.
+    assert not split_programs.split(_dense_joint(model), args, [dy] + sums, [0], False).cut_backward
+
+
 def test_an_input_passed_through_and_a_gradient_the_output_does_not_reach():
     """A forward output that is one of its inputs (a skip tensor carried through a stage)
     comes back as it is; a weight that does not reach the output has a zero gradient (a

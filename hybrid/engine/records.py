@@ -28,7 +28,7 @@ class TensorSpec:
         return np.zeros((batch,) + tuple(d or 1 for d in self.shape), dtype=self.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Kept:
     """A forward's residuals for its backward program, when the stage runs the two as the
     halves of one traced computation (``split_programs``).
@@ -38,12 +38,41 @@ class Kept:
       args: the forward program's arguments, which its backward program reads again.
       residuals: what the forward program returned for its backward, after its outputs.
       need_dx: whether the backward program computes the input gradients.
+      carried: what a split backward's B computed for its W (None until B ran).
     """
 
     programs: Any
     args: Tensors
     residuals: Tensors
     need_dx: bool
+    carried: Tensors | None = None
+
+    def backward(
+        self, more: Tensors, wanted: list[bool], need_dx: bool, need_dw: bool
+    ) -> tuple[list[tf.Tensor | None] | None, Tensors]:
+        """(input gradients, weight gradients) from the backward program, given its
+        arguments beyond the forward's (``more``: output gradients, running sums) and which
+        inputs have a gradient (``wanted``); a split backward's B (need_dx only) keeps what
+        its W (need_dw only) carries on from."""
+        run = (self.args, self.residuals, more)
+        if self.programs.cut_backward and need_dx != need_dw:
+            if need_dx:
+                dx, self.carried = self.programs.input_backward(*run)
+                return _placed(dx, wanted), []
+            if self.carried is None:
+                raise ValueError("a split backward's W ran before its B")
+            return None, self.programs.weight_backward(*run, self.carried)
+        out = self.programs.backward(*run)
+        if not self.need_dx:
+            return None, out
+        count = sum(wanted)  # the program returns the input gradients first
+        return (_placed(out[:count], wanted) if need_dx else None), out[count:]
+
+
+def _placed(grads: Tensors, wanted: list[bool]) -> list[tf.Tensor | None]:
+    """``grads`` in the places ``wanted`` marks, None elsewhere."""
+    found = iter(grads)
+    return [next(found) if w else None for w in wanted]
 
 
 @dataclasses.dataclass

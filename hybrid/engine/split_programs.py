@@ -19,7 +19,11 @@ and its nodes are sorted by what they depend on:
 - residuals: every other forward tensor a backward node reads (activations, the loss's
   softmax): the forward program returns them after its outputs.
 
-The two programs import their halves of the one graph (``tf.graph_util.import_graph_def``),
+A split backward (zero-bubble schedules: B computes the input gradients, W later the
+weight gradients) cuts the backward nodes once more, into those the input gradients need
+and the rest; the first part also returns the tensors of its own the rest reads.
+
+The programs import their parts of the one graph (``tf.graph_util.import_graph_def``),
 so they compute exactly the ops the joint computation would, and every input of the
 forward (weights, micro-batch) is passed to the backward directly, never through the
 forward's outputs.
@@ -54,13 +58,23 @@ class SplitPrograms:
     """The forward and backward programs of one joint computation at one signature.
 
     ``forward(forward_args) -> forward_outputs + residuals``;
-    ``backward(forward_args, residuals, backward_args) -> backward_outputs``.
+    ``backward(forward_args, residuals, backward_args) -> backward_outputs``; and when the
+    backward was cut again after its first outputs (``split(..., first=n)``, a split
+    backward's B and W), ``input_backward`` computes those and what the rest carries over,
+    ``weight_backward`` the rest.
     """
 
-    def __init__(self, forward: Any, backward: Any, num_outputs: int) -> None:
+    def __init__(
+        self,
+        forward: Any,
+        backward: Any,
+        num_outputs: int,
+        parts: tuple[Any, Any, int] | None = None,
+    ) -> None:
         self._forward = forward
         self._backward = backward
         self.num_outputs = num_outputs
+        self._parts = parts
 
     def forward(self, args: Sequence[tf.Tensor]) -> tuple[Tensors, Tensors]:
         """The forward outputs and the residuals to hand to :meth:`backward`."""
@@ -72,6 +86,31 @@ class SplitPrograms:
     ) -> Tensors:
         return self._backward(list(args), list(residuals), list(more))
 
+    @property
+    def cut_backward(self) -> bool:
+        """Whether the backward also comes as :meth:`input_backward` + :meth:`weight_backward`."""
+        return self._parts is not None
+
+    def input_backward(
+        self, args: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], more: Sequence[tf.Tensor]
+    ) -> tuple[Tensors, Tensors]:
+        """The backward's first outputs, and what :meth:`weight_backward` carries on from."""
+        assert self._parts is not None, "split(..., first=n) cuts the backward"
+        first, _, count = self._parts
+        out = first(list(args), list(residuals), list(more))
+        return out[:count], out[count:]
+
+    def weight_backward(
+        self,
+        args: Sequence[tf.Tensor],
+        residuals: Sequence[tf.Tensor],
+        more: Sequence[tf.Tensor],
+        carried: Sequence[tf.Tensor],
+    ) -> Tensors:
+        """The backward's other outputs, from what :meth:`input_backward` carried over."""
+        assert self._parts is not None, "split(..., first=n) cuts the backward"
+        return self._parts[1](list(args), list(residuals), list(more), list(carried))
+
 
 def split(
     joint: Callable[[Tensors, Tensors], tuple[Tensors, Tensors]],
@@ -79,6 +118,7 @@ def split(
     backward_args: Sequence[tf.Tensor | tf.TensorSpec],
     data: Sequence[int],
     jit_compile: bool,
+    first: int | None = None,
 ) -> SplitPrograms:
     """Traces ``joint`` once and cuts it (see the module docstring).
 
@@ -89,7 +129,11 @@ def split(
       data: indices into ``forward_args`` of the data (what varies per micro-batch: stage
         inputs, labels); nodes that depend on them are never recomputed by the backward
         unless they are views.
-      jit_compile: compile both programs with XLA.
+      jit_compile: compile the programs with XLA.
+      first: also cut the backward after its first ``first`` outputs: its nodes those
+        outputs depend on run first (a split backward's B: the input gradients) and return
+        what the others read from them, the rest then run alone (W: the weight gradients),
+        neither computing anything twice.
     """
     f_specs = [_spec(a) for a in forward_args]
     b_specs = [_spec(a) for a in backward_args]
@@ -146,19 +190,13 @@ def split(
             needed(t)
     for t in b_outputs:  # a gradient that does not depend on the output gradients (zeros)
         needed(t)
-    b_ops = b_program | recompute
-    b_ops |= {t.op for op in b_ops for t in op.inputs if t.op.type == "Placeholder"}
-    b_nodes = {op.name for op in b_ops}
     f_nodes = {op.name for op in _ancestors(f_outputs + list(residuals.values()))}
     graph_def = graph.as_graph_def()
-    f_def, b_def = _subgraph(graph_def, f_nodes), _subgraph(graph_def, b_nodes)
-
+    f_def = _subgraph(graph_def, f_nodes)
     f_names = [op.name for op in f_inputs]
     b_names = [op.name for op in b_inputs]
-    consumed = {t.name for op in b_ops for t in op.inputs}
     r_names = list(residuals)
     f_returns = [t.name for t in f_outputs] + r_names
-    b_returns = [t.name for t in b_outputs]
 
     def arguments(names: Sequence[str], values: Tensors) -> dict[str, tf.Tensor]:
         return dict(zip((f"{n}:0" for n in names), values, strict=True))
@@ -167,19 +205,50 @@ def split(
         mapping = _input_map(f_names, f_args, captured, f_nodes)
         return _import(f_def, mapping, f_returns, arguments(f_names, f_args))
 
-    def backward(f_args: Tensors, rs: Tensors, b_args: Tensors) -> Tensors:
-        mapping = _input_map(f_names, f_args, captured, b_nodes)
-        mapping.update(_input_map(b_names, b_args, {}, b_nodes))
-        given = dict(zip(r_names, rs, strict=True))
-        mapping.update((n, r) for n, r in given.items() if n in consumed)
-        given.update(arguments(f_names, f_args))
-        given.update(arguments(b_names, b_args))
-        return _import(b_def, mapping, b_returns, given)
+    def part(ops: set[tf.Operation], returns: Sequence[str], carried: Sequence[str] = ()) -> Any:
+        """The program of backward nodes ``ops`` (and what they recompute): it reads the
+        forward's arguments and residuals, the backward's arguments and the tensors named
+        ``carried`` (computed by an earlier part), and returns ``returns``."""
+        ops = ops | recompute
+        ops |= {t.op for op in ops for t in op.inputs if t.op.type == "Placeholder"}
+        nodes = {op.name for op in ops}
+        consumed = {t.name for op in ops for t in op.inputs}
+        part_def = _subgraph(graph_def, nodes)
 
-    def program(fn: Callable[..., Any]) -> Any:
-        return tf.function(fn, jit_compile=jit_compile, autograph=False)
+        def run(
+            f_args: Tensors, rs: Tensors, b_args: Tensors, more: Sequence[tf.Tensor] = ()
+        ) -> Tensors:
+            mapping = _input_map(f_names, f_args, captured, nodes)
+            mapping.update(_input_map(b_names, b_args, {}, nodes))
+            given = dict(zip(r_names, rs, strict=True))
+            given.update(zip(carried, more, strict=True))
+            mapping.update((n, r) for n, r in given.items() if n in consumed)
+            given.update(arguments(f_names, f_args))
+            given.update(arguments(b_names, b_args))
+            return _import(part_def, mapping, returns, given)
 
-    return SplitPrograms(program(forward), program(backward), counts[0])
+        return tf.function(run, jit_compile=jit_compile, autograph=False)
+
+    b_returns = [t.name for t in b_outputs]
+    parts = None
+    if first is not None:
+        in_first = _ancestors(b_outputs[:first], stop=lambda op: op not in backward_ops)
+        in_rest = _ancestors(
+            b_outputs[first:], stop=lambda op: op not in backward_ops or op in in_first
+        )
+        reads = [t for op in in_rest for t in op.inputs] + b_outputs[first:]
+        carried = sorted({t.name for t in reads if t.op in in_first})
+        parts = (
+            part(in_first, b_returns[:first] + carried),
+            part(in_rest, b_returns[first:], carried),
+            first,
+        )
+    return SplitPrograms(
+        tf.function(forward, jit_compile=jit_compile, autograph=False),
+        part(b_program, b_returns),
+        counts[0],
+        parts,
+    )
 
 
 def flatten(structure: Any) -> tuple[Tensors, Callable[[Sequence[tf.Tensor]], Any]]:

@@ -20,8 +20,9 @@ stages read (a tied embedding) has a copy on each. Weight values come in as tens
 taped forward program hands only activations to its backward program.
 
 ``forward`` returns a :class:`Saved` record: without remat the residuals of a forward
-program cut from its backward (``split_programs``; a tape around the forward when the
-backward comes in two calls or the programs are inline), with remat only the stage inputs
+program cut from its backward (``split_programs``; the backward cut again when it comes
+in two calls, B then W; a tape around the forward when the programs are inline), with
+remat only the stage inputs
 (the backward recomputes the forward). Random layers (Dropout) get their seed-generator
 state from ``seed``, a (step, micro-batch) pair, so a recomputation draws the same numbers.
 """
@@ -157,7 +158,7 @@ class StageReplica:
         self._forward = program(self._run)
         self._forward_backward = program(self._forward_and_backward)
         self._apply = program(self._apply_gradients)
-        self._jit_compile, self._cut = jit_compile, dict[str, split_programs.SplitPrograms]()
+        self._jit, self._cut = jit_compile, dict[str, split_programs.SplitPrograms]()
 
     @property
     def is_last(self) -> bool:
@@ -273,18 +274,19 @@ class StageReplica:
         return out, dx, accumulated(acc, dw)
 
     def _kept_programs(
-        self, xs: Tensors, labels: Labels | None, seed: tf.Tensor, weights: Tensors, need_dx: bool
+        self, structure: Any, need_dx: bool, split: bool
     ) -> tuple[split_programs.SplitPrograms, Tensors]:
         """The forward and backward programs that keep activations, cut from one traced
-        forward + backward (``split_programs``), and the forward's arguments. The backward
+        forward + backward (``split_programs``) of ``structure`` (inputs, labels, seed,
+        weights), and the forward's arguments. The backward
         computes the input gradients only when ``need_dx`` and adds the weight gradients to
-        the running sums inside the program."""
-        structure = (list(xs), labels, seed, list(weights))
+        the running sums inside the program; with ``split`` it also comes in two parts,
+        the input gradients (B) and the weight gradients (W)."""
         args, rebuild = split_programs.flatten(structure)
-        key = f"{need_dx} {self.accumulates} {split_programs.signature(structure)}"
+        key = f"{need_dx} {split} {self.accumulates} {split_programs.signature(structure)}"
         if key in self._cut:
             return self._cut[key], args
-        out = self._forward.get_concrete_function(xs, labels, seed, weights).structured_outputs
+        out = self._forward.get_concrete_function(*structure).structured_outputs
         ys = self._split(out)[0]
         wanted = [(not self.is_last or i == 0) and differentiable(y) for i, y in enumerate(ys)]
         dys = [tf.TensorSpec(y.shape, y.dtype) for y, w in zip(ys, wanted, strict=True) if w]
@@ -300,8 +302,9 @@ class StageReplica:
             )
             return out, [d for d in dx or [] if d is not None] + dw
 
-        data = range(len(split_programs.flatten((list(xs), labels))[0]))
-        self._cut[key] = split_programs.split(joint, args, dys + sums, data, self._jit_compile)
+        data = range(len(split_programs.flatten(structure[:2])[0]))
+        first = sum(map(differentiable, structure[0])) if need_dx and split else None
+        self._cut[key] = split_programs.split(joint, args, dys + sums, data, self._jit, first)
         return self._cut[key], args
 
     def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
@@ -329,8 +332,9 @@ class StageReplica:
         if remat:
             ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
             return Saved(xs, ys, labels, seed, stats=stats, activity=activity)
-        if not (split or self.inline):
-            programs, args = self._kept_programs(xs, labels, seed, weights, need_dx)
+        if not self.inline:
+            structure = (list(xs), labels, seed, list(weights))
+            programs, args = self._kept_programs(structure, need_dx, split)
             out, residuals = programs.forward(args)
             ys, activity, stats = self._split(out)
             kept = Kept(programs, args, residuals, need_dx)
@@ -367,11 +371,8 @@ class StageReplica:
             if need_dx and not kept.need_dx:
                 raise ValueError(f"stage {self.index}: its forward was run with need_dx=False")
             more = [d for d in dys if d is not None] + self._sums(acc)
-            found = iter(kept.programs.backward(kept.args, kept.residuals, more))
-            inputs = None
-            if kept.need_dx:  # the program returns the input gradients first
-                inputs = [next(found) if differentiable(x) else None for x in saved.inputs]
-            return (inputs if need_dx else None), list(found)
+            wanted = [differentiable(x) for x in saved.inputs]
+            return kept.backward(more, wanted, need_dx, need_dw)
         if saved.tape is None:
             sums = self._sums(acc) if need_dw else None
             args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
