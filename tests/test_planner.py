@@ -10,9 +10,12 @@ import keras
 import pytest
 
 import hybrid
+from hybrid.core import generators
+from hybrid.core.actions import Action, Op
 from hybrid.core.config import ConfigError, RunConfig, validate_run
 from hybrid.planning import planner, search
 from hybrid.planning.planner import CostProfile, Hardware, LayerCost, Link
+from hybrid.planning.stage_costs import StageCost, action_costs
 
 import runner
 
@@ -88,6 +91,16 @@ def test_split_backward():
     assert p.step_time == pytest.approx(11.5)
     p = planner.evaluate(profile, RunConfig(2, 1, 1, "zb-h1", "always"), 1)
     assert p.step_time == pytest.approx(11.5 + 2.0)  # W0 recomputes stage 0's forward
+    # A middle stage: B its two layers' input gradients (1), W the rest of its stored
+    # backward (4 - 1), nothing computed twice; stage 0: B nothing, W all but its first
+    # layer's input gradient.
+    profile = planner.uniform_profile(6, F, B, input_backward=0.5)
+    stages = [StageCost(profile, 2 * k, 2, 1, 1.0) for k in range(3)]
+    costs = action_costs(generators.get("zb-h1", 3, 1), stages, "never", Hardware())
+    assert costs[Action(1, Op.B, 0)] == pytest.approx(1.0)
+    assert costs[Action(1, Op.W, 0)] == pytest.approx(3.0)
+    assert costs[Action(0, Op.B, 0)] == 0.0
+    assert costs[Action(0, Op.W, 0)] == pytest.approx(3.5)
     # With free input gradients the deferred W fills the bubble: ZB-H1 beats 1F1B.
     profile = uniform(8)
     for S, M in [(4, 8), (8, 8)]:
@@ -149,9 +162,10 @@ def test_host_cores_bound_replicas_sharing_a_host():
     pipelined = planner.evaluate(profile, pipe, 2).step_time
     assert planner.evaluate(profile, pipe, 2, slow).step_time == pytest.approx(pipelined * 1.25)
     one = RunConfig(1, 1, 1, "gpipe", "never")  # one device: a core to itself
-    assert planner.evaluate(profile, one, 2, slow).step_time == planner.evaluate(
-        profile, one, 2
-    ).step_time
+    assert (
+        planner.evaluate(profile, one, 2, slow).step_time
+        == planner.evaluate(profile, one, 2).step_time
+    )
 
 
 def test_memory_per_device_follows_peak_in_flight():
@@ -442,7 +456,6 @@ def test_interpolation_between_and_beyond_measured_batches():
     assert single.value(0, "forward", 6) == pytest.approx(6 * F)
 
 
-
 def test_the_profile_is_a_curve_over_every_micro_batch_size_a_candidate_runs():
     # 2 devices, batch 16: R=1 runs 16/M for M in 1..16, R=2 runs 8/M: sizes 1, 2, 4, 8, 16
     assert search._profile_batches(2, 16, None, 32) == [1, 2, 4, 8, 16]
@@ -454,6 +467,7 @@ def test_the_profile_is_a_curve_over_every_micro_batch_size_a_candidate_runs():
     assert len(sizes) == search.PROFILED_SIZES == 6
     assert sizes == [1, 4, 16, 64, 256, 1024]
     assert search._thinned([3, 5, 7], 6) == [3, 5, 7]
+
 
 def test_on_a_given_mesh_the_planner_picks_the_fastest_m_on_the_cost_curve():
     # each layer's action costs a fixed 1 (F) or 2 (B) per micro-batch plus its examples:

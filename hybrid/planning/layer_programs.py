@@ -57,8 +57,8 @@ class StagePrograms:
     launching the graph function is shared by ``chain`` repetitions.
 
     ``forward``: F; ``stored``: F with a tape, then its backward (remat "never"); ``fused``:
-    the one-program forward+backward; ``input_only``: F, then a recomputing backward for the
-    input gradient only.
+    the one-program forward+backward; ``input_only``: F keeping activations for a split
+    backward, then its B (the input gradient only).
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class StagePrograms:
             return y + _present(dx) + dw
 
         def input_only(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward([x], labels, seed, True, False)
+            saved = stage.forward([x], labels, seed, False, True)
             dx, _ = stage.backward(saved, [dy], need_dx=True, need_dw=False)
             return saved.output + _present(dx)
 

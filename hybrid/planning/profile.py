@@ -53,8 +53,9 @@ class LayerTiming:
         gradients from the taped forward.
       recompute_backward: the backward part of the fused forward+backward program (a
         rematerialized B costs ``forward + recompute_backward``).
-      input_backward: the backward part of a forward + input-gradient-only program (the B
-        of a split backward beyond its forward); 0 when the input has no gradient.
+      input_backward: the B of a split backward from stored activations (its input
+        gradient only; W is ``backward - input_backward``); 0 when the input has no
+        gradient.
       stored_bytes: bytes a taped forward holds until its backward (output and intermediates,
         not the input, which exists already); None without allocator statistics.
       working_bytes: the allocator's peak above what was held before, while one fused
@@ -148,7 +149,7 @@ def measure_layers(
         F      = t(stage_l.forward(x))                          - t(same on identity)
         B      = t(stage_l.forward(x, taped) + its backward)     - t(same on identity) - F
         B_re   = t(stage_l.forward_backward(x))                  - t(same on identity) - F
-        B_dx   = t(stage_l.forward(x) + backward, dx only)       - t(same on identity) - 2F
+        B_dx   = t(stage_l.forward(x, split) + its B, dx only)   - t(same on identity) - F
         stored = allocator bytes stage_l's taped forward holds
         work   = the allocator's peak above that while forward_backward runs
 
@@ -300,7 +301,7 @@ def _layer_timing(probe: Probe, base: dict[str, float], chain: int) -> LayerTimi
         forward=f,
         backward=max(0.0, net("stored") - f),
         recompute_backward=max(0.0, net("fused") - f),
-        input_backward=max(0.0, net("input_only") - 2 * f) if probe.need_dx else 0.0,
+        input_backward=max(0.0, net("input_only") - f) if probe.need_dx else 0.0,
         stored_bytes=probe.memory[0],
         working_bytes=probe.memory[1],
         output_bytes=probe.output_bytes,

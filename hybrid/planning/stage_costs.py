@@ -57,10 +57,6 @@ class StageCost:
             self.input = profile.value(first - 1, "output_bytes", batch)
             self.needs_dx = True
 
-    def stored_fraction(self, part: float) -> float:
-        """``part`` of the recomputing backward as a share of the stored backward."""
-        return self.backward * part / self.recompute if self.recompute > 0 else 0.0
-
 
 @dataclasses.dataclass(frozen=True)
 class ActionCosts(schedule_lib.Costs):
@@ -81,10 +77,10 @@ def action_costs(
     F costs ``action_overhead`` + the stage's forward. B recomputes the forward first when
     remat says so; the last stage's B that directly follows its F runs in one program with
     it (no second launch, no recomputation). With a split backward B is the input gradient
-    (nothing on model stage 0, which needs none) and W the weight gradients, which also
-    carry the input gradients of every layer but the first through the stage. The action
-    that makes the weight gradients pays ``tensor_overhead`` per weight array it
-    accumulates.
+    (nothing on model stage 0, which needs none) and W the rest of the backward from
+    stored activations (with remat, W recomputes the forward and every layer's input
+    gradient but the first's). The action that makes the weight gradients pays
+    ``tensor_overhead`` per weight array it accumulates.
     """
     M = sched.num_microbatches
     split = sched.splits_backward
@@ -107,16 +103,19 @@ def action_costs(
         if not split:
             if recomputes(m):
                 return launch + st.forward + st.recompute - skip_dx + accumulate
-            return launch + st.backward - st.stored_fraction(skip_dx) + accumulate
+            return launch + st.backward - skip_dx + accumulate
         if action.op is Op.B:
             if not st.needs_dx:
                 return 0.0
             if recomputes(m):
                 return launch + st.forward + st.input_backward
-            return launch + st.stored_fraction(st.input_backward)
+            return launch + st.input_backward
         if recomputes(m):
             return launch + st.forward + st.recompute - st.first_dx + accumulate
-        return launch + st.backward - st.stored_fraction(st.first_dx) + accumulate
+        # W from stored activations: the rest of the backward B left (model stage 0: all
+        # of it but its first layer's input gradient, which nothing needs).
+        done = st.input_backward if st.needs_dx else st.first_dx
+        return launch + max(0.0, st.backward - done) + accumulate
 
     return {a: cost(a) for row in sched.actions for a in row}
 
