@@ -325,7 +325,7 @@ class StageReplica:
         """Runs the forward program; keeps activations for the backward unless ``remat``.
 
         Args:
-          split: the backward will come as two calls (B then W), so the tape must persist.
+          split: the backward will come as two calls (B then W): cut into two programs.
           need_dx: the backward will be asked for the input gradients.
         """
         weights = self._read_weights()
