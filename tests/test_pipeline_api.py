@@ -174,11 +174,11 @@ def test_micro_batches_auto_times_every_m_on_the_first_batch_and_trains_as_keras
     pipe.build((None, ref.IN_FEATURES))
     pipe.set_weights(keras_model.model.get_weights())
     assert pipe.micro_batches == 1 and pipe.micro_batch_seconds == {}  # until a batch
-    x, y = ref.batch(16)
+    x, y = ref.batch(8)
     loss = pipe.train_step(x, y)["loss"]
-    # 8 examples per replica: M in 1, 2, 4, 8 timed; the fastest kept
+    # 4 examples per replica: M in 1, 2, 4 timed; the fastest kept
     seconds = pipe.micro_batch_seconds
-    assert sorted(seconds) == [1, 2, 4, 8] and min(seconds.values()) > 0
+    assert sorted(seconds) == [1, 2, 4] and min(seconds.values()) > 0
     M = pipe.micro_batches
     assert seconds[M] == min(seconds.values())
     assert pipe.config.micro_batches == M and pipe.schedule.num_microbatches == M
@@ -187,7 +187,7 @@ def test_micro_batches_auto_times_every_m_on_the_first_batch_and_trains_as_keras
     ref.assert_weights_close(pipe.get_weights(), keras_model.model.get_weights())
     pipe.train_step(x, y)
     keras_model.train_step(x, y)
-    assert sorted(pipe.micro_batch_seconds) == [1, 2, 4, 8]  # chosen once
+    assert sorted(pipe.micro_batch_seconds) == [1, 2, 4]  # chosen once
     ref.assert_weights_close(pipe.get_weights(), keras_model.model.get_weights())
     assert int(pipe.step_counter.numpy()) == 2
 
