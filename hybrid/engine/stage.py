@@ -22,9 +22,9 @@ taped forward program hands only activations to its backward program.
 ``forward`` returns a :class:`Saved` record: without remat the residuals of a forward
 program cut from its backward (``split_programs``; the backward cut again when it comes
 in two calls, B then W; a tape around the forward when the programs are inline), with
-remat only the stage inputs
-(the backward recomputes the forward). Random layers (Dropout) get their seed-generator
-state from ``seed``, a (step, micro-batch) pair, so a recomputation draws the same numbers.
+remat only the stage inputs (the backward recomputes the forward). Random layers
+(Dropout) get their seed-generator state from ``seed``, a (step, micro-batch) pair, so a
+recomputation draws the same numbers.
 """
 
 from __future__ import annotations
@@ -278,10 +278,10 @@ class StageReplica:
     ) -> tuple[split_programs.SplitPrograms, Tensors]:
         """The forward and backward programs that keep activations, cut from one traced
         forward + backward (``split_programs``) of ``structure`` (inputs, labels, seed,
-        weights), and the forward's arguments. The backward
-        computes the input gradients only when ``need_dx`` and adds the weight gradients to
-        the running sums inside the program; with ``split`` it also comes in two parts,
-        the input gradients (B) and the weight gradients (W)."""
+        weights), and the forward's arguments. The backward computes the input gradients
+        only when ``need_dx`` and adds the weight gradients to the running sums inside the
+        program; with ``split`` it also comes in two parts, the input gradients (B) and the
+        weight gradients (W)."""
         args, rebuild = split_programs.flatten(structure)
         key = f"{need_dx} {split} {self.accumulates} {split_programs.signature(structure)}"
         if key in self._cut:

@@ -56,9 +56,9 @@ class StagePrograms:
     inside one graph function (every repetition waits for the previous one), so the cost of
     launching the graph function is shared by ``chain`` repetitions.
 
-    ``forward``: F; ``stored``: F with a tape, then its backward (remat "never"); ``fused``:
-    the one-program forward+backward; ``input_only``: F keeping activations for a split
-    backward, then its B (the input gradient only).
+    ``forward``: F; ``stored``: F keeping activations, then its backward (remat "never");
+    ``fused``: the one-program forward+backward; ``input_only``: F keeping activations for
+    a split backward, then its B (the input gradient only).
     """
 
     def __init__(
@@ -105,8 +105,8 @@ class StagePrograms:
         self.input_only = chained(input_only)
         self.fused_once = tf.function(fused, autograph=False)
 
-    def taped_forward(self, x: tf.Tensor) -> Any:
-        """Eagerly: the record a stored-activation forward keeps (it holds the tape)."""
+    def kept_forward(self, x: tf.Tensor) -> Any:
+        """Eagerly: the record a stored-activation forward keeps (its residuals)."""
         return self.stage.forward([x], self.labels, self._seed, False, False)
 
 
@@ -129,13 +129,13 @@ def identity_programs(device: str, chain: int, jit_compile: bool) -> StageProgra
 def measure_memory(
     device: str, programs: StagePrograms, x: tf.Tensor, dy: tf.Tensor
 ) -> tuple[int | None, int | None]:
-    """(bytes a taped forward holds, peak bytes while the fused forward+backward runs)."""
+    """(bytes a kept forward holds, peak bytes while the fused forward+backward runs)."""
     if not _allocator_stats(device):
         return None, None
     where = _memory_device(device)
     block(programs.fused_once(x, dy))  # traced and compiled before anything is counted
     before = tf.config.experimental.get_memory_info(where)["current"]
-    saved = programs.taped_forward(x)
+    saved = programs.kept_forward(x)
     block(saved.output)
     stored = tf.config.experimental.get_memory_info(where)["current"] - before
     del saved

@@ -50,13 +50,13 @@ class LayerTiming:
       batch: the micro-batch size measured.
       forward: an F action (the forward program).
       backward: a B action from stored activations (remat "never"): input and weight
-        gradients from the taped forward.
+        gradients from the forward that kept its activations.
       recompute_backward: the backward part of the fused forward+backward program (a
         rematerialized B costs ``forward + recompute_backward``).
       input_backward: the B of a split backward from stored activations (its input
         gradient only; W is ``backward - input_backward``); 0 when the input has no
         gradient.
-      stored_bytes: bytes a taped forward holds until its backward (output and intermediates,
+      stored_bytes: bytes a forward keeps until its backward (output and intermediates,
         not the input, which exists already); None without allocator statistics.
       working_bytes: the allocator's peak above what was held before, while one fused
         forward+backward runs; None without allocator statistics.
@@ -147,10 +147,10 @@ def measure_layers(
     layer l holding b examples (zeros; token ids 0)::
 
         F      = t(stage_l.forward(x))                          - t(same on identity)
-        B      = t(stage_l.forward(x, taped) + its backward)     - t(same on identity) - F
+        B      = t(stage_l.forward(x, kept) + its backward)      - t(same on identity) - F
         B_re   = t(stage_l.forward_backward(x))                  - t(same on identity) - F
         B_dx   = t(stage_l.forward(x, split) + its B, dx only)   - t(same on identity) - F
-        stored = allocator bytes stage_l's taped forward holds
+        stored = allocator bytes stage_l's kept forward holds
         work   = the allocator's peak above that while forward_backward runs
 
     where t is the time of one of ``chain`` back-to-back repetitions inside one graph
