@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import hybrid
+from hybrid.engine import row_sums
 
 import reference as ref
 import runner
@@ -200,6 +201,7 @@ MODELS = {
     "shared": (shared_model, classes_batch, (2, 1), [3, 5]),
     "no_config": (no_config_model, classes_batch, (2, 1), None),
 }
+# 1F1B keeps activations and defers its weight gradients (one pass per stage and step).
 RUNS = [("gpipe", 1), ("1f1b", 4), ("interleaved", 4)]
 GRID = [
     pytest.param(name, schedule, m, id=f"{name}-{schedule}-M{m}")
@@ -207,6 +209,9 @@ GRID = [
     for schedule, m in RUNS
     if name != "tied_lm_s4" or schedule == "interleaved"  # S=4 R=2: the slowest to build
 ]
+
+
+DEFERRED = {"remat": "never", "defer_weight_gradients": True}
 
 
 def build(builder, seed):
@@ -253,6 +258,7 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
         virtual_stages=2 if schedule == "interleaved" else 1,
         balance=balance if schedule != "interleaved" else None,
         jit_compile=False,
+        **DEFERRED if schedule == "1f1b" else {},
     )
     for step in range(STEPS):
         x, y = batch(step)
@@ -261,6 +267,9 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
         want = want[0] if isinstance(want, list) else want  # [total, per-output losses]
         got = pipe.train_step(x, y, sample_weight=w)["loss"]
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
+    if schedule == "1f1b":  # every stage computed its weight gradients once per step
+        plans = [copy.deferral for row in pipe.stages for copy in row]
+        assert all(isinstance(p, row_sums.Plan) for p in plans), plans
     assert len(pipe.get_weights()) == len(keras_model.get_weights())
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
     for r in range(replicas):

@@ -69,6 +69,8 @@ class RunConfig:
       global_batch: examples per step over all replicas; None when not known yet (it is
         then checked per batch with :func:`check_global_batch`).
       num_layers: the layers the model is cut along; None when not known yet.
+      defer_weight_gradients: compute each stage's weight gradients once per step over
+        all its micro-batches (``hybrid.engine.deferral``); needs ``remat="never"``.
     """
 
     stages: int
@@ -80,6 +82,7 @@ class RunConfig:
     balance: Balance = None
     global_batch: int | None = None
     num_layers: int | None = None
+    defer_weight_gradients: bool = False
 
     @property
     def devices(self) -> int:
@@ -98,7 +101,8 @@ class RunConfig:
     def label(self) -> str:
         """Short form for tables: ``2x1 M=8 interleaved(v=2) except_last``."""
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
-        return f"{self.stages}x{self.replicas} M={self.micro_batches} {sched} {self.remat}"
+        defer = " deferred-W" if self.defer_weight_gradients else ""
+        return f"{self.stages}x{self.replicas} M={self.micro_batches} {sched} {self.remat}{defer}"
 
 
 def _positive(name: str, value: object) -> None:
@@ -128,6 +132,14 @@ def _check_names(config: RunConfig) -> None:
             f"unknown balance {config.balance!r}; use None, one of {list(BALANCE_MODES)}, or "
             "a list of layer counts per stage",
             ["balance"],
+        )
+    if config.defer_weight_gradients and config.remat != "never":
+        raise ConfigError(
+            "deferred weight gradients need remat='never'",
+            f"defer_weight_gradients=True keeps every micro-batch's activations for one "
+            f"weight-gradient pass at the end of the step, but remat={config.remat!r} drops "
+            "them; use remat='never', or defer_weight_gradients=False",
+            ["defer_weight_gradients", "remat"],
         )
 
 
@@ -193,10 +205,11 @@ def validate_run(config: RunConfig) -> RunConfig:
     """Checks every rule a run configuration must satisfy; returns it unchanged.
 
     The rules: S, R, M and virtual stages are positive integers; the schedule and remat mode
-    exist; virtual stages only with a schedule that has them; interleaved needs M to be a
-    multiple of S; with the layer count known, at most one model stage per layer and an
-    explicit balance that gives every model stage at least one layer and sums to the
-    layers; with the global batch known, a batch that splits into R × M equal parts.
+    exist; deferred weight gradients only with ``remat="never"``; virtual stages only with a
+    schedule that has them; interleaved needs M to be a multiple of S; with the layer count
+    known, at most one model stage per layer and an explicit balance that gives every model
+    stage at least one layer and sums to the layers; with the global batch known, a batch
+    that splits into R × M equal parts.
 
     Raises:
       ConfigError: the first rule broken, naming the values and the fix.

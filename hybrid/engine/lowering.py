@@ -8,6 +8,8 @@ Conceptually, for one replica::
             B(k, m): dx[k, m], dW = backward of stage k at out[k-1, m] against dx[k+1, m]
             W(k, m): dW = the weight half of that backward (split schedules only)
             acc[k] += dW
+        deferring weight gradients: B is the input-gradient half only, and stage k's last
+        B or W also runs W once over all its micro-batches (``deferral.py``)
 
 Every action is created inside ``tf.control_dependencies`` on the previous action of its
 device, so each device runs one action at a time in schedule order; cross-device edges are
@@ -25,6 +27,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from hybrid.core.schedule import Action, Op, Schedule
+from hybrid.engine import deferral
 from hybrid.engine.compression import Codec
 from hybrid.engine.stage import Labels, Saved, StageReplica
 from hybrid.engine.timing import DeviceClock, Recorder
@@ -113,9 +116,11 @@ class _TrainingLowering:
         stages: Sequence[StageReplica],
         loss_seed: tf.Tensor,
         codec: Codec | None = None,
+        defer: bool = False,
     ) -> None:
         self.schedule, self.stages, self.codec = schedule, stages, codec
-        self.split = schedule.splits_backward
+        self.defer = defer and schedule.num_microbatches > 1
+        self.split = schedule.splits_backward or self.defer  # B without W
         # The last stage outputs [numerator, denominator] of each output's loss; the
         # backward starts from d loss / d terms (``Objective.seed``).
         # The model's outputs after the terms (for metrics) get no gradient.
@@ -215,10 +220,23 @@ class _TrainingLowering:
         return sent + dw, sent + self.grads[k]
 
     def weight(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
+        if self.defer:  # W runs once, after the stage's last backward action (deferred)
+            tail = self.tails[self.schedule.device_of(k)]
+            return tail, tail
         saved = self.saved.pop((k, m))
         _, dw = self.stages[k].backward(saved, dy, need_dx=False, need_dw=True, acc=self.grads[k])
         self.accumulate(k, dw)
         return dw, self.grads[k]
+
+    def deferred(self, k: int, outputs: Outputs) -> Outputs:
+        """Stage k's weight gradients of every micro-batch at once (``deferral``), after
+        the action that computed ``outputs``."""
+        M = self.schedule.num_microbatches
+        saved = [self.saved.pop((k, m)) for m in range(M)]
+        dys = [self.output_gradient(k, m, keep=False) for m in range(M)]
+        dw = deferral.backward(self.stages[k], saved, dys, self.grads[k])
+        self.accumulate(k, dw)
+        return outputs[0] + dw, outputs[1] + self.grads[k]
 
 
 def lower_training(
@@ -234,6 +252,7 @@ def lower_training(
     clocks: Sequence[DeviceClock] | None = None,
     codec: Codec | None = None,
     order_by_data: bool = False,
+    defer: bool = False,
 ) -> ReplicaStep:
     """Issues one replica's training actions in ``order``.
 
@@ -253,9 +272,13 @@ def lower_training(
         data-dependent on its device's previous action, through an XLA optimization
         barrier: for a step compiled as one XLA program (a TPU's), where the compiler
         schedules by data and may drop control dependencies.
+      defer: compute each stage's weight gradients once per step, over all its
+        micro-batches (``deferral.py``; ``fused`` is then ignored).
     """
-    state = _TrainingLowering(schedule, stages, loss_seed, codec)
+    state = _TrainingLowering(schedule, stages, loss_seed, codec, defer)
     recorder = Recorder(clocks)
+    fused = frozenset() if state.defer else fused
+    closing = {a.stage: a for a in order if a.op is not Op.F} if state.defer else {}
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
     for action in order:
         if action in skipped:
@@ -269,7 +292,7 @@ def lower_training(
                 x = _after(x, state.tails[d]) if order_by_data else x
                 inputs = list(x)
             else:
-                dy = state.output_gradient(k, m, keep=action.op is Op.B)
+                dy = state.output_gradient(k, m, keep=action.op is Op.B or state.defer)
                 dy = _after(dy, state.tails[d]) if order_by_data else dy
                 inputs = [g for g in dy if g is not None] if action.op is Op.B else []
             start = recorder.start(d, state.tails[d] + inputs)
@@ -283,6 +306,8 @@ def lower_training(
                     direct, done = state.backward(k, m, dy)
                 else:
                     direct, done = state.weight(k, m, dy)
+                if closing.get(k) == action:
+                    direct, done = state.deferred(k, (direct, done))
             state.tails[d] = list(done) + recorder.end(d, action, start, direct)
     return ReplicaStep(
         state.losses,

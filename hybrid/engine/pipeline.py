@@ -97,6 +97,9 @@ class Pipeline(Workflow):
       boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
         cross stage boundaries in training (``compression.py``: inexact, for slow links);
         None or "float32" sends them as they are.
+      defer_weight_gradients: each stage computes its weight gradients once per step over
+        all its micro-batches' rows, not per micro-batch (``deferral.py``; exact; needs
+        ``remat="never"``; keeps every micro-batch's activations to the step's end).
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class Pipeline(Workflow):
         weighted_metrics: Any = None,
         prefetch: int = 2,
         boundary_dtype: str | None = None,
+        defer_weight_gradients: bool = False,
     ) -> None:
         super().__init__()
         self.prefetch = feed.check_depth(prefetch)
@@ -139,10 +143,11 @@ class Pipeline(Workflow):
                 remat=remat,
                 balance=counts if counts is not None else str(balance) if balance else None,
                 num_layers=len(self._graph.calls),
+                defer_weight_gradients=defer_weight_gradients,
             )
         )
-        self.remat = remat
-        self.jit_compile = jit_compile
+        self.remat, self.jit_compile = remat, jit_compile
+        self._defer = defer_weight_gradients
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
@@ -361,19 +366,14 @@ class Pipeline(Workflow):
         divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
         loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
         seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
+        remat, defer = lowering.remat_policy(self.remat, self.micro_batches), self._defer
         steps = [
             lowering.lower_training(
-                self.schedule,
-                self._order,
-                self._fused,
-                [row[r] for row in self._stages],
-                xs[r],
-                labels[r],
-                self._seeds(r),
-                lowering.remat_policy(self.remat, self.micro_batches),
-                seed,
+                *(self.schedule, self._order, self._fused, [row[r] for row in self._stages]),
+                *(xs[r], labels[r], self._seeds(r), remat, seed),
                 clocks=self._clocks if record and r == 0 else None,
                 codec=self._codec,
+                defer=defer,
             )
             for r in range(R)
         ]

@@ -32,21 +32,45 @@ forward's outputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-__all__ = ["SplitPrograms", "flatten", "signature", "split"]
+__all__ = ["Part", "SplitPrograms", "descendants", "flatten", "pure", "signature", "split"]
 
 Tensors = list[tf.Tensor]
+
+
+class Part(NamedTuple):
+    """What one backward program computes, in the traced graph: for an analysis of it
+    (``deferral.py``).
+
+    Attributes:
+      graph: the traced joint graph.
+      ops: the program's nodes (recomputed ones and the placeholders it reads included).
+      returns: names of the tensors it returns.
+      args, more: the forward's and the backward's argument placeholders (op names), in the
+        order the program takes them.
+      residuals, carried: names of the residuals and carried tensors, in the order the
+        program takes them (what it reads of them is ``ops``' inputs).
+    """
+
+    graph: tf.Graph
+    ops: frozenset[tf.Operation]
+    returns: list[str]
+    args: list[str]
+    more: list[str]
+    residuals: list[str]
+    carried: list[str]
+
 
 # Ops a backward may recompute from what it has although they depend on data: views.
 _VIEWS = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "Shape", "Const"})
 _SOURCES = frozenset({"Placeholder", "Const"})
 
 
-def _pure(op: tf.Operation) -> bool:
+def pure(op: tf.Operation) -> bool:
     """Whether running ``op`` twice gives the same values and changes nothing."""
     if op.type in _SOURCES:
         return True
@@ -62,6 +86,13 @@ class SplitPrograms:
     backward was cut again after its first outputs (``split(..., first=n)``, a split
     backward's B and W), ``input_backward`` computes those and what the rest carries over,
     ``weight_backward`` the rest.
+
+    Attributes:
+      num_outputs: the forward's outputs before its residuals.
+      residual_names, carried_names: the traced tensors the residuals (and what
+        ``input_backward`` carries over) are, in the order the programs pass them.
+      weights: the program that computes the weight gradients: ``weight_backward`` when
+        the backward is cut, else ``backward``.
     """
 
     def __init__(
@@ -69,12 +100,18 @@ class SplitPrograms:
         forward: Any,
         backward: Any,
         num_outputs: int,
-        parts: tuple[Any, Any, int] | None = None,
+        parts: tuple[Any, Any, int] | None,
+        residual_names: list[str],
+        carried_names: list[str],
+        weights: Part,
     ) -> None:
         self._forward = forward
         self._backward = backward
         self.num_outputs = num_outputs
         self._parts = parts
+        self.residual_names = residual_names
+        self.carried_names = carried_names
+        self.weights = weights
 
     def forward(self, args: Sequence[tf.Tensor]) -> tuple[Tensors, Tensors]:
         """The forward outputs and the residuals to hand to :meth:`backward`."""
@@ -144,7 +181,9 @@ def split(
         counts[:] = [len(outs), len(grads)]
         return list(outs) + list(grads)
 
-    traced = tf.function(flat, autograph=False).get_concrete_function(f_specs, b_specs)
+    # Traced at the root name scope: its op names do not depend on where it is traced from.
+    with tf.compat.v1.get_default_graph().name_scope(None):
+        traced = tf.function(flat, autograph=False).get_concrete_function(f_specs, b_specs)
     graph = traced.graph
     n_f, n_b = len(f_specs), len(b_specs)
     placeholders = [t.op for t in graph.inputs]
@@ -154,8 +193,8 @@ def split(
     outputs = list(graph.outputs)
     f_outputs, b_outputs = outputs[: counts[0]], outputs[counts[0] :]
 
-    backward_ops = _descendants(graph, b_inputs)
-    data_ops = _descendants(graph, [f_inputs[i] for i in data])
+    backward_ops = descendants(graph, b_inputs)
+    data_ops = descendants(graph, [f_inputs[i] for i in data])
     for t in f_outputs:
         if t.op in backward_ops:
             raise ValueError(f"forward output {t.name} depends on a backward argument")
@@ -169,7 +208,7 @@ def split(
     def recomputable(op: tf.Operation) -> bool:
         if op in recompute or op.type == "Placeholder":
             return True
-        if op in kept or not _pure(op) or (op in data_ops and op.type not in _VIEWS):
+        if op in kept or not pure(op) or (op in data_ops and op.type not in _VIEWS):
             kept.add(op)
             return False
         if all(recomputable(t.op) for t in op.inputs):
@@ -205,12 +244,15 @@ def split(
         mapping = _input_map(f_names, f_args, captured, f_nodes)
         return _import(f_def, mapping, f_returns, arguments(f_names, f_args))
 
-    def part(ops: set[tf.Operation], returns: Sequence[str], carried: Sequence[str] = ()) -> Any:
+    def part(
+        ops: set[tf.Operation], returns: list[str], carried: Sequence[str] = ()
+    ) -> tuple[Any, Part]:
         """The program of backward nodes ``ops`` (and what they recompute): it reads the
         forward's arguments and residuals, the backward's arguments and the tensors named
         ``carried`` (computed by an earlier part), and returns ``returns``."""
         ops = ops | recompute
         ops |= {t.op for op in ops for t in op.inputs if t.op.type == "Placeholder"}
+        about = Part(graph, frozenset(ops), returns, f_names, b_names, r_names, list(carried))
         nodes = {op.name for op in ops}
         consumed = {t.name for op in ops for t in op.inputs}
         part_def = _subgraph(graph_def, nodes)
@@ -227,10 +269,11 @@ def split(
             given.update(arguments(b_names, b_args))
             return _import(part_def, mapping, returns, given)
 
-        return tf.function(run, jit_compile=jit_compile, autograph=False)
+        return tf.function(run, jit_compile=jit_compile, autograph=False), about
 
     b_returns = [t.name for t in b_outputs]
-    parts = None
+    backward, weights = part(b_program, b_returns)
+    parts, carried = None, []
     if first is not None:
         in_first = _ancestors(b_outputs[:first], stop=lambda op: op not in backward_ops)
         in_rest = _ancestors(
@@ -238,16 +281,16 @@ def split(
         )
         reads = [t for op in in_rest for t in op.inputs] + b_outputs[first:]
         carried = sorted({t.name for t in reads if t.op in in_first})
-        parts = (
-            part(in_first, b_returns[:first] + carried),
-            part(in_rest, b_returns[first:], carried),
-            first,
-        )
+        rest, weights = part(in_rest, b_returns[first:], carried)
+        parts = (part(in_first, b_returns[:first] + carried)[0], rest, first)
     return SplitPrograms(
         tf.function(forward, jit_compile=jit_compile, autograph=False),
-        part(b_program, b_returns),
+        backward,
         counts[0],
         parts,
+        r_names,
+        carried,
+        weights,
     )
 
 
@@ -277,10 +320,12 @@ def signature(structure: Any) -> str:
 
 
 def _spec(value: tf.Tensor | tf.TensorSpec) -> tf.TensorSpec:
-    return value if isinstance(value, tf.TensorSpec) else tf.TensorSpec.from_tensor(value)
+    """``value``'s shape and dtype, without a name: the traced placeholders are named by
+    their place in the arguments, not by the tensors given, so two traces match."""
+    return tf.TensorSpec(value.shape, value.dtype)
 
 
-def _descendants(graph: tf.Graph, roots: Sequence[tf.Operation]) -> set[tf.Operation]:
+def descendants(graph: tf.Graph, roots: Sequence[tf.Operation]) -> set[tf.Operation]:
     """The ops that depend on ``roots`` (data or control), the roots included."""
     found = set(roots)
     for op in graph.get_operations():  # creation order is a topological order

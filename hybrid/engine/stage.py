@@ -6,7 +6,8 @@ XLA programs that run the segment there:
 
     forward(xs, seed)                 -> ys           (the last stage: [[numerator, denominator]
                                                        of each output's loss])
-    backward(saved, dys, dx?, dW?)    -> dxs, [dW]    (B, W, or both: the schedule decides)
+    backward(saved, dys, dx?, dW?)    -> dxs, [dW]    (B, W, or both: the schedule decides;
+                                                       ``deferral``: W once for all)
     forward_backward(xs, dys, seed)   -> ys, dxs, [dW] (one program, nothing stored in between)
     apply_gradients([dW])             -> updates the copy with its own optimizer
 
@@ -48,22 +49,11 @@ from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.records import Kept, Labels, Saved, TensorSpec
 from hybrid.engine.template import adds_loss, seed_generators
+from hybrid.engine.variables import device_copy
 
 __all__ = ["Labels", "Saved", "StageReplica", "TensorSpec"]
 
 Tensors = list[tf.Tensor]
-
-
-def _device_copy(template: Any) -> keras.Variable:
-    """A variable on the current device equal to ``template``, with its name, path,
-    trainability, regularizer and constraint (what the optimizer and the engine read)."""
-    copy = keras.Variable(
-        template.numpy(), dtype=template.dtype, trainable=template.trainable, name=template.name
-    )
-    keras_private.set_variable_path(copy, template.path)
-    copy.regularizer = template.regularizer
-    copy.constraint = template.constraint
-    return copy
 
 
 class StageReplica:
@@ -117,7 +107,7 @@ class StageReplica:
         specs = [input_specs] if isinstance(input_specs, TensorSpec) else list(input_specs)
         self.input_specs = specs
         with tf.device(device):
-            self.variables = [_device_copy(v) for v in self.templates]
+            self.variables = [device_copy(v) for v in self.templates]
             copies = dict(zip(map(id, self.templates), self.variables, strict=True))
             self.trainable_variables = [copies[id(v)] for v in self._trainable]
             self._state_copies = [copies[id(v)] for v in self._state]
@@ -151,6 +141,8 @@ class StageReplica:
         ]
         self.activity_scale = 1.0
         self.accumulates = True  # a step has several micro-batches whose gradients are summed
+        # How its last deferral of weight gradients ran (a deferral.Plan), or why it did not.
+        self.deferral: Any = None
 
         def program(fn: Callable[..., Any]) -> Any:
             return fn if inline else tf.function(fn, jit_compile=jit_compile, autograph=False)
@@ -273,24 +265,25 @@ class StageReplica:
         dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
         return out, dx, accumulated(acc, dw)
 
-    def _kept_programs(
-        self, structure: Any, need_dx: bool, split: bool
+    def kept_programs(
+        self, structure: Any, need_dx: bool, split: bool, accumulate: bool = True
     ) -> tuple[split_programs.SplitPrograms, Tensors]:
         """The forward and backward programs that keep activations, cut from one traced
         forward + backward (``split_programs``) of ``structure`` (inputs, labels, seed,
         weights), and the forward's arguments. The backward computes the input gradients
         only when ``need_dx`` and adds the weight gradients to the running sums inside the
-        program; with ``split`` it also comes in two parts, the input gradients (B) and the
-        weight gradients (W)."""
+        program (unless not ``accumulate``); with ``split`` it also comes in two parts, the
+        input gradients (B) and the weight gradients (W)."""
         args, rebuild = split_programs.flatten(structure)
-        key = f"{need_dx} {split} {self.accumulates} {split_programs.signature(structure)}"
+        accumulate = accumulate and self.accumulates
+        key = f"{need_dx} {split} {accumulate} {split_programs.signature(structure)}"
         if key in self._cut:
             return self._cut[key], args
         out = self._forward.get_concrete_function(*structure).structured_outputs
         ys = self._split(out)[0]
         wanted = [(not self.is_last or i == 0) and differentiable(y) for i, y in enumerate(ys)]
         dys = [tf.TensorSpec(y.shape, y.dtype) for y, w in zip(ys, wanted, strict=True) if w]
-        sums = [tf.TensorSpec(t.shape, t.dtype) for t in self._sums(None)]
+        sums = [tf.TensorSpec(t.shape, t.dtype) for t in self._sums(None)] if accumulate else []
 
         def joint(f_args: Tensors, b_args: Tensors) -> tuple[Tensors, Tensors]:
             xs, labels, seed, weights = rebuild(f_args)
@@ -334,7 +327,7 @@ class StageReplica:
             return Saved(xs, ys, labels, seed, stats=stats, activity=activity)
         if not self.inline:
             structure = (list(xs), labels, seed, list(weights))
-            programs, args = self._kept_programs(structure, need_dx, split)
+            programs, args = self.kept_programs(structure, need_dx, split)
             out, residuals = programs.forward(args)
             ys, activity, stats = self._split(out)
             kept = Kept(programs, args, residuals, need_dx)
@@ -367,7 +360,7 @@ class StageReplica:
         if not (need_dx or need_dw):
             return None, []
         kept = saved.kept
-        if kept is not None:  # the backward half of a cut program (_kept_programs)
+        if kept is not None:  # the backward half of a cut program (kept_programs)
             if need_dx and not kept.need_dx:
                 raise ValueError(f"stage {self.index}: its forward was run with need_dx=False")
             more = [d for d in dys if d is not None] + self._sums(acc)

@@ -120,6 +120,11 @@ class StrategyPipeline(Pipeline):
                 "StrategyPipeline does not run on its own; give an integer "
                 "(hybrid.planner.choose_mesh(..., stages=S) predicts the fastest)"
             )
+        if kwargs.get("defer_weight_gradients"):
+            raise ValueError(
+                "defer_weight_gradients=True needs stage programs of their own (Pipeline); a "
+                "StrategyPipeline compiles its step whole, stages inline; leave it False"
+            )
         if strategy.num_replicas_in_sync != mesh.num_replicas:
             raise ValueError(
                 f"the strategy runs {strategy.num_replicas_in_sync} replica(s) and the mesh "

@@ -20,10 +20,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Placement", "sum_tied"]
+from hybrid.engine import keras_private
+
+__all__ = ["Placement", "device_copy", "sum_tied"]
 
 Location = tuple[int, int]  # (model stage, index in that stage's variables or trainables)
 
@@ -122,3 +125,15 @@ def sum_tied(
             total = tf.add_n([grads[k][j] for k, j in group])
         for k, j in group:
             grads[k][j] = total
+
+
+def device_copy(template: Any) -> keras.Variable:
+    """A variable on the current device equal to ``template``, with its name, path,
+    trainability, regularizer and constraint (what the optimizer and the engine read)."""
+    copy = keras.Variable(
+        template.numpy(), dtype=template.dtype, trainable=template.trainable, name=template.name
+    )
+    keras_private.set_variable_path(copy, template.path)
+    copy.regularizer = template.regularizer
+    copy.constraint = template.constraint
+    return copy

@@ -1,0 +1,83 @@
+"""Deferred weight gradients (``Pipeline(defer_weight_gradients=True)``): each stage's
+weight gradients computed once per step, over all its micro-batches' rows at once.
+
+With M micro-batches of b examples a stage computes each weight gradient M times, as a thin
+GEMM over b rows added into a running sum: on a CPU (and any device whose GEMMs want many
+rows) most of the cost of small micro-batches. Deferring keeps what the weight half of each
+micro-batch's backward (W, ``split_programs``) reads, runs only its input-gradient half (B)
+per micro-batch, and after the stage's last B runs W once, traced at M·b rows, on those
+tensors concatenated: one GEMM over the step's rows, as one device does for the whole
+batch. ``row_sums.plan`` proves that this is the same sum; where it cannot, the stage
+computes W per micro-batch and warns, naming the op. Memory: every micro-batch's W inputs
+(its layers' inputs and output gradients) stay until the end of the step's backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from hybrid.engine.gradients import accumulated
+from hybrid.engine.records import Kept, Saved
+from hybrid.engine.row_sums import Plan, plan
+from hybrid.engine.split_programs import SplitPrograms
+
+__all__ = ["backward", "run"]
+
+
+def backward(
+    stage: Any, saved: list[Saved], dys: list[list[tf.Tensor | None]], acc: list[tf.Tensor]
+) -> list[tf.Tensor]:
+    """``acc`` plus the weight gradients of every micro-batch in ``saved`` on ``stage`` (a
+    ``StageReplica``; forwards kept with ``split``, each micro-batch's B run): once, over
+    their rows joined, when the stage's W is a sum over rows (:func:`plan`), else one by
+    one (with a warning saying why). ``stage.deferral`` gets the plan or the reason."""
+    kept = [s.kept for s in saved if s.kept is not None]
+    assert len(kept) == len(saved), "deferral needs remat='never'"
+    first, M = kept[0], len(saved)
+    weights = first.args[len(first.args) - len(stage.trainable_variables) :]
+    data = tf.nest.map_structure(
+        lambda t: None if t is None else tf.TensorSpec([M * t.shape[0], *t.shape[1:]], t.dtype),
+        (saved[0].inputs, saved[0].labels),
+    )
+    structure = (*data, saved[0].seed, [tf.TensorSpec.from_tensor(w) for w in weights])
+    full, _ = stage.kept_programs(structure, first.need_dx, True, accumulate=False)
+    varying = [True] * (len(first.args) - len(weights)) + [False] * len(weights)
+    more = [[d for d in dy if d is not None] for dy in dys]
+    per_row = [not stage.is_last] * len(more[0])  # the last stage's: the loss's seed
+    stage.deferral = plan(full, first.programs, M, varying, per_row)
+    if isinstance(stage.deferral, Plan):
+        return accumulated(acc, run(stage.deferral, full, kept, more))
+    warnings.warn(
+        f"stage {stage.index} computes its weight gradients per micro-batch, not once for "
+        f"the step (defer_weight_gradients): {stage.deferral}",
+        stacklevel=2,
+    )
+    for record, dy in zip(saved, dys, strict=True):
+        _, acc = stage.backward(record, dy, need_dx=False, need_dw=True, acc=acc)
+    return acc
+
+
+def run(
+    found: Plan, full: SplitPrograms, kept: Sequence[Kept], more: Sequence[Sequence[tf.Tensor]]
+) -> list[tf.Tensor]:
+    """``full``'s weight gradients, once, from every micro-batch's forward (``kept``) and
+    backward arguments (``more``), joined as ``found`` says."""
+
+    def join(values: list[tf.Tensor], concat: bool) -> tf.Tensor:
+        return tf.concat(values, 0) if concat else values[0]
+
+    def carried(k: Kept) -> list[tf.Tensor]:
+        assert k.carried is not None, "W runs after every micro-batch's B"
+        return k.carried
+
+    args = [join([k.args[i] for k in kept], c) for i, c in enumerate(found.args)]
+    residuals = [join([k.residuals[i] for k in kept], c) for i, c in found.residuals]
+    grads = [join([m[i] for m in more], c) for i, c in enumerate(found.more)]
+    if not full.cut_backward:
+        return full.backward(args, residuals, grads)
+    passed = [join([carried(k)[i] for k in kept], c) for i, c in found.carried]
+    return full.weight_backward(args, residuals, grads, passed)

@@ -1,0 +1,419 @@
+"""Whether a traced weight-gradient program W is a sum over the rows of its batch, the proof
+deferred weight gradients (``deferral.py``) rest on: W(concat_m inputs_m) = Σ_m W(inputs_m).
+
+It holds when W is made of operations that act on each row alone (elementwise ops, products
+with a weight, reshapes that keep each row's elements together), then sums over the rows (a
+kernel gradient's contraction over the batch, a bias gradient's sum) and linear operations on
+those sums, and what W reads that is not per row is the same for every micro-batch (the
+weights, the loss's seed). :func:`plan` proves it op by op or names the op that stops it; an
+op it does not know stops it. Its evidence of the batch axis is two traces of the stage's
+forward + backward, at b and at M·b rows: a tensor whose first dimension is b in one and M·b
+in the other, the rest equal, is per row. A constant must be equal in both traces unless it
+only gives a shape (a reshape's, a sum's axes): the batch size used as a value stops it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from hybrid.engine.split_programs import SplitPrograms, descendants, pure
+
+__all__ = ["Plan", "plan"]
+
+# What a tensor of W is, for the rows of the batch:
+ROW = "row"  # per row: concatenating the micro-batches' gives the whole batch's
+SUM = "sum"  # a sum over the rows: the micro-batches' add up to the whole batch's
+FIXED = "fixed"  # the same for every micro-batch and in both traces
+SHAPE = "shape"  # the same for every micro-batch, but depends on the batch size
+
+# Ops that apply to each element (with broadcasting): per row when their inputs are.
+_ELEMENTWISE = frozenset(
+    "Abs Add AddN AddV2 Atan2 BiasAdd Cast Ceil ClipByValue Cos Div DivNoNan Elu EluGrad "
+    "EnsureShape Equal Erf Erfc Exp Expm1 Floor FloorDiv FloorMod Greater GreaterEqual "
+    "Identity IsFinite LeakyRelu LeakyReluGrad Less LessEqual Log Log1p LogicalAnd LogicalNot "
+    "LogicalOr Maximum Minimum Mul MulNoNan Neg NotEqual OnesLike Pow PreventGradient "
+    "Reciprocal ReciprocalGrad RealDiv Relu Relu6 Relu6Grad ReluGrad Round Rsqrt RsqrtGrad "
+    "Select SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin Snapshot Softplus SoftplusGrad "
+    "Softsign SoftsignGrad Sqrt SqrtGrad Square SquaredDifference StopGradient Sub Tanh "
+    "TanhGrad Xdivy Xlogy ZerosLike".split()
+)
+# Ops linear in their one summed input (the others fixed): a sum stays a sum.
+_LINEAR = frozenset(
+    "AddN AddV2 Add Cast EnsureShape ExpandDims Identity Neg Reshape Snapshot Squeeze "
+    "StopGradient Sub Sum Transpose".split()
+)
+_SCALING = frozenset({"Mul", "RealDiv", "Div", "DivNoNan"})  # sum × or ÷ a fixed value
+# Ops that make every row the same value (from a fixed input).
+_UNIFORM = frozenset({"Fill", "BroadcastTo", "ZerosLike", "OnesLike", "Tile"})
+# Inputs that only give a shape (may depend on the batch size), by op.
+_SHAPE_ARGS: dict[str, frozenset[int]] = {
+    op: frozenset(at)
+    for at, ops in [
+        ((0,), "Conv2DBackpropInput Fill Split"),
+        ((1,), "BroadcastTo Conv2DBackpropFilter Conv3DBackpropFilterV2 ExpandDims Reshape Sum"),
+        ((1,), "DepthwiseConv2dNativeBackpropFilter Tile Transpose"),
+        ((2,), "GatherV2 UnsortedSegmentSum"),
+        ((1, 2), "Slice SplitV"),
+        ((1, 2, 3), "StridedSlice"),
+    ]
+    for op in ops.split()
+}
+_FILTER_GRADS = frozenset(
+    {
+        "Conv2DBackpropFilter",
+        "Conv2DBackpropFilterV2",
+        "Conv3DBackpropFilterV2",
+        "DepthwiseConv2dNativeBackpropFilter",
+    }
+)
+_CONVS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"})
+
+
+class _Stop(Exception):
+    """W is not (provably) additive over rows: why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the deferred W's inputs are made from the micro-batches' (``None``: micro-batch
+    0's, the same for all; else concatenated): per forward argument, residual (with its
+    index among the micro-batch programs' residuals), backward argument and carried tensor."""
+
+    args: list[bool]
+    residuals: list[tuple[int, bool]]
+    more: list[bool]
+    carried: list[tuple[int, bool]]
+
+
+def plan(
+    full: SplitPrograms,
+    micro: SplitPrograms,
+    micro_batches: int,
+    varying_args: Sequence[bool],
+    varying_more: Sequence[bool],
+) -> Plan | str:
+    """Whether ``full``'s weight program (traced at ``micro_batches`` times the rows of
+    ``micro``) run once on the micro-batches' inputs concatenated computes the sum of
+    ``micro``'s over the micro-batches, and how to feed it; else why not.
+
+    Args:
+      varying_args, varying_more: which forward and backward arguments differ between
+        micro-batches (inputs, labels, the seed, output gradients; not the weights).
+    """
+    try:
+        return _Analysis(full, micro, micro_batches).run(varying_args, varying_more)
+    except _Stop as stop:
+        return str(stop)
+
+
+class _Analysis:
+    """One pass over the full trace's W, in graph order (see :func:`plan`)."""
+
+    def __init__(self, full: SplitPrograms, micro: SplitPrograms, micro_batches: int) -> None:
+        self.part, self.micro, self.M = full.weights, micro, micro_batches
+        self.states: dict[str, str] = {}
+
+    def counterpart(self, t: tf.Tensor) -> tf.Tensor:
+        try:
+            return self.micro.weights.graph.get_tensor_by_name(t.name)
+        except (KeyError, ValueError):
+            raise _Stop(f"{t.name} is only in the trace of the whole batch") from None
+
+    def per_row(self, t: tf.Tensor) -> bool:
+        """Whether ``t``'s first dimension is the batch's: M times longer in the full trace."""
+        full, micro = t.shape, self.counterpart(t).shape
+        if not (full.is_fully_defined() and micro.is_fully_defined()) or full.rank == 0:
+            return False
+        return full[0] == self.M * micro[0] and full[1:] == micro[1:]
+
+    def same_shape(self, t: tf.Tensor) -> bool:
+        micro = self.counterpart(t).shape
+        return t.shape.is_fully_defined() and t.shape == micro
+
+    def source(self, t: tf.Tensor, varies: bool) -> str:
+        """A tensor W reads from outside: per row if it varies, else fixed."""
+        if varies:
+            if not self.per_row(t):
+                raise _Stop(f"{t.name} {t.shape} differs per micro-batch but is not per row")
+            return ROW
+        if not self.same_shape(t):
+            raise _Stop(f"{t.name} {t.shape} depends on the batch size")
+        return FIXED
+
+    def run(self, varying_args: Sequence[bool], varying_more: Sequence[bool]) -> Plan:
+        part, graph = self.part, self.part.graph
+        placeholders = {f"{n}:0": v for n, v in zip(part.args, varying_args, strict=True)}
+        placeholders.update({f"{n}:0": v for n, v in zip(part.more, varying_more, strict=True)})
+        roots = [graph.get_tensor_by_name(n).op for n, v in placeholders.items() if v]
+        varying = descendants(graph, roots)
+        outside = set(part.residuals) | set(part.carried)
+        for op in graph.get_operations():  # a topological order
+            if op not in part.ops:
+                continue
+            for t in op.inputs:
+                if t.name in self.states:
+                    continue
+                if t.name in placeholders:
+                    self.states[t.name] = self.source(t, placeholders[t.name])
+                elif t.name in outside:
+                    if t.op not in varying and not _deterministic(t):
+                        raise _Stop(f"{t.name} comes from a random or stateful op")
+                    self.states[t.name] = self.source(t, t.op in varying)
+                elif t.op.type == "Placeholder":  # a captured variable handle
+                    self.states[t.name] = FIXED
+                else:
+                    raise _Stop(f"{t.name} reaches W from outside its inputs")
+            if op.type == "Placeholder":
+                continue
+            states = self.rule(op, [self.states[t.name] for t in op.inputs])
+            self.states.update((t.name, s) for t, s in zip(op.outputs, states, strict=True))
+        for name in part.returns:
+            t = graph.get_tensor_by_name(name)
+            state = self.states.get(name)
+            if state != SUM and not (state == FIXED and _zero(t)):
+                raise _Stop(f"the gradient {name} is not a sum over the batch ({state})")
+        used = {t.name for op in part.ops for t in op.inputs} | set(part.returns)
+
+        def concat(name: str) -> bool:
+            return name in used and self.states.get(name) == ROW
+
+        def index(names: list[str], name: str) -> int:
+            if name not in names:
+                raise _Stop(f"{name} is not kept by the micro-batch's programs")
+            return names.index(name)
+
+        return Plan(
+            [concat(f"{n}:0") for n in part.args],
+            [(index(self.micro.residual_names, n), concat(n)) for n in part.residuals],
+            [concat(f"{n}:0") for n in part.more],
+            [(index(self.micro.carried_names, n), concat(n)) for n in part.carried],
+        )
+
+    def rule(self, op: tf.Operation, ins: list[str]) -> list[str]:
+        """The states of ``op``'s outputs, given its inputs'; raises :class:`_Stop`."""
+        kinds = set(ins) - {FIXED, SHAPE}
+        if not kinds:
+            return [self.constant(op, t, ins) for t in op.outputs]
+        concat_axis = frozenset({len(ins) - 1})
+        shapes = concat_axis if op.type == "ConcatV2" else _SHAPE_ARGS.get(op.type, frozenset())
+        for i, s in enumerate(ins):
+            if s == SHAPE and i not in shapes:
+                raise _Stop(
+                    f"{op.type} {op.name} reads {op.inputs[i].name}, a value that "
+                    "depends on the batch size"
+                )
+        if kinds == {SUM}:
+            return [self.summed(op, ins, shapes)] * len(op.outputs)
+        if kinds != {ROW}:
+            raise _Stop(f"{op.type} {op.name} mixes per-row tensors and sums")
+        if op.type in ("Shape", "Size", "ShapeN"):
+            return [SHAPE] * len(op.outputs)
+        if op.type == "Rank":
+            return [FIXED]
+        return [self.row_op(op, ins)] * len(op.outputs)
+
+    def constant(self, op: tf.Operation, t: tf.Tensor, ins: list[str]) -> str:
+        """A tensor computed from fixed values only."""
+        if not (pure(op) or op.type == "ReadVariableOp"):
+            raise _Stop(f"{op.type} {op.name} is random or stateful")
+        state = SHAPE if SHAPE in ins else FIXED
+        if op.type == "Const":
+            full, micro = tf.get_static_value(t), tf.get_static_value(self.counterpart(t))
+            same = full is not None and micro is not None and full.shape == micro.shape
+            state = FIXED if same and np.array_equal(full, micro) else SHAPE
+        if self.same_shape(t):
+            return state
+        if self.per_row(t) and self.uniform(op, t, ins):
+            return ROW
+        if t.dtype.is_integer:  # a shape, axes: different in the two traces
+            return SHAPE
+        raise _Stop(f"{op.type} {op.name} {t.shape} depends on the batch size")
+
+    def uniform(self, op: tf.Operation, t: tf.Tensor, ins: list[str]) -> bool:
+        """Whether the fixed per-row tensor ``t`` has the same value in every row."""
+        if op.type == "Const":
+            value = tf.get_static_value(t)
+            return value is not None and bool(np.all(value == value.flat[0]))
+        if op.type not in _UNIFORM:
+            return False
+        value = {"Fill": 1, "BroadcastTo": 0, "Tile": 0}.get(op.type)
+        if value is None:  # zeros or ones
+            return True
+        source = op.inputs[value].shape
+        if ins[value] != FIXED or source.rank is None:
+            return False
+        if op.type == "Tile":
+            return source.rank > 0 and source[0] == 1
+        return source.rank < t.shape.rank or source[0] == 1
+
+    def summed(self, op: tf.Operation, ins: list[str], shapes: frozenset[int]) -> str:
+        """A linear op on sums (and fixed factors)."""
+        values = [s for i, s in enumerate(ins) if i not in shapes]
+        if op.type in _LINEAR and all(s == SUM for s in values):
+            return SUM
+        if op.type in _SCALING and values.count(SUM) == 1 and ins[0] == SUM:
+            return SUM
+        if op.type == "Mul" and values.count(SUM) == 1:
+            return SUM
+        raise _Stop(f"{op.type} {op.name} is not linear in its summed input")
+
+    def row_op(self, op: tf.Operation, ins: list[str]) -> str:
+        """The state of an op that reads per-row tensors: per row, a sum, or stopped."""
+        out = op.outputs[0]
+        kind, row_out = op.type, self.per_row(out)
+        fail = _Stop(f"{kind} {op.name} is not known to act on each row alone")
+
+        def static(i: int) -> np.ndarray:
+            value = tf.get_static_value(op.inputs[i])
+            if value is None:
+                raise fail
+            return np.asarray(value)
+
+        def axis(i: int) -> int:
+            return int(static(i).reshape(-1)[0]) % max(op.inputs[0].shape.rank or 1, 1)
+
+        if kind in _ELEMENTWISE:
+            for t, s in zip(op.inputs, ins, strict=True):
+                broadcast = s == FIXED and t.shape.rank == out.shape.rank and t.shape[0] != 1
+                if broadcast:
+                    raise _Stop(f"{kind} {op.name} broadcasts {t.name} {t.shape} over rows")
+            if row_out:
+                return ROW
+            raise fail
+        if kind in ("Sum", "BiasAddGrad") and ins[0] == ROW:
+            if row_out:
+                return ROW
+            if self.same_shape(out):
+                return SUM
+            raise fail
+        if kind == "MatMul" or kind.startswith("BatchMatMul"):
+            return self.matmul(op, ins, row_out, fail)
+        if kind == "Einsum":
+            return self.einsum(op, ins, row_out, fail)
+        if kind in _FILTER_GRADS and ins[0] == ROW and ins[2] == ROW and ins[1] != ROW:
+            if self.same_shape(out):
+                return SUM
+            raise fail
+        if kind == "UnsortedSegmentSum" and ins[:2] == [ROW, ROW] and self.same_shape(out):
+            return SUM
+        if not row_out:
+            raise fail
+        rows_kept = out.shape[0] == op.inputs[0].shape[0]
+        if kind in _CONVS:
+            data = 2 if kind == "Conv2DBackpropInput" else 0
+            filt = 1
+            if ins[data] == ROW and ins[filt] == FIXED:
+                return ROW
+        elif kind in ("Reshape", "ExpandDims", "Squeeze", "BroadcastTo", "ZerosLike"):
+            if ins[0] == ROW:
+                return ROW
+        elif kind in ("Softmax", "LogSoftmax") and out.shape.rank >= 2:
+            return ROW
+        elif kind == "Transpose" and ins[0] == ROW and static(1)[0] == 0:
+            return ROW
+        elif kind == "Tile" and ins[0] == ROW and static(1)[0] == 1:
+            return ROW
+        elif kind == "ConcatV2" and axis(len(ins) - 1) != 0:
+            if all(s == ROW for s in ins[:-1]):
+                return ROW
+        elif kind in ("Split", "SplitV"):
+            data, at = (1, 0) if kind == "Split" else (0, 2)
+            if ins[data] == ROW and axis(at) != 0:
+                return ROW
+        elif kind == "Slice" and ins[0] == ROW and rows_kept and _first_row(op.inputs[1]):
+            return ROW
+        elif kind == "StridedSlice" and ins[0] == ROW and rows_kept:
+            masks = [
+                op.get_attr(m) & 1 for m in ("new_axis_mask", "shrink_axis_mask", "ellipsis_mask")
+            ]
+            if not any(masks) and static(3)[0] == 1:
+                return ROW
+        elif kind in ("GatherV2", "Gather") and ins[0] == FIXED and ins[1] == ROW:
+            if (kind == "Gather" or static(2) == 0) and op.get_attr("batch_dims") == 0:
+                return ROW
+        raise fail
+
+    def matmul(self, op: tf.Operation, ins: list[str], row_out: bool, fail: _Stop) -> str:
+        """A matrix product: per row (a row operand on the left, a fixed one on the right,
+        or batched products whose batch axis is the rows) or a sum (rows contracted)."""
+        batched = op.type != "MatMul"
+        ta = op.get_attr("adj_x" if batched else "transpose_a")
+        tb = op.get_attr("adj_y" if batched else "transpose_b")
+        a, b = op.inputs[0], op.inputs[1]
+        rank = op.outputs[0].shape.rank
+        if row_out and rank is not None and rank >= 3 and batched:
+            fixed_ok = all(
+                t.shape.rank == rank if s == ROW else t.shape.rank < rank or t.shape[0] == 1
+                for t, s in zip((a, b), ins, strict=True)
+            )
+            if fixed_ok:
+                return ROW
+        if row_out and ins == [ROW, FIXED] and not ta and rank == 2:
+            return ROW
+        if ins == [ROW, ROW] and ta and not tb and a.shape.rank == 2:
+            if self.same_shape(op.outputs[0]):
+                return SUM
+        raise fail
+
+    def einsum(self, op: tf.Operation, ins: list[str], row_out: bool, fail: _Stop) -> str:
+        """An einsum whose per-row operands all start with the batch letter: per row if the
+        output starts with it, a sum if the output lacks it."""
+        equation = op.get_attr("equation").decode()
+        if "..." in equation or "->" not in equation:
+            raise fail
+        lhs, result = equation.split("->")
+        terms = lhs.split(",")
+        letters = {t[0] for t, s in zip(terms, ins, strict=True) if s == ROW}
+        if len(letters) != 1:
+            raise fail
+        (batch,) = letters
+        if any(batch in t for t, s in zip(terms, ins, strict=True) if s != ROW):
+            raise fail
+        if result.startswith(batch) and row_out:
+            return ROW
+        if batch not in result and self.same_shape(op.outputs[0]):
+            return SUM
+        raise fail
+
+
+def _deterministic(t: tf.Tensor) -> bool:
+    """Whether ``t`` is computed by pure ops and variable reads only."""
+    seen: set[tf.Operation] = set()
+    todo = [t.op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if not (pure(op) or op.type in ("ReadVariableOp", "Placeholder")):
+            return False
+        todo += [i.op for i in op.inputs]
+    return True
+
+
+def _first_row(begin: tf.Tensor) -> bool:
+    """Whether a slice's ``begin`` starts at row 0: a constant, or a concatenation's
+    gradient offsets (``ConcatOffset``) along another axis."""
+    value = tf.get_static_value(begin)
+    if value is not None:
+        return int(np.asarray(value).reshape(-1)[0]) == 0
+    if begin.op.type != "ConcatOffset":
+        return False
+    axis, rank = begin.op.inputs[0], begin.op.inputs[1].shape[0]
+    if axis.op.type == "FloorMod":  # the axis, modulo the rank
+        axis = axis.op.inputs[0]
+    value = tf.get_static_value(axis)
+    return value is not None and rank is not None and int(value) % rank != 0
+
+
+def _zero(t: tf.Tensor) -> bool:
+    """Whether the fixed tensor ``t`` is all zeros (a gradient that nothing reaches)."""
+    if t.op.type == "ZerosLike":
+        return True
+    source = t.op.inputs[1] if t.op.type == "Fill" else t
+    value = tf.get_static_value(source)
+    return value is not None and not np.any(value)

@@ -1,0 +1,139 @@
+"""The proof behind deferred weight gradients (``hybrid.engine.row_sums``): a traced weight
+program run once on M micro-batches' rows joined computes the sum of its M runs, or the
+proof names what stops it; and ``deferral.run`` feeds it."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hybrid.engine import deferral, records, row_sums, split_programs
+
+ROWS, M, WIDTH = 4, 3, 5
+
+
+def _joint(body, need_dx=True):
+    """joint([x, w1, w2], [dy]) -> ([y], [dx, dw1, dw2]) for ``y = body(x, w1, w2)`` (no
+    dx unless ``need_dx``: a first stage's)."""
+
+    def joint(f_args, b_args):
+        x, weights = f_args[0], f_args[1:]
+        with tf.GradientTape() as tape:
+            tape.watch([x] + weights)
+            y = body(x, *weights)
+        sources = ([x] if need_dx else []) + weights
+        return [y], tape.gradient(y, sources, output_gradients=b_args[0])
+
+    return joint
+
+
+def _mlp(x, w1, w2):
+    return tf.tanh(tf.nn.relu(x @ w1) @ w2)
+
+
+def _batch_size_scaled(x, w1, w2):
+    """A penalty divided by the batch size, as Keras divides an activity regularizer's."""
+    h = x @ w1
+    return tf.tanh(h @ w2) + tf.reduce_sum(h**2) / float(x.shape[0])
+
+
+def _cross_row(x, w1, w2):
+    """Every row sees the batch's mean: the rows are not independent."""
+    h = tf.nn.relu(x @ w1)
+    return (h - tf.reduce_mean(h, axis=0, keepdims=True)) @ w2
+
+
+def _batch_mean(x, w1, w2):
+    """A weight that only sees the batch's mean input."""
+    return tf.tanh(x @ w1) + tf.reduce_mean(x, axis=0, keepdims=True) @ w2
+
+
+def _traces(body, need_dx=True):
+    """The programs at ROWS rows and at M × ROWS rows (the backward cut after dx when
+    ``need_dx``), and M micro-batches' tensors."""
+    weights = [tf.random.stateless_normal([WIDTH, WIDTH], seed=[i, 0]) for i in range(1, 3)]
+
+    def trace(rows):
+        specs = [tf.TensorSpec([rows, WIDTH])] + [tf.TensorSpec(w.shape) for w in weights]
+        first = 1 if need_dx else None
+        dys = [tf.TensorSpec([rows, WIDTH])]
+        return split_programs.split(_joint(body, need_dx), specs, dys, [0], False, first)
+
+    xs = [tf.random.stateless_normal([ROWS, WIDTH], seed=[10, m]) for m in range(M)]
+    dys = [tf.random.stateless_normal([ROWS, WIDTH], seed=[20, m]) for m in range(M)]
+    return trace(ROWS), trace(M * ROWS), weights, xs, dys
+
+
+def _kept(micro, x, weights, dy, need_dx=True):
+    args = [x] + weights
+    _, residuals = micro.forward(args)
+    kept = records.Kept(micro, args, residuals, need_dx)
+    if need_dx:
+        kept.backward([dy], [True], need_dx=True, need_dw=False)  # B: keeps what W reads
+    return kept
+
+
+def test_a_deferred_mlp_weight_gradient_is_the_sum_of_the_micro_batches():
+    micro, full, weights, xs, dys = _traces(_mlp)
+    plan = row_sums.plan(full, micro, M, [True, False, False], [True])
+    assert isinstance(plan, row_sums.Plan), plan
+    kept = [_kept(micro, x, weights, dy) for x, dy in zip(xs, dys, strict=True)]
+    once = deferral.run(plan, full, kept, [[dy] for dy in dys])
+    per_micro_batch = [
+        k.backward([dy], [True], False, True)[1] for k, dy in zip(kept, dys, strict=True)
+    ]
+    summed = [sum(gs) for gs in zip(*per_micro_batch, strict=True)]
+    assert len(once) == len(summed) == 2
+    for got, want in zip(once, summed, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The same as one whole-batch backward (what plain Keras computes).
+    whole = _joint(_mlp)([tf.concat(xs, 0)] + weights, [tf.concat(dys, 0)])[1][1:]
+    for got, want in zip(once, whole, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The weights are passed once, the activations and gradients joined.
+    assert plan.args == [True, False, False]
+    assert plan.carried and all(joined for _, joined in plan.carried)
+    assert any(joined for _, joined in plan.residuals)
+
+
+@pytest.mark.parametrize(
+    "body,need_dx,reason",
+    [
+        # In a first stage's W (no input gradient to carry): the rows meet.
+        (_batch_size_scaled, False, "a value that depends on the batch size"),
+        (_cross_row, False, "is not linear in its summed input"),
+        # A weight gradient off the input gradient's path, from the batch's mean.
+        (_batch_mean, True, "differs per micro-batch but is not per row"),
+    ],
+)
+def test_a_weight_program_that_is_not_a_sum_over_rows_is_not_deferred(body, need_dx, reason):
+    micro, full, weights, xs, dys = _traces(body, need_dx)
+    plan = row_sums.plan(full, micro, M, [True, False, False], [True])
+    assert isinstance(plan, str) and reason in plan, plan
+    if need_dx:
+        return  # (the mean is one row per micro-batch: W cannot even take them joined)
+    # Deferred anyway, it would compute something else: the proof is needed.
+    kept = [_kept(micro, x, weights, dy, need_dx) for x, dy in zip(xs, dys, strict=True)]
+    runs = [k.backward([dy], [True], False, True)[1] for k, dy in zip(kept, dys, strict=True)]
+    summed = [sum(gs) for gs in zip(*runs, strict=True)]
+    forced = row_sums.Plan(
+        [True, False, False],
+        [(micro.residual_names.index(n), True) for n in full.weights.residuals],
+        [True],
+        [],
+    )
+    wrong = deferral.run(forced, full, kept, [[dy] for dy in dys])
+    assert not all(np.allclose(g, w, rtol=1e-4) for g, w in zip(wrong, summed, strict=True))
+
+
+def test_per_row_tensors_that_cross_rows_in_b_are_deferred_exactly():
+    """A batch-mean or a 1 / b penalty on the input gradient's path is B's (carried to W
+    per row): W stays a sum over rows and deferral is exact."""
+    for body in (_cross_row, _batch_size_scaled):
+        micro, full, weights, xs, dys = _traces(body)
+        plan = row_sums.plan(full, micro, M, [True, False, False], [True])
+        assert isinstance(plan, row_sums.Plan), plan
+        kept = [_kept(micro, x, weights, dy) for x, dy in zip(xs, dys, strict=True)]
+        once = deferral.run(plan, full, kept, [[dy] for dy in dys])
+        runs = [k.backward([dy], [True], False, True)[1] for k, dy in zip(kept, dys, strict=True)]
+        for got, want in zip(once, [sum(gs) for gs in zip(*runs, strict=True)], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
