@@ -35,7 +35,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import reduction
+from hybrid.engine import reduction, row_sums
 
 import covering
 import reference as ref
@@ -116,9 +116,11 @@ RECIPES = [
 ]
 MESHES = [(3, 1), (1, 2), (2, 2)]
 GRID = [
-    pytest.param(recipe, s, r, m, sched, id=f"{recipe}-{s}x{r}-M{m}-{sched}")
-    for recipe, (s, r), m, sched in covering.all_pairs(
-        RECIPES, MESHES, [1, 2, 4], ["gpipe", "1f1b", "zb-h1"]
+    pytest.param(
+        recipe, s, r, m, sched, defer, id=f"{recipe}-{s}x{r}-M{m}-{sched}" + "-deferred" * defer
+    )
+    for recipe, (s, r), m, sched, defer in covering.all_pairs(
+        RECIPES, MESHES, [1, 2, 4], ["gpipe", "1f1b", "zb-h1"], [False, True]
     )
 ]
 
@@ -134,8 +136,15 @@ def optimizer_state(optimizers):
     return state
 
 
-@pytest.mark.parametrize("recipe,stages,replicas,micro_batches,schedule", GRID)
-def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule):
+def assert_deferred(pipe):
+    """Every stage computed its weight gradients once per step (``row_sums`` proved its W a
+    sum over rows; an activity penalty's 1 / batch size is the forward's, per micro-batch)."""
+    plans = [copy.deferral for row in pipe.stages for copy in row]
+    assert all(isinstance(plan, row_sums.Plan) for plan in plans), plans
+
+
+@pytest.mark.parametrize("recipe,stages,replicas,micro_batches,schedule,deferred", GRID)
+def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule, deferred):
     keras_model = model(recipe=recipe)
     keras_model.compile(optimizer=optimizer_for(recipe, keras_model), loss=loss_for(recipe))
     template = model(seed=1, recipe=recipe)
@@ -148,6 +157,8 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule)
         micro_batches=micro_batches,
         schedule=schedule,
         jit_compile=False,
+        remat="never" if deferred else "except_last",
+        defer_weight_gradients=deferred,
     )
     weighted = recipe in ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
     for step in range(STEPS):
@@ -157,6 +168,8 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule)
         got = pipe.train_step(x, y, sample_weight=w)["loss"]
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+    if deferred and micro_batches > 1:
+        assert_deferred(pipe)
     x, y = ref.batch(BATCH, seed=9)
     w = sample_weights(9) if weighted else None
     np.testing.assert_allclose(

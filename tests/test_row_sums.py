@@ -2,10 +2,14 @@
 program run once on M micro-batches' rows joined computes the sum of its M runs, or the
 proof names what stops it; and ``deferral.run`` feeds it."""
 
+import warnings
+
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import hybrid
 from hybrid.engine import deferral, records, row_sums, split_programs
 
 ROWS, M, WIDTH = 4, 3, 5
@@ -137,3 +141,48 @@ def test_per_row_tensors_that_cross_rows_in_b_are_deferred_exactly():
         runs = [k.backward([dy], [True], False, True)[1] for k, dy in zip(kept, dys, strict=True)]
         for got, want in zip(once, [sum(gs) for gs in zip(*runs, strict=True)], strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_whose_weight_program_is_not_a_sum_computes_it_per_micro_batch():
+    """BatchNormalization normalizes each micro-batch by its own statistics, and its
+    weight gradients read them (one row per micro-batch, not per example): the proof
+    refuses, each stage warns and computes W per micro-batch, and the gradients are the
+    undeferred pipeline's."""
+    keras.utils.set_random_seed(0)
+    template = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
+    y = np.arange(16) % 3
+    grads = {}
+    for defer in (False, True):
+        twin = keras.models.clone_model(template)
+        twin.set_weights(template.get_weights())
+        pipe = hybrid.Pipeline(
+            twin,
+            mesh=hybrid.DeviceMesh.create(2, 1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras.optimizers.SGD(0.1),
+            micro_batches=4,
+            balance=[2, 3],
+            remat="never",
+            jit_compile=False,
+            defer_weight_gradients=defer,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grads[defer] = pipe.gradients(x, y)
+        said = [str(w.message) for w in caught if "per micro-batch, not once" in str(w.message)]
+        states = [row[0].deferral for row in pipe.stages]
+    assert sorted(m[:16] for m in said) == ["stage 0 computes", "stage 1 computes"], said
+    assert all("differs per micro-batch but is not per row" in m for m in said), said
+    assert all(isinstance(state, str) for state in states), states
+    for got, want in zip(grads[True], grads[False], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

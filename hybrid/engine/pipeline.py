@@ -26,6 +26,7 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -97,9 +98,8 @@ class Pipeline(Workflow):
       boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
         cross stage boundaries in training (``compression.py``: inexact, for slow links);
         None or "float32" sends them as they are.
-      defer_weight_gradients: each stage computes its weight gradients once per step over
-        all its micro-batches' rows, not per micro-batch (``deferral.py``; exact; needs
-        ``remat="never"``; keeps every micro-batch's activations to the step's end).
+      defer_weight_gradients: each stage's weight gradients once per step over all its
+        micro-batches' rows (``deferral.py``; exact; needs ``remat="never"``; memory).
     """
 
     def __init__(
@@ -146,8 +146,7 @@ class Pipeline(Workflow):
                 defer_weight_gradients=defer_weight_gradients,
             )
         )
-        self.remat, self.jit_compile = remat, jit_compile
-        self._defer = defer_weight_gradients
+        self.remat, self.jit_compile, self._defer = remat, jit_compile, defer_weight_gradients
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
@@ -255,10 +254,8 @@ class Pipeline(Workflow):
     def timed_train_step(
         self, x: Any, y: Any, sample_weight: Any = None
     ) -> tuple[dict[str, float], list[TimedAction]]:
-        """A real training step that also records when each of replica 0's actions ran:
-        timestamps on its device once its previous action ended and its inputs are ready,
-        and once its outputs are (seconds from the step's first start; on a busy host a
-        timestamp can run late by one queued kernel). ``last_timeline`` gets its breakdown."""
+        """A real training step that also records when each of replica 0's actions ran
+        (``timing.py``: seconds from its first start); ``last_timeline`` gets the breakdown."""
         self._metrics.reset()
         view = self._timed_step(self._batch(x, y, sample_weight))
         return self._metrics.result(), view.actions
@@ -271,11 +268,8 @@ class Pipeline(Workflow):
         return self.last_timeline
 
     def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
-        """The gradients of the batch's loss, without updating anything.
-
-        In the order of ``model.trainable_variables``; runs the same schedule, remat and
-        reductions as :meth:`train_step` (replica 0's copy is returned).
-        """
+        """The gradients of the batch's loss as :meth:`train_step` computes them (replica
+        0's, in the order of ``model.trainable_variables``), without updating anything."""
         _, grads = self._grads(self._batch(x, y, sample_weight))
         return [g.numpy() for g in grads]
 
@@ -366,14 +360,20 @@ class Pipeline(Workflow):
         divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
         loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
         seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
-        remat, defer = lowering.remat_policy(self.remat, self.micro_batches), self._defer
+        lower = functools.partial(lowering.lower_training, codec=self._codec, defer=self._defer)
+        remat = lowering.remat_policy(self.remat, self.micro_batches)
         steps = [
-            lowering.lower_training(
-                *(self.schedule, self._order, self._fused, [row[r] for row in self._stages]),
-                *(xs[r], labels[r], self._seeds(r), remat, seed),
+            lower(
+                self.schedule,
+                self._order,
+                self._fused,
+                [row[r] for row in self._stages],
+                xs[r],
+                labels[r],
+                self._seeds(r),
+                remat,
+                seed,
                 clocks=self._clocks if record and r == 0 else None,
-                codec=self._codec,
-                defer=defer,
             )
             for r in range(R)
         ]
