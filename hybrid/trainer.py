@@ -84,6 +84,7 @@ class TrainConfig:
       prefetch: batches prepared on the mesh's devices ahead of the step (0: none).
       boundary_dtype: what crosses a stage boundary in training (``Pipeline``'s
         ``boundary_dtype``: "bfloat16" and "int8" compress, inexactly).
+      defer_weight_gradients: ``Pipeline``'s: weight gradients once per step and stage.
       timeline_every: time every this many steps: per device compute, transfers,
         all-reduce and idle to the log, TensorBoard and a PNG (0: never).
       log_every: log and write TensorBoard scalars every this many steps.
@@ -124,6 +125,7 @@ class TrainConfig:
     jit_compile: bool = True
     prefetch: int = 2
     boundary_dtype: str = "float32"
+    defer_weight_gradients: bool = False
     timeline_every: int = 0
     log_every: int = 10
     model_dir: str | None = None
@@ -280,6 +282,7 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tu
         metrics=metrics,
         prefetch=config.prefetch,
         boundary_dtype=config.boundary_dtype,
+        defer_weight_gradients=config.defer_weight_gradients,
     )
     pipe.build(shape, dtype)
     pipe.timeline_every = config.timeline_every
@@ -394,7 +397,7 @@ def _resume(
     log(
         f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
         f"balance {pipe.balance} micro_batches {config.micro_batches} schedule {config.schedule} "
-        f"remat {config.remat}"
+        f"remat {config.remat}" + " deferred weight gradients" * config.defer_weight_gradients
     )
     if restored:
         log(f"restored {restored.path}: resuming at step {restored.step + 1}")

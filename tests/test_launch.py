@@ -172,10 +172,12 @@ def test_trains_on_tfrecord_files(tmp_path):
         "--model=user_model:model", f"--data=tfrecord:{tmp_path}/part-*.tfrecord",
         '--tfrecord_features={"x": ["float32", [12]], "label": ["int64", []]}',
         "--mesh=stage:2;replica:1", "--micro_batches=2", "--global_batch_size=32",
-        "--train_steps=30", "--learning_rate=0.01",
+        "--train_steps=30", "--learning_rate=0.01", "--remat=never", "--defer_weight_gradients",
         env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "remat never deferred weight gradients" in run.stdout + run.stderr
+    assert "per micro-batch, not once" not in run.stdout + run.stderr  # both stages deferred
     first, last, done = first_and_last_loss(run)
     assert last < 0.8 * first, done
 
@@ -256,6 +258,16 @@ def test_trains_on_tfrecord_files(tmp_path):
         (["--platform=gpu", "--simulated_devices=4"], "--simulated_devices only applies with"),
         (["--mesh=auto"], "--mesh=auto on --platform=cpu needs --simulated_devices=N"),
         (["--boundary_dtype=float16"], "value should be one of <float32|bfloat16|int8>"),
+        (
+            ["--defer_weight_gradients"],
+            "--defer_weight_gradients=True --remat=except_last: defer_weight_gradients=True "
+            "keeps every micro-batch's activations",
+        ),
+        (
+            ["--defer_weight_gradients", "--remat=never", "--platform=tpu", "--tpu=n"]
+            + ["--tpu_zone=z", "--gcp_project=p"],
+            "--defer_weight_gradients needs stage programs of their own",
+        ),
         (["stray"], "unexpected arguments: ['stray']"),
     ],
 )

@@ -57,6 +57,12 @@ def _define_mesh_flags() -> None:
         "virtual_stages", 1, "Model stages per device (--schedule=interleaved).", lower_bound=1
     )
     flags.DEFINE_enum("remat", "except_last", list(REMAT_MODES), "Recompute mode.")
+    flags.DEFINE_bool(
+        "defer_weight_gradients",
+        False,
+        "Each stage computes its weight gradients once per step over all its micro-batches "
+        "(exact; needs --remat=never; keeps every micro-batch's activations to the end).",
+    )
     flags.DEFINE_enum(
         "boundary_dtype",
         "float32",
@@ -144,6 +150,7 @@ def _register_validators() -> None:
         [
             "mesh", "micro_batches", "global_batch_size", "schedule", "remat", "virtual_stages",
             "balance", "model", "depth", "simulated_devices", "platform",
+            "defer_weight_gradients",
         ],
         _check_run_config,
     )  # fmt: skip
@@ -176,6 +183,7 @@ _FLAGS_OF_FIELD = {
     "balance": ("balance",),
     "global_batch": ("global_batch_size",),
     "num_layers": ("model", "depth"),
+    "defer_weight_gradients": ("defer_weight_gradients",),
 }
 
 
@@ -244,6 +252,7 @@ def _check_run_config(values: dict[str, Any]) -> bool:
         virtual_stages=values["virtual_stages"],
         balance=parse_balance(values["balance"]),
         global_batch=values["global_batch_size"],
+        defer_weight_gradients=values["defer_weight_gradients"],
         num_layers=None
         if is_function_spec(values["model"])
         else catalog.num_layers(values["model"], values["depth"]),
@@ -254,6 +263,11 @@ def _check_run_config(values: dict[str, Any]) -> bool:
         named = dict.fromkeys(f for a in err.arguments for f in _FLAGS_OF_FIELD.get(a, ()))
         given = " ".join(f"--{name}={values[name]}" for name in named)
         raise flags.ValidationError(f"{given}: {err}") from None
+    if values["platform"] == "tpu" and values["defer_weight_gradients"]:
+        raise flags.ValidationError(
+            "--defer_weight_gradients needs stage programs of their own, but --platform=tpu "
+            "compiles the whole step as one program; leave --defer_weight_gradients off"
+        )
     devices = values["simulated_devices"]
     if values["platform"] == "cpu" and devices is not None and devices < stages * replicas:
         raise flags.ValidationError(
