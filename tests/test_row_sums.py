@@ -104,7 +104,7 @@ def test_a_deferred_mlp_weight_gradient_is_the_sum_of_the_micro_batches():
     [
         # In a first stage's W (no input gradient to carry): the rows meet.
         (_batch_size_scaled, False, "a value that depends on the batch size"),
-        (_cross_row, False, "is not linear in its summed input"),
+        (_cross_row, False, "spreads a sum over the batch's rows"),
         # A weight gradient off the input gradient's path, from the batch's mean.
         (_batch_mean, True, "differs per micro-batch but is not per row"),
     ],

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from hybrid.engine import row_ops
 from hybrid.engine.split_programs import SplitPrograms, descendants, pure
 
 __all__ = ["Plan", "plan"]
@@ -29,48 +30,6 @@ ROW = "row"  # per row: concatenating the micro-batches' gives the whole batch's
 SUM = "sum"  # a sum over the rows: the micro-batches' add up to the whole batch's
 FIXED = "fixed"  # the same for every micro-batch and in both traces
 SHAPE = "shape"  # the same for every micro-batch, but depends on the batch size
-
-# Ops that apply to each element (with broadcasting): per row when their inputs are.
-_ELEMENTWISE = frozenset(
-    "Abs Add AddN AddV2 Atan2 BiasAdd Cast Ceil ClipByValue Cos Div DivNoNan Elu EluGrad "
-    "EnsureShape Equal Erf Erfc Exp Expm1 Floor FloorDiv FloorMod Greater GreaterEqual "
-    "Identity IsFinite LeakyRelu LeakyReluGrad Less LessEqual Log Log1p LogicalAnd LogicalNot "
-    "LogicalOr Maximum Minimum Mul MulNoNan Neg NotEqual OnesLike Pow PreventGradient "
-    "Reciprocal ReciprocalGrad RealDiv Relu Relu6 Relu6Grad ReluGrad Round Rsqrt RsqrtGrad "
-    "Select SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin Snapshot Softplus SoftplusGrad "
-    "Softsign SoftsignGrad Sqrt SqrtGrad Square SquaredDifference StopGradient Sub Tanh "
-    "TanhGrad Xdivy Xlogy ZerosLike".split()
-)
-# Ops linear in their one summed input (the others fixed): a sum stays a sum.
-_LINEAR = frozenset(
-    "AddN AddV2 Add Cast EnsureShape ExpandDims Identity Neg Reshape Snapshot Squeeze "
-    "StopGradient Sub Sum Transpose".split()
-)
-_SCALING = frozenset({"Mul", "RealDiv", "Div", "DivNoNan"})  # sum × or ÷ a fixed value
-# Ops that make every row the same value (from a fixed input).
-_UNIFORM = frozenset({"Fill", "BroadcastTo", "ZerosLike", "OnesLike", "Tile"})
-# Inputs that only give a shape (may depend on the batch size), by op.
-_SHAPE_ARGS: dict[str, frozenset[int]] = {
-    op: frozenset(at)
-    for at, ops in [
-        ((0,), "Conv2DBackpropInput Fill Split"),
-        ((1,), "BroadcastTo Conv2DBackpropFilter Conv3DBackpropFilterV2 ExpandDims Reshape Sum"),
-        ((1,), "DepthwiseConv2dNativeBackpropFilter Tile Transpose"),
-        ((2,), "GatherV2 UnsortedSegmentSum"),
-        ((1, 2), "Slice SplitV"),
-        ((1, 2, 3), "StridedSlice"),
-    ]
-    for op in ops.split()
-}
-_FILTER_GRADS = frozenset(
-    {
-        "Conv2DBackpropFilter",
-        "Conv2DBackpropFilterV2",
-        "Conv3DBackpropFilterV2",
-        "DepthwiseConv2dNativeBackpropFilter",
-    }
-)
-_CONVS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"})
 
 
 class _Stop(Exception):
@@ -198,8 +157,7 @@ class _Analysis:
         kinds = set(ins) - {FIXED, SHAPE}
         if not kinds:
             return [self.constant(op, t, ins) for t in op.outputs]
-        concat_axis = frozenset({len(ins) - 1})
-        shapes = concat_axis if op.type == "ConcatV2" else _SHAPE_ARGS.get(op.type, frozenset())
+        shapes = row_ops.shape_args(op)
         for i, s in enumerate(ins):
             if s == SHAPE and i not in shapes:
                 raise _Stop(
@@ -220,7 +178,8 @@ class _Analysis:
         """A tensor computed from fixed values only."""
         if not (pure(op) or op.type == "ReadVariableOp"):
             raise _Stop(f"{op.type} {op.name} is random or stateful")
-        state = SHAPE if SHAPE in ins else FIXED
+        shapes = row_ops.shape_args(op)  # (a shape, e.g. Fill's, leaves the values fixed)
+        state = SHAPE if any(s == SHAPE and i not in shapes for i, s in enumerate(ins)) else FIXED
         if op.type == "Const":
             full, micro = tf.get_static_value(t), tf.get_static_value(self.counterpart(t))
             same = full is not None and micro is not None and full.shape == micro.shape
@@ -238,7 +197,7 @@ class _Analysis:
         if op.type == "Const":
             value = tf.get_static_value(t)
             return value is not None and bool(np.all(value == value.flat[0]))
-        if op.type not in _UNIFORM:
+        if op.type not in row_ops.UNIFORM:
             return False
         value = {"Fill": 1, "BroadcastTo": 0, "Tile": 0}.get(op.type)
         if value is None:  # zeros or ones
@@ -251,13 +210,18 @@ class _Analysis:
         return source.rank < t.shape.rank or source[0] == 1
 
     def summed(self, op: tf.Operation, ins: list[str], shapes: frozenset[int]) -> str:
-        """A linear op on sums (and fixed factors)."""
+        """A linear op on sums (and fixed factors) that keeps them off the rows."""
+        if not all(self.same_shape(t) for t in op.outputs):
+            raise _Stop(f"{op.type} {op.name} spreads a sum over the batch's rows")
         values = [s for i, s in enumerate(ins) if i not in shapes]
-        if op.type in _LINEAR and all(s == SUM for s in values):
+        one = values.count(SUM) == 1
+        if op.type in row_ops.LINEAR and all(s == SUM for s in values):
             return SUM
-        if op.type in _SCALING and values.count(SUM) == 1 and ins[0] == SUM:
+        if op.type in row_ops.LINEAR_FIRST and ins[0] == SUM and one:
             return SUM
-        if op.type == "Mul" and values.count(SUM) == 1:
+        if (
+            op.type in row_ops.SCALING and ins[0] == SUM or op.type in row_ops.PRODUCTS | {"Mul"}
+        ) and one:
             return SUM
         raise _Stop(f"{op.type} {op.name} is not linear in its summed input")
 
@@ -276,7 +240,7 @@ class _Analysis:
         def axis(i: int) -> int:
             return int(static(i).reshape(-1)[0]) % max(op.inputs[0].shape.rank or 1, 1)
 
-        if kind in _ELEMENTWISE:
+        if kind in row_ops.ELEMENTWISE:
             for t, s in zip(op.inputs, ins, strict=True):
                 broadcast = s == FIXED and t.shape.rank == out.shape.rank and t.shape[0] != 1
                 if broadcast:
@@ -294,7 +258,7 @@ class _Analysis:
             return self.matmul(op, ins, row_out, fail)
         if kind == "Einsum":
             return self.einsum(op, ins, row_out, fail)
-        if kind in _FILTER_GRADS and ins[0] == ROW and ins[2] == ROW and ins[1] != ROW:
+        if kind in row_ops.FILTER_GRADS and ins[0] == ROW and ins[2] == ROW and ins[1] != ROW:
             if self.same_shape(out):
                 return SUM
             raise fail
@@ -303,7 +267,7 @@ class _Analysis:
         if not row_out:
             raise fail
         rows_kept = out.shape[0] == op.inputs[0].shape[0]
-        if kind in _CONVS:
+        if kind in row_ops.CONVS:
             data = 2 if kind == "Conv2DBackpropInput" else 0
             filt = 1
             if ins[data] == ROW and ins[filt] == FIXED:

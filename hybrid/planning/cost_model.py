@@ -22,6 +22,7 @@ from hybrid.planning.stage_costs import (
     StageCost,
     action_costs,
     activation_bytes,
+    deferred_bytes,
     fused_pairs,
 )
 
@@ -138,13 +139,14 @@ def evaluate(
     sched = _schedule(config.schedule, S, M, config.virtual_stages)
     batch = global_batch / (R * M)
     balance = _balance(profile, config, batch)
-    stages = _stage_costs(
-        profile, balance, batch, hardware.compute_scale * _sharing(config, hardware)
-    )
-    run = _simulate(sched, stages, config.remat, hardware)
+    scale = hardware.compute_scale * _sharing(config, hardware)
+    stages = _stage_costs(profile, balance, batch, scale)
+    defer = config.defer_weight_gradients and M > 1
+    whole = _stage_costs(profile, balance, batch * M, scale) if defer else None
+    run = _simulate(sched, stages, config.remat, hardware, whole)
     ends = _device_ends(sched, run)
     devices = [
-        _device_cost(d, ends[d], sched, stages, run, config, hardware, optimizer_slots)
+        _device_cost(d, ends[d], sched, stages, run, config, hardware, optimizer_slots, whole)
         for d in range(S)
     ]
     return Prediction(
@@ -211,13 +213,18 @@ def _stage_costs(
 
 
 def _simulate(
-    sched: schedule_lib.Schedule, stages: Sequence[StageCost], remat: str, hardware: Hardware
+    sched: schedule_lib.Schedule,
+    stages: Sequence[StageCost],
+    remat: str,
+    hardware: Hardware,
+    whole: Sequence[StageCost] | None,
 ) -> schedule_lib.SimulationResult:
-    """The schedule simulated with every action's cost and the largest boundary transfer."""
+    """The schedule simulated with every action's cost and the largest boundary transfer
+    (weight gradients deferred when ``whole``, the stages at all micro-batches' rows)."""
     transfer = 0.0
     if len(stages) > 1:
         transfer = hardware.pipeline.time(max(st.output for st in stages[:-1]))
-    table = action_costs(sched, stages, remat, hardware)
+    table = action_costs(sched, stages, remat, hardware, whole)
     return schedule_lib.simulate(sched, ActionCosts(transfer=transfer, table=table))
 
 
@@ -239,6 +246,7 @@ def _device_cost(
     config: RunConfig,
     hardware: Hardware,
     optimizer_slots: int,
+    whole: Sequence[StageCost] | None,
 ) -> _DeviceCost:
     """Device ``d``'s all-reduce, update, work and memory, and when it finishes the step."""
     R, M = config.replicas, config.micro_batches
@@ -257,6 +265,8 @@ def _device_cost(
         )
         for k in ks
     )
+    if whole is not None:
+        held = max(deferred_bytes(stages[k], whole[k], M) for k in ks)
     return _DeviceCost(
         finish=end + reduce + update,
         reduce=reduce,
@@ -287,7 +297,8 @@ def _step_time(
     serial gradient accumulations), plus the step's own overhead."""
     step = max(dev.finish for dev in devices)
     if hardware.host_cores is not None:
-        R, M = config.replicas, config.micro_batches
+        R = config.replicas
+        M = 1 if config.defer_weight_gradients else config.micro_batches  # accumulations
         serial = R * M * hardware.tensor_overhead * sum(st.tensors for st in stages)
         work = sum(dev.work for dev in devices)
         step = max(step, work / hardware.host_cores, serial)

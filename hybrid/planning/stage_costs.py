@@ -15,7 +15,14 @@ from hybrid.core import schedule as schedule_lib
 from hybrid.planning.costs import CostProfile
 from hybrid.planning.hardware import Hardware
 
-__all__ = ["ActionCosts", "StageCost", "action_costs", "activation_bytes", "fused_pairs"]
+__all__ = [
+    "ActionCosts",
+    "StageCost",
+    "action_costs",
+    "activation_bytes",
+    "deferred_bytes",
+    "fused_pairs",
+]
 
 
 @functools.lru_cache(maxsize=512)
@@ -70,7 +77,11 @@ class ActionCosts(schedule_lib.Costs):
 
 
 def action_costs(
-    sched: schedule_lib.Schedule, stages: Sequence[StageCost], remat: str, hardware: Hardware
+    sched: schedule_lib.Schedule,
+    stages: Sequence[StageCost],
+    remat: str,
+    hardware: Hardware,
+    whole: Sequence[StageCost] | None = None,
 ) -> dict[schedule_lib.Action, float]:
     """Seconds of every action of ``sched``.
 
@@ -81,7 +92,13 @@ def action_costs(
     stored activations (with remat, W recomputes the forward and every layer's input
     gradient but the first's). The action that makes the weight gradients pays
     ``tensor_overhead`` per weight array it accumulates.
+
+    With deferred weight gradients (``whole``: the stages' costs at all M micro-batches'
+    rows), every B is the input gradient only and each stage's last B or W also runs the
+    rest of the backward once, at ``whole``'s rows; nothing is fused.
     """
+    if whole is not None:
+        return _deferred_costs(sched, stages, whole, hardware)
     M = sched.num_microbatches
     split = sched.splits_backward
     fused = fused_pairs(sched)
@@ -120,6 +137,30 @@ def action_costs(
     return {a: cost(a) for row in sched.actions for a in row}
 
 
+def _deferred_costs(
+    sched: schedule_lib.Schedule,
+    stages: Sequence[StageCost],
+    whole: Sequence[StageCost],
+    hardware: Hardware,
+) -> dict[schedule_lib.Action, float]:
+    """:func:`action_costs` with deferred weight gradients."""
+    Op, launch = schedule_lib.Op, hardware.action_overhead
+    order = schedule_lib.execution_order(sched)
+    closing = {a.stage: a for a in order if a.op is not Op.F}
+
+    def cost(action: schedule_lib.Action) -> float:
+        st, full = stages[action.stage], whole[action.stage]
+        if action.op is Op.F:
+            return launch + st.forward
+        time = launch + st.input_backward if action.op is Op.B and st.needs_dx else 0.0
+        if closing[action.stage] == action:
+            done = full.input_backward if full.needs_dx else full.first_dx
+            time += launch + max(0.0, full.backward - done) + hardware.tensor_overhead * st.tensors
+        return time
+
+    return {a: cost(a) for row in sched.actions for a in row}
+
+
 def activation_bytes(st: StageCost, in_flight: int, remat: str, keeps_last: bool) -> float:
     """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
 
@@ -135,3 +176,10 @@ def activation_bytes(st: StageCost, in_flight: int, remat: str, keeps_last: bool
         return in_flight * (st.input + st.stored) + st.working
     extra = st.stored if remat == "except_last" and keeps_last else 0.0
     return in_flight * st.input + st.working_sum + extra
+
+
+def deferred_bytes(st: StageCost, whole: StageCost, micro_batches: int) -> float:
+    """Peak activation bytes of one model stage deferring its weight gradients: every
+    micro-batch's input and stored activations, and about as many bytes of their output
+    gradients (what W reads), until the one W over all of them (its working set)."""
+    return micro_batches * (st.input + 2 * st.stored) + whole.working
