@@ -8,9 +8,13 @@ candidate is timed in alternation (interleaved rounds, medians):
     handwritten_M8          one device, by hand: M XLA gradient calls on the micro-batches,
                             accumulated, one XLA apply (what the 1×1 pipeline does)
     pipeline_1x1_M8         Pipeline on a 1×1 mesh, M = --micro_batches
-    pipeline_2x1_M{1,2,4,8} 2 stages × 1 replica (pipelining); the planner, from this
-                            model's profiled layers, predicts each and picks one
-    pipeline_2x1_auto       2 × 1 with micro_batches="auto": M timed at its first step
+    pipeline_1x1_M8_deferred  the same with defer_weight_gradients=True (each weight
+                            gradient once per step, over all micro-batches' rows)
+    pipeline_2x1_M{1,2,4,8} 2 stages × 1 replica (pipelining), and M > 1 deferred
+                            (``_deferred``); the planner, from this model's profiled
+                            layers, predicts each and picks one
+    pipeline_2x1_auto       2 × 1 deferred with micro_batches="auto": M timed at its
+                            first step
     pipeline_1x2_M1         1 stage × 2 replicas (data parallelism)
     independent_2_devices   the host's ceiling: a plain one-device XLA step on half the
                             batch on each device at once, nothing exchanged
@@ -24,7 +28,9 @@ and prints the issue-16 ratios:
     engine overhead      pipeline_1x1_M8 / handwritten_M8            (target <= 1.05)
     pipelining speedup   pipeline_1x1_M8 / pipeline_2x1_M8           (target >= 1.65, ideal 1.78)
     pipelined vs plain   keras_1_device / best pipeline_2x1          (target >= 1.2)
-    planned vs plain     keras_1_device / pipeline_2x1 at the planner's M (target >= 1.2)
+    deferred ...         the engine overhead, pipelining speedup and best 2×1 vs plain
+                         with deferred weight gradients
+    planned vs plain     keras_1_device / the planner's 2×1 (M, deferred)  (target >= 1.2)
     auto vs plain        keras_1_device / pipeline_2x1_auto                 (target >= 1.2)
     data parallelism     keras_1_device / pipeline_1x2_M1            (target >= 1.7)
     vs MirroredStrategy  mirrored_2_devices / pipeline_1x2_M1        (target >= 1.2)
@@ -198,11 +204,17 @@ def handwritten_step(x: Any, y: Any, micro_batches: int) -> Callable[[], float]:
     return step
 
 
-def planned_micro_batches(counts: list[int]) -> tuple[int, dict[int, float]]:
+def _name(config: Any) -> str:
+    """The candidate that runs a planned 2×1 configuration."""
+    deferred = "_deferred" if config.defer_weight_gradients else ""
+    return f"pipeline_2x1_M{config.micro_batches}{deferred}"
+
+
+def planned_micro_batches(counts: list[int]) -> tuple[str, dict[str, float]]:
     """What the planner predicts for 2 stages × 1 replica (GPipe, ``remat="never"``) at each
-    micro-batch count in ``counts``, from this model's layers profiled at the micro-batch
-    sizes those counts make, on this host's cores: the count it picks and the predicted
-    milliseconds per step of each."""
+    micro-batch count in ``counts``, with and without deferred weight gradients, from this
+    model's layers profiled at the micro-batch sizes those counts make, on this host's
+    cores: the candidate it picks and the predicted milliseconds per step of each."""
     import os
 
     import keras
@@ -223,8 +235,8 @@ def planned_micro_batches(counts: list[int]) -> tuple[int, dict[int, float]]:
         micro_batches=counts,
         stages=[2],
     )
-    predicted = {p.config.micro_batches: 1e3 * p.step_time for p in result.ranked}
-    return result.best.config.micro_batches, predicted
+    predicted = {_name(p.config): 1e3 * p.step_time for p in result.ranked}
+    return _name(result.best.config), predicted
 
 
 def candidates(counts: list[int]) -> tuple[dict[str, Callable[[], Any]], Any]:
@@ -267,7 +279,7 @@ def candidates(counts: list[int]) -> tuple[dict[str, Callable[[], Any]], Any]:
     return steps, auto
 
 
-def ratios(ms: dict[str, float], chosen: int) -> dict[str, float]:
+def ratios(ms: dict[str, float], chosen: str) -> dict[str, float]:
     """The issue-16 ratios (see the module docstring), printed with their targets."""
     M = FLAGS.micro_batches
     best_2x1 = min(
@@ -275,7 +287,7 @@ def ratios(ms: dict[str, float], chosen: int) -> dict[str, float]:
     )
     best_deferred = min(v for k, v in ms.items() if k.endswith("_deferred") and "2x1" in k)
     values = {
-        "planned_vs_plain": ms["keras_1_device"] / ms[f"pipeline_2x1_M{chosen}"],
+        "planned_vs_plain": ms["keras_1_device"] / ms[chosen],
         "auto_vs_plain": ms["keras_1_device"] / ms["pipeline_2x1_auto"],
         "engine_overhead": ms[f"pipeline_1x1_M{M}"] / ms[f"handwritten_M{M}"],
         "pipelining_speedup": ms[f"pipeline_1x1_M{M}"] / ms[f"pipeline_2x1_M{M}"],
@@ -314,13 +326,14 @@ def main(argv: list[str]) -> None:
     steps, auto = candidates(counts)
     samples, ms = common.time_steps(steps, warmup=3)
     common.print_ms(ms, width=22)
-    print(f"  the planner's 2x1 choice: M = {chosen}")
+    print(f"  the planner's 2x1 choice: {chosen}")
     errors = {}
-    for m, value in predicted.items():
-        measured = ms[f"pipeline_2x1_M{m}"]
-        errors[m] = value / measured - 1
+    for name, value in predicted.items():
+        measured = ms[name]
+        errors[name] = value / measured - 1
         print(
-            f"    M = {m}: predicted {value:7.2f} ms, measured {measured:7.2f} ({errors[m]:+.0%})"
+            f"    {name:26s} predicted {value:7.2f} ms, measured {measured:7.2f} "
+            f"({errors[name]:+.0%})"
         )
     timed = ", ".join(f"M={m} {1e3 * t:.1f}" for m, t in auto.micro_batch_seconds.items())
     print(f"  micro_batches='auto' on 2x1: M = {auto.micro_batches} (gradient step ms: {timed})")
@@ -333,7 +346,7 @@ def main(argv: list[str]) -> None:
         ms,
         "ms per step: the pipeline vs plain Keras, a hand loop, MirroredStrategy",
         ratios=values,
-        planner={"chosen_micro_batches": chosen, "predicted_ms": predicted, "error": errors},
+        planner={"chosen": chosen, "predicted_ms": predicted, "error": errors},
         auto={
             "chosen_micro_batches": auto.micro_batches,
             "gradient_step_ms": {m: 1e3 * t for m, t in auto.micro_batch_seconds.items()},

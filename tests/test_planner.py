@@ -10,7 +10,7 @@ import keras
 import pytest
 
 import hybrid
-from hybrid.core import generators
+from hybrid.core import generators, schedule
 from hybrid.core.actions import Action, Op
 from hybrid.core.config import ConfigError, RunConfig, validate_run
 from hybrid.planning import planner, search
@@ -108,6 +108,55 @@ def test_split_backward():
         zb = planner.evaluate(profile, RunConfig(S, 1, M, "zb-h1", "never"), M)
         assert zb.step_time < one.step_time
         assert zb.bubble < one.bubble
+
+
+def test_deferred_weight_gradients():
+    # Per layer: F = 1, B = 2 per example with input gradient 0.5, at micro-batches of 1.
+    # Deferred on a middle stage (two layers): each B is the input gradients (1 per
+    # micro-batch); the stage's last backward action adds the rest of the backward once,
+    # at all M micro-batches' rows (4 · M - 1 · M); stage 0 runs no B, then all of its
+    # backward but its first layer's input gradient (4 · M - 0.5 · M).
+    profile = planner.uniform_profile(6, F, B, input_backward=0.5)
+    M = 4
+    stages = [StageCost(profile, 2 * k, 2, 1, 1.0) for k in range(3)]
+    whole = [StageCost(profile, 2 * k, 2, M, 1.0) for k in range(3)]
+    for name in ("1f1b", "zb-h1"):
+        sched = generators.get(name, 3, M)
+        costs = action_costs(sched, stages, "never", Hardware(), whole)
+        last = {a.stage: a for a in schedule.execution_order(sched) if a.op is not Op.F}
+        for action, cost in costs.items():
+            k = action.stage
+            if action.op is Op.F:
+                assert cost == pytest.approx(2.0)
+            elif action == last[k]:
+                b = 1.0 if k and action.op is Op.B else 0.0
+                assert cost == pytest.approx(b + (3.0 if k else 3.5) * M), action
+            else:
+                assert cost == pytest.approx(1.0 if k and action.op is Op.B else 0.0), action
+    # Per example the same work as undeferred here (costs linear in the rows)...
+    config = RunConfig(2, 1, M, "1f1b", "never")
+    profile = uniform(4, stored_bytes=10.0)
+    plain = planner.evaluate(profile, config, M)
+    deferred = planner.evaluate(
+        profile, dataclasses.replace(config, defer_weight_gradients=True), M
+    )
+    # ...but W waits for the last micro-batch (a longer tail) and every micro-batch's
+    # activations and output gradients stay until it ran.
+    assert deferred.step_time > plain.step_time
+    assert deferred.peak_memory > plain.peak_memory
+    # Where a small micro-batch's weight gradient costs more per example (a fixed cost
+    # per call), deferring wins and the planner picks it.
+    sizes = (1, 2, 4)
+
+    def curve(fixed, each):
+        return tuple(fixed + each * b for b in sizes)
+
+    layer = LayerCost(
+        "l", curve(0, 1), curve(4, 2), curve(4, 2), curve(0, 0.5), *[(0.0,) * 3] * 3, 0.0
+    )
+    profile = CostProfile((layer,) * 4, sizes, 0.0)
+    best = planner.plan(profile, devices=2, global_batch=4, stages=[2], remats=["never"]).best
+    assert best.config.defer_weight_gradients and best.config.micro_batches > 1
 
 
 def test_all_reduce_formula():
@@ -227,8 +276,9 @@ def test_ranking_data_parallel_vs_pipeline():
     # free links: 1×2 has no bubble, 2×1 has one; every candidate was considered
     assert fast.best.config.mesh_spec == "stage:1;replica:2"
     assert fast.best.step_time == pytest.approx(8 / 2 * 4 * (F + B))
-    # 4 schedules (interleaved with v=2) × (M in 1, 2, 4 on 1×2; 1, 2, 4, 8 on 2×1)
-    assert len(fast.ranked) + len(fast.rejected) == 4 * 3 + 4 * 4
+    # 4 schedules (interleaved with v=2) × (M in 1, 2, 4 on 1×2; 1, 2, 4, 8 on 2×1), each
+    # M > 1 with and without deferred weight gradients
+    assert len(fast.ranked) + len(fast.rejected) == 4 * (3 + 2) + 4 * (4 + 3)
     # an all-reduce link this slow makes the pipeline (no all-reduce) the fastest
     slow = planner.plan(
         profile,
@@ -459,7 +509,8 @@ def test_interpolation_between_and_beyond_measured_batches():
 def test_the_profile_is_a_curve_over_every_micro_batch_size_a_candidate_runs():
     # 2 devices, batch 16: R=1 runs 16/M for M in 1..16, R=2 runs 8/M: sizes 1, 2, 4, 8, 16
     assert search._profile_batches(2, 16, None, 32) == [1, 2, 4, 8, 16]
-    assert search._profile_batches(2, 16, [2], 32) == [4, 8]  # only what M=2 runs
+    # what M=2 runs, and the whole shard (M=2's deferred weight gradients)
+    assert search._profile_batches(2, 16, [2], 32) == [4, 8, 16]
     assert search._profile_batches(2, 16, None, 4) == [2, 4, 8, 16]  # M <= 4
     assert search._profile_batches(2, 16, None, 32, stages=[1]) == [1, 2, 4, 8]  # R = 2 only
     # more sizes than PROFILED_SIZES: thinned evenly on a log scale, both ends kept

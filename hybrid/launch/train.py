@@ -73,7 +73,14 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
 
 
 # The TrainConfig fields --mesh=auto takes from the plan (besides the mesh spec).
-_PLANNED = ("micro_batches", "schedule", "remat", "virtual_stages", "balance")
+_PLANNED = (
+    "micro_batches",
+    "schedule",
+    "remat",
+    "virtual_stages",
+    "balance",
+    "defer_weight_gradients",
+)
 
 
 def _planned(config: Any, devices: int) -> Any:
@@ -87,7 +94,8 @@ def _planned(config: Any, devices: int) -> Any:
     from hybrid.trainer import build_model
 
     layers, shape, dtype = build_model(config)
-    given = {name: FLAGS[name].present for name in ("schedule", "remat", "micro_batches")}
+    flags_given = ("schedule", "remat", "micro_batches", "defer_weight_gradients")
+    given = {name: FLAGS[name].present for name in flags_given}
     micro = config.micro_batches
     memory = FLAGS.memory_per_device_gib
     choice = planner.choose_mesh(
@@ -99,6 +107,9 @@ def _planned(config: Any, devices: int) -> Any:
         schedule=config.schedule if given["schedule"] else None,
         remat=config.remat if given["remat"] else None,
         micro_batches=micro if given["micro_batches"] and micro != "auto" else None,
+        defer_weight_gradients=config.defer_weight_gradients
+        if given["defer_weight_gradients"]
+        else None,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=lambda: keras.optimizers.Adam(config.learning_rate),
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
@@ -110,7 +121,8 @@ def _planned(config: Any, devices: int) -> Any:
     print(
         f"planned: --mesh={run.mesh_spec} --micro_batches={run.micro_batches} "
         f"--schedule={run.schedule} --remat={run.remat} --virtual_stages="
-        f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} (predicted "
+        f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} "
+        f"--defer_weight_gradients={run.defer_weight_gradients} (predicted "
         f"{choice.step_time * 1e3:.1f} ms/step, {choice.peak_memory / 2**20:.0f} MiB/device)"
     )
     planned = {name: getattr(run, name) for name in _PLANNED}

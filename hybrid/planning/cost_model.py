@@ -114,7 +114,9 @@ def evaluate(
                    + the activations peak_in_flight[d] micro-batches hold (its largest stage)
 
     (weights, the gradient accumulator and the optimizer slots; the flattened all-reduce
-    buffers; activations by remat mode, see :func:`activation_bytes`).
+    buffers; activations by remat mode, see :func:`activation_bytes`). Deferred weight
+    gradients: B is each micro-batch's input gradient, the rest of every stage's backward
+    runs once at M·b rows, and every micro-batch's activations stay (``deferred_bytes``).
 
     Args:
       profile: per-layer costs.

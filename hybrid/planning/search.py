@@ -49,11 +49,13 @@ def candidates(
     max_micro_batches: int,
     max_virtual_stages: int,
     stages: Sequence[int] | None,
+    deferrals: Sequence[bool] = (False, True),
 ) -> Iterator[RunConfig]:
     """Every configuration :func:`plan` judges, with the global batch and layer count: each
     S × R = devices (S in ``stages`` when given), each M in ``micro_batches`` (default: the
     divisors of the per-replica batch up to ``max_micro_batches``, or 1), each schedule
-    (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode."""
+    (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode, and with
+    ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight gradients or not)."""
     for S in stages if stages is not None else _divisors(devices):
         R = devices // S
         per_replica = global_batch // R if global_batch % R == 0 else 0
@@ -63,7 +65,9 @@ def candidates(
             for v in virtuals:
                 for M in ms:
                     for remat in remats:
-                        yield RunConfig(S, R, M, name, remat, v, None, global_batch, num_layers)
+                        args = (S, R, M, name, remat, v, None, global_batch, num_layers)
+                        for defer in deferrals if remat == "never" and M > 1 else [False]:
+                            yield RunConfig(*args, defer_weight_gradients=defer)
 
 
 def plan(
@@ -86,6 +90,7 @@ def plan(
     max_virtual_stages: int = 2,
     stages: Sequence[int] | None = None,
     device: str | None = None,
+    deferrals: Sequence[bool] = (False, True),
 ) -> Plan:
     """Ranks every way to train ``model`` on ``devices`` devices by predicted step time.
 
@@ -105,6 +110,8 @@ def plan(
       optimizer_slots: optimizer state per weight (Adam 2).
       schedules: schedule names (default: all of ``hybrid.core.schedule.names()``).
       remats: remat modes (default: all of :data:`REMAT_MODES`).
+      deferrals: with ``remat="never"``, whether weight gradients are deferred
+        (``Pipeline(defer_weight_gradients=...)``; default: both are judged).
 
     Raises:
       ValueError: devices or global_batch below 1, an unknown schedule or remat mode, a
@@ -135,6 +142,7 @@ def plan(
         max_micro_batches,
         max_virtual_stages,
         stages,
+        deferrals,
     ):
         outcome = _judge(profile, config, global_batch, hardware, optimizer_slots)
         if isinstance(outcome, Rejection):
@@ -217,6 +225,7 @@ def _profile_batches(
         if global_batch % R:
             continue
         per = global_batch // R
+        sizes.add(per)  # (deferred weight gradients run at all micro-batches' rows)
         for M in _counts(per, micro_batches, cap):
             if per % M == 0:
                 sizes.add(per // M)
@@ -287,6 +296,7 @@ def choose_mesh(
     micro_batches: int | None = None,
     stages: int | None = None,
     device: str | None = None,
+    defer_weight_gradients: bool | None = None,
 ) -> Prediction:
     """The fastest configuration of ``devices`` devices that fits.
 
@@ -295,7 +305,8 @@ def choose_mesh(
     predicts.
 
     :func:`plan` over every mesh (only S = ``stages`` × R when given), with ``schedule``,
-    ``remat`` and ``micro_batches`` fixed when given (None: the planner chooses). On a
+    ``remat``, ``micro_batches`` and ``defer_weight_gradients`` fixed when given (None: the
+    planner chooses). On a
     given mesh (``stages`` and ``devices`` = S × R) with ``schedule`` and ``remat`` fixed,
     it is the choice of M alone: the fastest on the profiled cost curve of the model.
 
@@ -324,6 +335,7 @@ def choose_mesh(
         micro_batches=[micro_batches] if micro_batches else None,
         stages=[stages] if stages else None,
         device=device,
+        deferrals=(False, True) if defer_weight_gradients is None else [defer_weight_gradients],
     )
     best = result.best
     assert isinstance(best.config.balance, tuple)  # evaluate() always fills in the counts
