@@ -9,13 +9,14 @@ import pytest
 
 from hybrid import timeline
 from hybrid.core import schedule as sched
-from hybrid.engine import timing
+from hybrid.engine import row_sums, timing
 
 import reference as ref
 import runner
 
 
-def make(schedule):
+def make(schedule, deferred=False):
+    deferring = {"remat": "never", "defer_weight_gradients": True} if deferred else {}
     return ref.pipeline(  # XLA for one schedule: the order of actions is the point here
         2,
         2,
@@ -23,12 +24,15 @@ def make(schedule):
         micro_batches=4,
         schedule=schedule,
         jit_compile=schedule == "gpipe",
+        **deferring,
     )
 
 
-@pytest.mark.parametrize("schedule", sched.names())
-def test_timed_step_records_every_action_in_schedule_order(schedule):
-    timed, plain = make(schedule), make(schedule)
+@pytest.mark.parametrize(
+    "schedule,deferred", [(name, False) for name in sched.names()] + [("1f1b", True)]
+)
+def test_timed_step_records_every_action_in_schedule_order(schedule, deferred):
+    timed, plain = make(schedule, deferred), make(schedule, deferred)
     x, y = ref.batch(32)
     plain.build((None, ref.IN_FEATURES))
     timed.build((None, ref.IN_FEATURES))
@@ -37,9 +41,11 @@ def test_timed_step_records_every_action_in_schedule_order(schedule):
     # A real training step: same loss and same new weights as train_step.
     np.testing.assert_allclose(metrics["loss"], plain.train_step(x, y)["loss"], rtol=1e-6)
     ref.assert_weights_close(timed.get_weights(), plain.get_weights())
+    if deferred:  # each stage's W ran once, in its last backward action
+        assert all(isinstance(row[0].deferral, row_sums.Plan) for row in timed.stages)
 
     s = timed.schedule
-    fused = sched.pairs_to_fuse(s)
+    fused = frozenset() if deferred else sched.pairs_to_fuse(s)
     skipped = {
         sched.Action(a.stage, op, a.microbatch)
         for a in fused
@@ -55,10 +61,15 @@ def test_timed_step_records_every_action_in_schedule_order(schedule):
     assert all(0.0 <= e.start <= e.end < 60.0 for e in events)
     # Each action's clock reads bracket its own work: none shows as taking no time (its
     # end read late, after the device's next action had run, would squeeze that one to 0),
-    # but stage 0's B in a split schedule, which computes nothing (no input gradients).
-    idle_b = any(a.op is sched.Op.W for a in s.actions[0])
+    # but stage 0's B in a split schedule, which computes nothing (no input gradients), and
+    # with deferred weight gradients stage 0's B but its last (which runs the stage's W).
+    idle_b = any(a.op is sched.Op.W for a in s.actions[0]) or deferred
+    closing = {a.stage: a for a in sched.execution_order(s) if a.op is not sched.Op.F}
     working = [
-        e for e in events if not (idle_b and e.action.stage == 0 and e.action.op is sched.Op.B)
+        e
+        for e in events
+        if not (idle_b and e.action.stage == 0 and e.action.op is sched.Op.B)
+        or (deferred and e.action == closing[0])
     ]
     assert all(e.end > e.start for e in working), [(e.action, e.end - e.start) for e in events]
     bubble = timeline.bubble_fraction(s, [(e.action, e.start, e.end) for e in events])
