@@ -15,7 +15,7 @@ from hybrid.core.actions import Action, Op
 from hybrid.core.config import ConfigError, RunConfig, validate_run
 from hybrid.planning import planner, search
 from hybrid.planning.planner import CostProfile, Hardware, LayerCost, Link
-from hybrid.planning.stage_costs import StageCost, action_costs
+from hybrid.planning.stage_costs import StageCost, action_costs, deferred_schedule
 
 import runner
 
@@ -113,37 +113,41 @@ def test_split_backward():
 def test_deferred_weight_gradients():
     # Per layer: F = 1, B = 2 per example with input gradient 0.5, at micro-batches of 1.
     # Deferred on a middle stage (two layers): each B is the input gradients (1 per
-    # micro-batch); the stage's last backward action adds the rest of the backward once,
-    # at all M micro-batches' rows (4 · M - 1 · M); stage 0 runs no B, then all of its
-    # backward but its first layer's input gradient (4 · M - 0.5 · M).
+    # micro-batch); the stage's last W runs the rest of the backward once, at all M
+    # micro-batches' rows (4 · M - 1 · M); stage 0 runs no B, then all of its backward but
+    # its first layer's input gradient (4 · M - 0.5 · M). A schedule without W gets each
+    # stage's W right after its last B (its input gradients leave before).
     profile = planner.uniform_profile(6, F, B, input_backward=0.5)
     M = 4
     stages = [StageCost(profile, 2 * k, 2, 1, 1.0) for k in range(3)]
     whole = [StageCost(profile, 2 * k, 2, M, 1.0) for k in range(3)]
     for name in ("1f1b", "zb-h1"):
-        sched = generators.get(name, 3, M)
+        sched = deferred_schedule(generators.get(name, 3, M))
+        order = schedule.execution_order(sched)
+        last = {a.stage: a for a in order if a.op is Op.W}
+        for k, row in enumerate(sched.actions):  # every W after the stage's last B
+            assert row.index(last[k]) > max(i for i, a in enumerate(row) if a.op is Op.B)
         costs = action_costs(sched, stages, "never", Hardware(), whole)
-        last = {a.stage: a for a in schedule.execution_order(sched) if a.op is not Op.F}
         for action, cost in costs.items():
             k = action.stage
             if action.op is Op.F:
                 assert cost == pytest.approx(2.0)
             elif action == last[k]:
-                b = 1.0 if k and action.op is Op.B else 0.0
-                assert cost == pytest.approx(b + (3.0 if k else 3.5) * M), action
+                assert cost == pytest.approx((3.0 if k else 3.5) * M), action
             else:
                 assert cost == pytest.approx(1.0 if k and action.op is Op.B else 0.0), action
-    # Per example the same work as undeferred here (costs linear in the rows)...
+    # Per example the same work as undeferred here (costs linear in the rows), but the
+    # last stage's W leaves the critical path (stage 0 runs its Bs meanwhile), as in
+    # ZB-H1; every micro-batch's activations and output gradients stay until W ran.
     config = RunConfig(2, 1, M, "1f1b", "never")
     profile = uniform(4, stored_bytes=10.0)
     plain = planner.evaluate(profile, config, M)
     deferred = planner.evaluate(
         profile, dataclasses.replace(config, defer_weight_gradients=True), M
     )
-    # ...but W waits for the last micro-batch (a longer tail) and every micro-batch's
-    # activations and output gradients stay until it ran.
-    assert deferred.step_time > plain.step_time
-    assert deferred.peak_memory > plain.peak_memory
+    assert deferred.step_time == pytest.approx(26.0) and plain.step_time == pytest.approx(30.0)
+    assert deferred.peak_in_flight == (M, M) and plain.peak_in_flight == (2, 1)
+    assert deferred.peak_memory == pytest.approx(M * 2 * 2 * 10.0)  # 2 layers, ×2: gradients
     # Where a small micro-batch's weight gradient costs more per example (a fixed cost
     # per call), deferring wins and the planner picks it.
     sizes = (1, 2, 4)
@@ -538,9 +542,8 @@ def test_on_a_given_mesh_the_planner_picks_the_fastest_m_on_the_cost_curve():
         for M in sizes
     }
     assert steps == {1: 99.0, 2: 85.0, 4: 87.0, 8: 106.0}  # the knee at M = 2
-    choice = planner.choose_mesh(
-        profile, None, devices=2, stages=2, global_batch=8, schedule="1f1b", remat="never"
-    )
+    kept = {"schedule": "1f1b", "remat": "never", "defer_weight_gradients": False}
+    choice = planner.choose_mesh(profile, None, devices=2, stages=2, global_batch=8, **kept)
     assert (choice.config.stages, choice.config.replicas) == (2, 1)  # the mesh stays
     assert choice.config.micro_batches == 2 and choice.step_time == 85.0
 

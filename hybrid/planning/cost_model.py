@@ -23,6 +23,7 @@ from hybrid.planning.stage_costs import (
     action_costs,
     activation_bytes,
     deferred_bytes,
+    deferred_schedule,
     fused_pairs,
 )
 
@@ -145,6 +146,7 @@ def evaluate(
     stages = _stage_costs(profile, balance, batch, scale)
     defer = config.defer_weight_gradients and M > 1
     whole = _stage_costs(profile, balance, batch * M, scale) if defer else None
+    sched = deferred_schedule(sched) if defer else sched
     run = _simulate(sched, stages, config.remat, hardware, whole)
     ends = _device_ends(sched, run)
     devices = [

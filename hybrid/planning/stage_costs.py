@@ -21,6 +21,7 @@ __all__ = [
     "action_costs",
     "activation_bytes",
     "deferred_bytes",
+    "deferred_schedule",
     "fused_pairs",
 ]
 
@@ -94,8 +95,9 @@ def action_costs(
     ``tensor_overhead`` per weight array it accumulates.
 
     With deferred weight gradients (``whole``: the stages' costs at all M micro-batches'
-    rows), every B is the input gradient only and each stage's last B or W also runs the
-    rest of the backward once, at ``whole``'s rows; nothing is fused.
+    rows; ``sched`` a :func:`deferred_schedule`), every B is the input gradient only and
+    each stage's last W runs the rest of the backward once, at ``whole``'s rows; nothing
+    is fused.
     """
     if whole is not None:
         return _deferred_costs(sched, stages, whole, hardware)
@@ -137,26 +139,50 @@ def action_costs(
     return {a: cost(a) for row in sched.actions for a in row}
 
 
+@functools.lru_cache(maxsize=256)
+def deferred_schedule(sched: schedule_lib.Schedule) -> schedule_lib.Schedule:
+    """``sched`` as it runs with deferred weight gradients: a schedule without W actions
+    gets every micro-batch's W of a model stage right after the stage's last B (the engine
+    runs the stage's weight gradients there, once the input gradients have been sent on;
+    the last of these W costs it all); a split one keeps its W actions, of which each
+    stage's last runs the weight gradients."""
+    if sched.splits_backward:
+        return sched
+    Op, M = schedule_lib.Op, sched.num_microbatches
+    order = schedule_lib.execution_order(sched)
+    closing = {a.stage: a for a in order if a.op is Op.B}
+
+    def then(a: schedule_lib.Action) -> tuple[schedule_lib.Action, ...]:
+        if closing.get(a.stage) != a:
+            return (a,)
+        return (a, *(schedule_lib.Action(a.stage, Op.W, m) for m in range(M)))
+
+    rows = tuple(tuple(b for a in row for b in then(a)) for row in sched.actions)
+    return dataclasses.replace(sched, actions=rows)
+
+
 def _deferred_costs(
     sched: schedule_lib.Schedule,
     stages: Sequence[StageCost],
     whole: Sequence[StageCost],
     hardware: Hardware,
 ) -> dict[schedule_lib.Action, float]:
-    """:func:`action_costs` with deferred weight gradients."""
+    """:func:`action_costs` with deferred weight gradients, on a
+    :func:`deferred_schedule`: each B the input gradients, each stage's last W the rest of
+    its backward at all micro-batches' rows, the other W nothing."""
     Op, launch = schedule_lib.Op, hardware.action_overhead
-    order = schedule_lib.execution_order(sched)
-    closing = {a.stage: a for a in order if a.op is not Op.F}
+    closing = {a.stage: a for a in schedule_lib.execution_order(sched) if a.op is Op.W}
 
     def cost(action: schedule_lib.Action) -> float:
         st, full = stages[action.stage], whole[action.stage]
         if action.op is Op.F:
             return launch + st.forward
-        time = launch + st.input_backward if action.op is Op.B and st.needs_dx else 0.0
-        if closing[action.stage] == action:
-            done = full.input_backward if full.needs_dx else full.first_dx
-            time += launch + max(0.0, full.backward - done) + hardware.tensor_overhead * st.tensors
-        return time
+        if action.op is Op.B:
+            return launch + st.input_backward if st.needs_dx else 0.0
+        if closing[action.stage] != action:
+            return 0.0
+        done = full.input_backward if full.needs_dx else full.first_dx
+        return launch + max(0.0, full.backward - done) + hardware.tensor_overhead * st.tensors
 
     return {a: cost(a) for row in sched.actions for a in row}
 
