@@ -188,14 +188,19 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule,
         assert [int(copy.optimizer.iterations.numpy()) for copy in row] == [iterations] * len(row)
 
 
-# The precision policies on every mesh, micro-batch count and schedule, each at least once
-# (the all-pairs grid is for the recipes above; each cell here compiles a new model).
+# The precision policies on every mesh, micro-batch count and schedule, each at least once,
+# two with deferred weight gradients (the all-pairs grid is for the recipes above; each cell
+# here compiles a new model).
 PRECISION_GRID = [
-    ((2, 1), 1, "gpipe"),
-    ((1, 2), 2, "1f1b"),
-    ((2, 2), 4, "1f1b"),
-    ((2, 2), 2, "gpipe"),
-    ((3, 1), 2, "zb-h1"),
+    ((2, 1), 1, "gpipe", False),
+    ((1, 2), 2, "1f1b", False),
+    ((2, 2), 4, "1f1b", True),
+    ((2, 2), 2, "gpipe", False),
+    ((3, 1), 2, "zb-h1", True),
+]
+PRECISION_PARAMS = [
+    pytest.param(s, r, m, sched, defer, id=f"{s}x{r}-M{m}-{sched}" + "-deferred" * defer)
+    for (s, r), m, sched, defer in PRECISION_GRID
 ]
 
 
@@ -222,9 +227,10 @@ def float16_model(seed=0):
     return policy_model("mixed_float16", seed, activity=keras.regularizers.L2(0.05))
 
 
-def policy_pair(make_model, make_optimizer, stages, replicas, micro_batches, schedule):
+def policy_pair(make_model, make_optimizer, stages, replicas, micro_batches, schedule, defer):
     """A compiled Keras model of ``make_model``, its initial weights, and a pipeline of a
-    copy of it with those weights and an equal optimizer."""
+    copy of it with those weights and an equal optimizer (weight gradients deferred when
+    ``defer``)."""
     keras_model = make_model()
     keras_model.compile(optimizer=make_optimizer(), loss=loss_for(None))
     initial = keras_model.get_weights()
@@ -238,6 +244,8 @@ def policy_pair(make_model, make_optimizer, stages, replicas, micro_batches, sch
         micro_batches=micro_batches,
         schedule=schedule,
         jit_compile=False,
+        remat="never" if defer else "except_last",
+        defer_weight_gradients=defer,
     )
     return keras_model, initial, pipe
 
@@ -250,15 +258,9 @@ def assert_within_update(actual, expected, initial, fraction):
         assert np.max(np.abs(a - e)) <= fraction * update, (i, np.max(np.abs(a - e)), update)
 
 
-@pytest.mark.parametrize(
-    "stages,replicas,micro_batches,schedule",
-    [
-        pytest.param(s, r, m, sched, id=f"{s}x{r}-M{m}-{sched}")
-        for (s, r), m, sched in PRECISION_GRID
-    ],
-)
+@pytest.mark.parametrize("stages,replicas,micro_batches,schedule,deferred", PRECISION_PARAMS)
 def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
-    stages, replicas, micro_batches, schedule
+    stages, replicas, micro_batches, schedule, deferred
 ):
     """bfloat16 keeps 8 bits of mantissa: a micro-batch's sums round differently from the
     whole batch's, so the pipeline equals Keras to bfloat16 round-off (loss within 2^-8,
@@ -270,11 +272,14 @@ def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
         replicas,
         micro_batches,
         schedule,
+        deferred,
     )
     for step in range(STEPS):
         x, y = ref.batch(BATCH, seed=step + 1)
         want = keras_model.train_on_batch(x, y)
         np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=2**-8)
+    if deferred:
+        assert_deferred(pipe)
     assert_within_update(pipe.get_weights(), keras_model.get_weights(), initial, 0.03)
     assert [w.dtype for w in pipe.get_weights()] == [w.dtype for w in initial]  # float32
     for row in pipe.stages[1:]:  # activations cross the cuts in bfloat16: half the bytes
@@ -293,14 +298,10 @@ def loss_scale_state(optimizer):
     return float(optimizer.dynamic_scale.numpy()), int(optimizer.step_counter.numpy())
 
 
-@pytest.mark.parametrize(
-    "stages,replicas,micro_batches,schedule",
-    [
-        pytest.param(s, r, m, sched, id=f"{s}x{r}-M{m}-{sched}")
-        for (s, r), m, sched in PRECISION_GRID
-    ],
-)
-def test_mixed_float16_has_one_loss_scale_as_keras_does(stages, replicas, micro_batches, schedule):
+@pytest.mark.parametrize("stages,replicas,micro_batches,schedule,deferred", PRECISION_PARAMS)
+def test_mixed_float16_has_one_loss_scale_as_keras_does(
+    stages, replicas, micro_batches, schedule, deferred
+):
     """One dynamic scale for the whole model: the loss is scaled by it, a non-finite
     gradient on any stage skips the step on every stage and halves the scale everywhere, and
     finite steps double it, step for step as Keras's LossScaleOptimizer does; the activity
@@ -308,7 +309,7 @@ def test_mixed_float16_has_one_loss_scale_as_keras_does(stages, replicas, micro_
     unscaled gradients. float16 keeps 11 bits: losses within 2^-10, weights within 1 % of
     Keras's update."""
     keras_model, initial, pipe = policy_pair(
-        float16_model, scaled_sgd, stages, replicas, micro_batches, schedule
+        float16_model, scaled_sgd, stages, replicas, micro_batches, schedule, deferred
     )
     for step, overflow in enumerate([False, False, True, False]):
         x, y = ref.batch(BATCH, seed=step + 1)
@@ -325,6 +326,8 @@ def test_mixed_float16_has_one_loss_scale_as_keras_does(stages, replicas, micro_
             assert [loss_scale_state(copy.optimizer) for copy in row] == [expected] * replicas
     assert loss_scale_state(keras_model.optimizer) == (2.0**6, 1)  # doubled, then halved
     assert_within_update(pipe.get_weights(), keras_model.get_weights(), initial, 0.01)
+    if deferred:
+        assert_deferred(pipe)
 
 
 def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_stage():
