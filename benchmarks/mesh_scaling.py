@@ -67,7 +67,11 @@ flags.DEFINE_list("devices", ["2"], "Device budgets N; each runs in its own proc
 flags.DEFINE_list("micro_batches", ["1", "2", "8"], "Micro-batch counts M.")
 flags.DEFINE_list("schedules", sched.names(), "Schedules for meshes with S > 1.")
 flags.DEFINE_string("single_stage_schedule", "1f1b", "The schedule of S = 1 meshes.")
-flags.DEFINE_list("remats", ["never"], "Remat modes.")
+flags.DEFINE_list(
+    "remats",
+    ["never"],
+    "Remat modes; 'never+deferred': remat never with deferred weight gradients (M > 1).",
+)
 flags.DEFINE_integer("virtual_stages", 2, "Virtual stages of the interleaved schedule.")
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
 flags.DEFINE_bool("baseline", True, "Also run the 1×1 configurations in every process.")
@@ -78,6 +82,9 @@ flags.DEFINE_string("child", None, "Internal: run these configurations (JSON) he
 FLAGS = flags.FLAGS
 
 MIB = float(1 << 20)
+
+
+DEFERRED = "never+deferred"  # remat "never", weight gradients deferred
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,6 +120,8 @@ def configurations(devices: int, num_layers: int, batch: int) -> tuple[list[dict
                         reason = f"interleaved needs M % S == 0 (M={M}, S={S})"
                     elif S * v > num_layers:
                         reason = f"{S * v} model stages but {num_layers} layers"
+                    elif remat == DEFERRED and M == 1:
+                        reason = "one micro-batch: nothing to defer"
                     if reason:
                         skipped.append({**config, "status": "skipped: " + reason})
                     else:
@@ -154,7 +163,8 @@ def build(c: dict, data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         optimizer=_optimizer,
         micro_batches=c["micro_batches"],
         schedule=c["schedule"],
-        remat=c["remat"],
+        remat="never" if c["remat"] == DEFERRED else c["remat"],
+        defer_weight_gradients=c["remat"] == DEFERRED,
         virtual_stages=c["virtual_stages"],
         jit_compile=FLAGS.jit_compile,
     )
