@@ -150,7 +150,7 @@ class StageReplica:
         self._forward = program(self._run)
         self._forward_backward = program(self._forward_and_backward)
         self._apply = program(self._apply_gradients)
-        self._jit, self._cut = jit_compile, dict[str, split_programs.SplitPrograms]()
+        self.jit_compile, self._cut = jit_compile, dict[str, split_programs.SplitPrograms]()
 
     @property
     def is_last(self) -> bool:
@@ -297,7 +297,8 @@ class StageReplica:
 
         data = range(len(split_programs.flatten(structure[:2])[0]))
         first = sum(map(differentiable, structure[0])) if need_dx and split else None
-        self._cut[key] = split_programs.split(joint, args, dys + sums, data, self._jit, first)
+        jit = self.jit_compile
+        self._cut[key] = split_programs.split(joint, args, dys + sums, data, jit, first)
         return self._cut[key], args
 
     def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
