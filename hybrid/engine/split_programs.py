@@ -44,7 +44,7 @@ Tensors = list[tf.Tensor]
 
 class Part(NamedTuple):
     """What one backward program computes, in the traced graph: for an analysis of it
-    (``deferral.py``).
+    (``row_sums.py``: may its weight gradients run once over all micro-batches?).
 
     Attributes:
       graph: the traced joint graph.
