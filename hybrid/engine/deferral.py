@@ -15,7 +15,6 @@ computes W per micro-batch and warns, naming the op. Memory: every micro-batch's
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +26,6 @@ from hybrid.engine.row_sums import Plan, plan
 from hybrid.engine.split_programs import SplitPrograms
 
 __all__ = ["backward", "run"]
-
-# Each whole-batch weight program's joining program (traced once per signature).
-_JOINED: weakref.WeakKeyDictionary[SplitPrograms, Any] = weakref.WeakKeyDictionary()
 
 
 def backward(
@@ -54,7 +50,7 @@ def backward(
     per_row = [not stage.is_last] * len(more[0])  # the last stage's: the loss's seed
     stage.deferral = plan(full, first.programs, M, varying, per_row)
     if isinstance(stage.deferral, Plan):
-        return accumulated(acc, run(stage.deferral, full, kept, more, stage.jit_compile))
+        return accumulated(acc, run(stage.deferral, full, kept, more))
     warnings.warn(
         f"stage {stage.index} computes its weight gradients per micro-batch, not once for "
         f"the step (defer_weight_gradients): {stage.deferral}",
@@ -66,44 +62,22 @@ def backward(
 
 
 def run(
-    found: Plan,
-    full: SplitPrograms,
-    kept: Sequence[Kept],
-    more: Sequence[Sequence[tf.Tensor]],
-    jit_compile: bool = False,
+    found: Plan, full: SplitPrograms, kept: Sequence[Kept], more: Sequence[Sequence[tf.Tensor]]
 ) -> list[tf.Tensor]:
     """``full``'s weight gradients, once, from every micro-batch's forward (``kept``) and
-    backward arguments (``more``), joined as ``found`` says (inside the program)."""
+    backward arguments (``more``), joined as ``found`` says."""
+
+    def join(values: list[tf.Tensor], concat: bool) -> tf.Tensor:
+        return tf.concat(values, 0) if concat else values[0]
 
     def carried(k: Kept) -> list[tf.Tensor]:
         assert k.carried is not None, "W runs after every micro-batch's B"
         return k.carried
 
-    def pick(values: list[tf.Tensor], concat: bool) -> list[tf.Tensor]:
-        return values if concat else values[:1]
-
-    lists = (
-        [pick([k.args[i] for k in kept], c) for i, c in enumerate(found.args)],
-        [pick([k.residuals[i] for k in kept], c) for i, c in found.residuals],
-        [pick([m[i] for m in more], c) for i, c in enumerate(found.more)],
-        [pick([carried(k)[i] for k in kept], c) for i, c in found.carried],
-    )
-    return _joined(full, jit_compile)(*lists)
-
-
-def _joined(full: SplitPrograms, jit_compile: bool) -> Any:
-    """The program: the given micro-batches' tensors joined along the rows, then
-    ``full``'s weight program on them (one XLA program with ``jit_compile``)."""
-    if full in _JOINED:
-        return _JOINED[full]
-
-    def program(*lists: list[list[tf.Tensor]]) -> list[tf.Tensor]:
-        args, residuals, grads, passed = (
-            [tf.concat(v, 0) if len(v) > 1 else v[0] for v in group] for group in lists
-        )
-        if not full.cut_backward:
-            return full.backward(args, residuals, grads)
-        return full.weight_backward(args, residuals, grads, passed)
-
-    _JOINED[full] = tf.function(program, jit_compile=jit_compile, autograph=False)
-    return _JOINED[full]
+    args = [join([k.args[i] for k in kept], c) for i, c in enumerate(found.args)]
+    residuals = [join([k.residuals[i] for k in kept], c) for i, c in found.residuals]
+    grads = [join([m[i] for m in more], c) for i, c in enumerate(found.more)]
+    if not full.cut_backward:
+        return full.backward(args, residuals, grads)
+    passed = [join([carried(k)[i] for k in kept], c) for i, c in found.carried]
+    return full.weight_backward(args, residuals, grads, passed)
