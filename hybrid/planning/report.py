@@ -105,7 +105,7 @@ class Plan:
             + (f", {format_bytes(memory)} per device" if memory else "")
             + f": {len(self.ranked)} feasible, {len(self.rejected)} rejected"
         )
-        cols = f"{'#':>3} {'mesh':>6} {'M':>4} {'schedule':<16} {'remat':<12} {'step':>9} "
+        cols = f"{'#':>3} {'mesh':>6} {'M':>4} {'schedule':<16} {'remat':<14} {'step':>9} "
         cols += f"{'examples/s':>11} {'bubble':>7} {'mem/device':>11}  balance"
         lines = [head, cols]
         lines += [_ranked_row(i, p) for i, p in enumerate(self.ranked[:top], 1)]
@@ -133,14 +133,15 @@ class Plan:
 
 
 def _ranked_row(rank: int, p: Prediction) -> str:
-    """One row of the table: rank, mesh, M, schedule, remat, step, throughput, bubble, memory
-    and balance."""
+    """One row of the table: rank, mesh, M, schedule, remat (``+deferred``: weight
+    gradients deferred), step, throughput, bubble, memory and balance."""
     c = p.config
     sched = c.schedule + (f"(v={c.virtual_stages})" if c.virtual_stages > 1 else "")
     bal = _runs(c.balance) if isinstance(c.balance, tuple) else ""
+    remat = c.remat + ("+deferred" if c.defer_weight_gradients else "")
     return (
         f"{rank:>3} {f'{c.stages}x{c.replicas}':>6} {c.micro_batches:>4} {sched:<16} "
-        f"{c.remat:<12} {format_time(p.step_time):>9} {p.throughput:>11.4g} "
+        f"{remat:<14} {format_time(p.step_time):>9} {p.throughput:>11.4g} "
         f"{p.bubble:>7.1%} {format_bytes(p.peak_memory):>11}  {bal}"
     )
 
