@@ -186,3 +186,45 @@ def test_a_stage_whose_weight_program_is_not_a_sum_computes_it_per_micro_batch()
     assert all(isinstance(state, str) for state in states), states
     for got, want in zip(grads[True], grads[False], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_convolutional_model_defers_and_trains_as_keras_trains_it():
+    """Convolutions (their filter gradient: a sum over the batch's rows, sizes from the
+    joined input's shape), pooling and a skip, 2 stages × 4 micro-batches, weight
+    gradients deferred on both stages: the losses and weights of plain Keras."""
+
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        x_in = keras.Input((8, 8, 3))
+        h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x_in)
+        r = keras.layers.Conv2D(4, 3, padding="same")(h)
+        h = keras.layers.Add()([h, r])
+        h = keras.layers.Conv2D(6, 3, strides=2, activation="relu")(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        return keras.Model(x_in, keras.layers.Dense(3)(h))
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = build(0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss)
+    twin = build(1)
+    twin.set_weights(reference.get_weights())
+    pipe = hybrid.Pipeline(
+        twin,
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=loss,
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        micro_batches=4,
+        schedule="1f1b",
+        remat="never",
+        jit_compile=False,
+        defer_weight_gradients=True,
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
+        y = rng.integers(0, 3, size=(16,))
+        want = reference.train_on_batch(x, y)
+        np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-5)
+    assert all(isinstance(row[0].deferral, row_sums.Plan) for row in pipe.stages)
+    for got, want in zip(pipe.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

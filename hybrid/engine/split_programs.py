@@ -67,6 +67,7 @@ class Part(NamedTuple):
 
 # Ops a backward may recompute from what it has although they depend on data: views.
 _VIEWS = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "Shape", "Const"})
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _SOURCES = frozenset({"Placeholder", "Const"})
 
 
@@ -229,6 +230,16 @@ def split(
             needed(t)
     for t in b_outputs:  # a gradient that does not depend on the output gradients (zeros)
         needed(t)
+    # The shape of a tensor the backward has anyway is computed there, not kept (a program
+    # run on more rows then reads its own shapes).
+    for name, t in list(residuals.items()):
+        have = (backward_ops, recompute)
+        if t.op.type in _SHAPES and all(
+            i.op.type == "Placeholder" or any(i.op in h for h in have) or i.name in residuals
+            for i in t.op.inputs
+        ):
+            recompute.add(t.op)
+            del residuals[name]
     f_nodes = {op.name for op in _ancestors(f_outputs + list(residuals.values()))}
     graph_def = graph.as_graph_def()
     f_def = _subgraph(graph_def, f_nodes)
