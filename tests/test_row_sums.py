@@ -228,3 +228,41 @@ def test_a_convolutional_model_defers_and_trains_as_keras_trains_it():
     assert all(isinstance(row[0].deferral, row_sums.Plan) for row in pipe.stages)
     for got, want in zip(pipe.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_dropout_masks_are_kept_per_micro_batch_and_deferral_is_exact():
+    """A deferring stage keeps each micro-batch's Dropout mask (drawn from its seed) for the
+    whole-batch W instead of drawing one mask for all rows: both stages defer, and the
+    gradients are those of the undeferred pipeline (the same masks)."""
+    keras.utils.set_random_seed(0)
+    template = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.3, seed=1),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.3, seed=2),
+            keras.layers.Dense(4),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
+    y = np.arange(8) % 4
+    grads = {}
+    for defer in (False, True):
+        twin = keras.models.clone_model(template)
+        twin.set_weights(template.get_weights())
+        pipe = hybrid.Pipeline(
+            twin,
+            mesh=hybrid.DeviceMesh.create(2, 1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras.optimizers.SGD(0.1),
+            micro_batches=2,
+            balance=[2, 3],
+            remat="never",
+            jit_compile=False,
+            defer_weight_gradients=defer,
+        )
+        grads[defer] = pipe.gradients(x, y)
+    assert all(isinstance(row[0].deferral, row_sums.Plan) for row in pipe.stages)
+    for got, want in zip(grads[True], grads[False], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -165,6 +165,7 @@ def place(
     loss: Objective,
     jit_compile: bool,
     logical: LogicalDevices | None = None,
+    defer: bool = False,
 ) -> list[list[StageReplica]]:
     """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row; with
     ``logical``, ``stages[k] == [copy]``: one copy on row ``device_of(k)``'s logical device
@@ -204,18 +205,22 @@ def place(
                 )
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
-    split_batch(stages, mesh.num_replicas, schedule.num_microbatches)
+    split_batch(stages, mesh.num_replicas, schedule.num_microbatches, defer)
     warn_parts(stages, mesh.num_replicas * schedule.num_microbatches)
     return stages
 
 
-def split_batch(stages: list[list[StageReplica]], replicas: int, micro_batches: int) -> None:
+def split_batch(
+    stages: list[list[StageReplica]], replicas: int, micro_batches: int, defer: bool = False
+) -> None:
     """Tells every stage copy how the global batch is split: each micro-batch's activity
-    penalty is 1/(R·M) of the batch's, and its weight gradients are summed when M > 1."""
+    penalty is 1/(R·M) of the batch's, and its weight gradients are summed when M > 1
+    (deferred when ``defer``)."""
     for row in stages:
         for copy in row:
             copy.activity_scale = 1.0 / (replicas * micro_batches)
             copy.accumulates = micro_batches > 1
+            copy.defers = defer and micro_batches > 1
 
 
 def warn_parts(stages: list[list[StageReplica]], parts: int) -> None:

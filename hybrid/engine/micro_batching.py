@@ -81,7 +81,7 @@ def use_micro_batches(pipe: Pipeline, micro_batches: int) -> None:
     pipe._fused = schedule_lib.pairs_to_fuse(pipe.schedule)
     pipe._inference = schedule_lib.forward_only(S, M, v)
     pipe._inference_order = schedule_lib.execution_order(pipe._inference)
-    assembly.split_batch(pipe.stages, pipe.mesh.num_replicas, M)
+    assembly.split_batch(pipe.stages, pipe.mesh.num_replicas, M, config.defer_weight_gradients)
     # fresh step functions: a traced step has M in its graph
     pipe._train = tf.function(pipe._train_step, autograph=False)
     pipe._timed = tf.function(functools.partial(pipe._train_step, record=True), autograph=False)

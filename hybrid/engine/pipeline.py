@@ -234,7 +234,7 @@ class Pipeline(Workflow):
         rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
         self._groups = [ReplicaGroup(self.mesh.replica_group(d)) for d in rows]
         args = (layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile)
-        return assembly.place(*args)
+        return assembly.place(*args, defer=self._defer)
 
     # -- public steps ----------------------------------------------------------------------
 

@@ -141,7 +141,9 @@ class StageReplica:
         ]
         self.activity_scale = 1.0
         self.accumulates = True  # a step has several micro-batches whose gradients are summed
-        # How its last deferral of weight gradients ran (a deferral.Plan), or why it did not.
+        # Whether its weight gradients are deferred; how the last deferral ran (a
+        # deferral.Plan), or why it did not.
+        self.defers: bool = False
         self.deferral: Any = None
 
         def program(fn: Callable[..., Any]) -> Any:
@@ -276,7 +278,8 @@ class StageReplica:
         input gradients (B) and the weight gradients (W)."""
         args, rebuild = split_programs.flatten(structure)
         accumulate = accumulate and self.accumulates
-        key = f"{need_dx} {split} {accumulate} {split_programs.signature(structure)}"
+        key = f"{need_dx} {split} {accumulate} {self.defers}"
+        key += " " + split_programs.signature(structure)
         if key in self._cut:
             return self._cut[key], args
         out = self._forward.get_concrete_function(*structure).structured_outputs
@@ -295,7 +298,9 @@ class StageReplica:
             )
             return out, [d for d in dx or [] if d is not None] + dw
 
-        data = range(len(split_programs.flatten(structure[:2])[0]))
+        # (deferring: the seed is data too, so what it draws, a Dropout mask, is kept per
+        # micro-batch for the whole-batch W, not drawn again there)
+        data = range(len(split_programs.flatten(structure[:2])[0]) + self.defers)
         first = sum(map(differentiable, structure[0])) if need_dx and split else None
         jit = self.jit_compile
         self._cut[key] = split_programs.split(joint, args, dys + sums, data, jit, first)
