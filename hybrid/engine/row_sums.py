@@ -194,9 +194,11 @@ class _Analysis:
 
     def uniform(self, op: tf.Operation, t: tf.Tensor, ins: list[str]) -> bool:
         """Whether the fixed per-row tensor ``t`` has the same value in every row."""
-        if op.type == "Const":
-            value = tf.get_static_value(t)
-            return value is not None and bool(np.all(value == value.flat[0]))
+        if op.type == "Const":  # one value everywhere, the same in both traces
+            full, micro = tf.get_static_value(t), tf.get_static_value(self.counterpart(t))
+            if full is None or micro is None or not full.size or not micro.size:
+                return False
+            return bool(np.all(full == full.flat[0]) and np.all(micro == full.flat[0]))
         if op.type not in row_ops.UNIFORM:
             return False
         value = {"Fill": 1, "BroadcastTo": 0, "Tile": 0}.get(op.type)
