@@ -266,3 +266,56 @@ def test_dropout_masks_are_kept_per_micro_batch_and_deferral_is_exact():
     assert all(isinstance(row[0].deferral, row_sums.Plan) for row in pipe.stages)
     for got, want in zip(grads[True], grads[False], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _plan_of(joint, rows):
+    """``row_sums.plan`` of ``joint``'s backward (no input gradient: all of it is W) at
+    ``rows`` and M × rows."""
+    weights = [tf.TensorSpec([WIDTH, WIDTH]), tf.TensorSpec([WIDTH, WIDTH])]
+
+    def trace(n):
+        specs = [tf.TensorSpec([n, WIDTH])] + weights
+        return split_programs.split(joint, specs, [tf.TensorSpec([n, WIDTH])], [0], False)
+
+    return row_sums.plan(trace(M * rows), trace(rows), M, [True, False, False], [True])
+
+
+def _rounded_gradient(f_args, b_args):
+    """A hand-made W that casts a kernel gradient (a sum over rows) to integers."""
+    x, w1, w2 = f_args
+    y = x @ w1 @ w2
+    dw1 = tf.cast(
+        tf.cast(tf.matmul(x, b_args[0] @ tf.transpose(w2), transpose_a=True), "int32"), "float32"
+    )
+    return [y], [dw1, tf.zeros_like(w2)]
+
+
+@pytest.mark.parametrize(
+    "joint,rows,reason",
+    [
+        # code that branches on the batch size: the two traces are two computations
+        (
+            _joint(
+                lambda x, w1, w2: tf.nn.leaky_relu(x @ w1, 0.1 if x.shape[0] == 1 else 0.3) @ w2,
+                False,
+            ),
+            1,
+            "differs between the traces of the two sizes",
+        ),
+        # a per-row scalar [b] broadcast against [b, 3] lines b up with the last axis at b = 1
+        (
+            _joint(
+                lambda x, w1, w2: ((x @ w1)[:, :M] * tf.tanh(tf.reduce_sum(x, 1))) @ w2[:M], False
+            ),
+            1,
+            "broadcasts",
+        ),
+        # a sum cast to integers is not the sum of the casts
+        (_rounded_gradient, 4, "Cast"),
+    ],
+)
+def test_what_the_proof_must_not_accept(joint, rows, reason):
+    """Programs a review found the first version of the proof accepted although their W
+    over joined rows is not the sum of the micro-batches' (checked numerically then)."""
+    found = _plan_of(joint, rows)
+    assert isinstance(found, str) and reason in found, found

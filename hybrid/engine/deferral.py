@@ -43,12 +43,15 @@ def backward(
         lambda t: None if t is None else tf.TensorSpec([M * t.shape[0], *t.shape[1:]], t.dtype),
         (saved[0].inputs, saved[0].labels),
     )
-    structure = (*data, saved[0].seed, [tf.TensorSpec.from_tensor(w) for w in weights])
-    full, _ = stage.kept_programs(structure, first.need_dx, True, accumulate=False)
+    seed, specs = saved[0].seed, [tf.TensorSpec.from_tensor(w) for w in weights]
+    full, _ = stage.kept_programs((*data, seed, specs), first.need_dx, True, accumulate=False)
+    # The micro-batch's computation traced without running sums, to compare with ``full``.
+    micro = (saved[0].inputs, saved[0].labels, seed, specs)
+    probe, _ = stage.kept_programs(micro, first.need_dx, True, accumulate=False)
     varying = [True] * (len(first.args) - len(weights)) + [False] * len(weights)
     more = [[d for d in dy if d is not None] for dy in dys]
     per_row = [not stage.is_last] * len(more[0])  # the last stage's: the loss's seed
-    stage.deferral = plan(full, first.programs, M, varying, per_row)
+    stage.deferral = plan(full, probe, M, varying, per_row, kept=first.programs)
     if isinstance(stage.deferral, Plan):
         return accumulated(acc, run(stage.deferral, full, kept, more))
     warnings.warn(

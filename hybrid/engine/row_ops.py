@@ -6,6 +6,7 @@ rely on; an op in none of them stops the proof.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = [
@@ -18,7 +19,9 @@ __all__ = [
     "SCALING",
     "SHAPE_ARGS",
     "UNIFORM",
+    "first_row",
     "shape_args",
+    "widening",
 ]
 
 # Ops that apply to each element (with broadcasting): per row when their inputs are.
@@ -71,3 +74,24 @@ def shape_args(op: tf.Operation) -> frozenset[int]:
     if op.type == "ConcatV2":
         return frozenset({len(op.inputs) - 1})
     return SHAPE_ARGS.get(op.type, frozenset())
+
+
+def widening(op: tf.Operation) -> bool:
+    """Whether a Cast goes from a float type to a float type at least as wide."""
+    src, dst = tf.as_dtype(op.get_attr("SrcT")), tf.as_dtype(op.get_attr("DstT"))
+    return src.is_floating and dst.is_floating and dst.size >= src.size
+
+
+def first_row(begin: tf.Tensor) -> bool:
+    """Whether a slice's ``begin`` starts at row 0: a constant, or a concatenation's
+    gradient offsets (``ConcatOffset``) along another axis."""
+    value = tf.get_static_value(begin)
+    if value is not None:
+        return int(np.asarray(value).reshape(-1)[0]) == 0
+    if begin.op.type != "ConcatOffset":
+        return False
+    axis, rank = begin.op.inputs[0], begin.op.inputs[1].shape[0]
+    if axis.op.type == "FloorMod":  # the axis, modulo the rank
+        axis = axis.op.inputs[0]
+    value = tf.get_static_value(axis)
+    return value is not None and rank is not None and int(value) % rank != 0

@@ -32,6 +32,10 @@ FIXED = "fixed"  # the same for every micro-batch and in both traces
 SHAPE = "shape"  # the same for every micro-batch, but depends on the batch size
 
 
+# Attributes that hold a shape or a constant's value: they differ between the two traces.
+_SIZED = frozenset({"shape", "value", "_output_shapes", "output_shapes", "element_shape"})
+
+
 class _Stop(Exception):
     """W is not (provably) additive over rows: why."""
 
@@ -54,17 +58,20 @@ def plan(
     micro_batches: int,
     varying_args: Sequence[bool],
     varying_more: Sequence[bool],
+    kept: SplitPrograms | None = None,
 ) -> Plan | str:
     """Whether ``full``'s weight program (traced at ``micro_batches`` times the rows of
-    ``micro``) run once on the micro-batches' inputs concatenated computes the sum of
-    ``micro``'s over the micro-batches, and how to feed it; else why not.
+    ``micro``, neither adding to running sums) run once on the micro-batches' inputs
+    concatenated computes the sum of ``micro``'s over the micro-batches, and how to feed it
+    from the tensors the programs ``kept`` (default ``micro``) pass; else why not.
 
     Args:
       varying_args, varying_more: which forward and backward arguments differ between
         micro-batches (inputs, labels, the seed, output gradients; not the weights).
     """
     try:
-        return _Analysis(full, micro, micro_batches).run(varying_args, varying_more)
+        analysis = _Analysis(full, micro, micro_batches, kept or micro)
+        return analysis.run(varying_args, varying_more)
     except _Stop as stop:
         return str(stop)
 
@@ -72,8 +79,10 @@ def plan(
 class _Analysis:
     """One pass over the full trace's W, in graph order (see :func:`plan`)."""
 
-    def __init__(self, full: SplitPrograms, micro: SplitPrograms, micro_batches: int) -> None:
-        self.part, self.micro, self.M = full.weights, micro, micro_batches
+    def __init__(
+        self, full: SplitPrograms, micro: SplitPrograms, micro_batches: int, kept: SplitPrograms
+    ) -> None:
+        self.part, self.micro, self.M, self.kept = full.weights, micro, micro_batches, kept
         self.states: dict[str, str] = {}
 
     def counterpart(self, t: tf.Tensor) -> tf.Tensor:
@@ -85,9 +94,28 @@ class _Analysis:
     def per_row(self, t: tf.Tensor) -> bool:
         """Whether ``t``'s first dimension is the batch's: M times longer in the full trace."""
         full, micro = t.shape, self.counterpart(t).shape
-        if not (full.is_fully_defined() and micro.is_fully_defined()) or full.rank == 0:
+        defined = full.is_fully_defined() and micro.is_fully_defined()
+        if not defined or full.rank == 0 or micro.rank != full.rank:
             return False
         return full[0] == self.M * micro[0] and full[1:] == micro[1:]
+
+    def same_op(self, op: tf.Operation) -> None:
+        """Stops unless the micro-batch trace has this op with the same type, inputs and
+        attributes (shapes and constants aside, which the rules compare): the two traces
+        must be one computation at two sizes, not code that branched on the batch size."""
+        try:
+            other = self.micro.weights.graph.get_operation_by_name(op.name)
+        except (KeyError, ValueError):
+            raise _Stop(f"{op.name} is only in the trace of the whole batch") from None
+        same = other.type == op.type and [t.name for t in other.inputs] == [
+            t.name for t in op.inputs
+        ]
+        attrs, others = op.node_def.attr, other.node_def.attr
+        for name in set(attrs) | set(others):
+            if name not in _SIZED and (name not in attrs or attrs[name] != others.get(name)):
+                same = False
+        if not same:
+            raise _Stop(f"{op.type} {op.name} differs between the traces of the two sizes")
 
     def same_shape(self, t: tf.Tensor) -> bool:
         micro = self.counterpart(t).shape
@@ -123,11 +151,12 @@ class _Analysis:
                         raise _Stop(f"{t.name} comes from a random or stateful op")
                     self.states[t.name] = self.source(t, t.op in varying)
                 elif t.op.type == "Placeholder":  # a captured variable handle
-                    self.states[t.name] = FIXED
+                    self.states[t.name] = self.source(t, False)
                 else:
                     raise _Stop(f"{t.name} reaches W from outside its inputs")
             if op.type == "Placeholder":
                 continue
+            self.same_op(op)
             states = self.rule(op, [self.states[t.name] for t in op.inputs])
             self.states.update((t.name, s) for t, s in zip(op.outputs, states, strict=True))
         for name in part.returns:
@@ -147,14 +176,16 @@ class _Analysis:
 
         return Plan(
             [concat(f"{n}:0") for n in part.args],
-            [(index(self.micro.residual_names, n), concat(n)) for n in part.residuals],
+            [(index(self.kept.residual_names, n), concat(n)) for n in part.residuals],
             [concat(f"{n}:0") for n in part.more],
-            [(index(self.micro.carried_names, n), concat(n)) for n in part.carried],
+            [(index(self.kept.carried_names, n), concat(n)) for n in part.carried],
         )
 
     def rule(self, op: tf.Operation, ins: list[str]) -> list[str]:
         """The states of ``op``'s outputs, given its inputs'; raises :class:`_Stop`."""
         kinds = set(ins) - {FIXED, SHAPE}
+        if not op.outputs and not pure(op):
+            raise _Stop(f"{op.type} {op.name} changes state")
         if not kinds:
             return [self.constant(op, t, ins) for t in op.outputs]
         shapes = row_ops.shape_args(op)
@@ -219,6 +250,8 @@ class _Analysis:
         one = values.count(SUM) == 1
         if op.type in row_ops.LINEAR and all(s == SUM for s in values):
             return SUM
+        if op.type == "Cast" and not row_ops.widening(op):
+            raise _Stop(f"Cast {op.name} of a sum is not linear (to a narrower or integer type)")
         if op.type in row_ops.LINEAR_FIRST and ins[0] == SUM and one:
             return SUM
         if (
@@ -229,9 +262,11 @@ class _Analysis:
 
     def row_op(self, op: tf.Operation, ins: list[str]) -> str:
         """The state of an op that reads per-row tensors: per row, a sum, or stopped."""
+        fail = _Stop(f"{op.type} {op.name} is not known to act on each row alone")
+        if not op.outputs:
+            raise fail
         out = op.outputs[0]
-        kind, row_out = op.type, self.per_row(out)
-        fail = _Stop(f"{kind} {op.name} is not known to act on each row alone")
+        kind, row_out = op.type, all(self.per_row(o) for o in op.outputs)
 
         def static(i: int) -> np.ndarray:
             value = tf.get_static_value(op.inputs[i])
@@ -239,13 +274,15 @@ class _Analysis:
                 raise fail
             return np.asarray(value)
 
-        def axis(i: int) -> int:
-            return int(static(i).reshape(-1)[0]) % max(op.inputs[0].shape.rank or 1, 1)
+        def axis(i: int, data: int = 0) -> int:
+            return int(static(i).reshape(-1)[0]) % max(op.inputs[data].shape.rank or 1, 1)
 
         if kind in row_ops.ELEMENTWISE:
             for t, s in zip(op.inputs, ins, strict=True):
+                # a fixed operand broadcasts over the rows, a per-row one has the rows
                 broadcast = s == FIXED and t.shape.rank == out.shape.rank and t.shape[0] != 1
-                if broadcast:
+                misaligned = s == ROW and t.shape.rank != out.shape.rank
+                if broadcast or misaligned:
                     raise _Stop(f"{kind} {op.name} broadcasts {t.name} {t.shape} over rows")
             if row_out:
                 return ROW
@@ -275,7 +312,8 @@ class _Analysis:
             if ins[data] == ROW and ins[filt] == FIXED:
                 return ROW
         elif kind in ("Reshape", "ExpandDims", "Squeeze", "BroadcastTo", "ZerosLike"):
-            if ins[0] == ROW:
+            same_rank = op.inputs[0].shape.rank == out.shape.rank
+            if ins[0] == ROW and (same_rank or kind not in ("BroadcastTo", "ZerosLike")):
                 return ROW
         elif kind in ("Softmax", "LogSoftmax") and out.shape.rank >= 2:
             return ROW
@@ -288,9 +326,9 @@ class _Analysis:
                 return ROW
         elif kind in ("Split", "SplitV"):
             data, at = (1, 0) if kind == "Split" else (0, 2)
-            if ins[data] == ROW and axis(at) != 0:
+            if ins[data] == ROW and axis(at, data) != 0:
                 return ROW
-        elif kind == "Slice" and ins[0] == ROW and rows_kept and _first_row(op.inputs[1]):
+        elif kind == "Slice" and ins[0] == ROW and rows_kept and row_ops.first_row(op.inputs[1]):
             return ROW
         elif kind == "StridedSlice" and ins[0] == ROW and rows_kept:
             masks = [
@@ -299,7 +337,8 @@ class _Analysis:
             if not any(masks) and static(3)[0] == 1:
                 return ROW
         elif kind in ("GatherV2", "Gather") and ins[0] == FIXED and ins[1] == ROW:
-            if (kind == "Gather" or static(2) == 0) and op.get_attr("batch_dims") == 0:
+            batch_dims = op.get_attr("batch_dims") if "batch_dims" in op.node_def.attr else 0
+            if (kind == "Gather" or static(2) == 0) and batch_dims == 0:
                 return ROW
         raise fail
 
@@ -359,21 +398,6 @@ def _deterministic(t: tf.Tensor) -> bool:
             return False
         todo += [i.op for i in op.inputs]
     return True
-
-
-def _first_row(begin: tf.Tensor) -> bool:
-    """Whether a slice's ``begin`` starts at row 0: a constant, or a concatenation's
-    gradient offsets (``ConcatOffset``) along another axis."""
-    value = tf.get_static_value(begin)
-    if value is not None:
-        return int(np.asarray(value).reshape(-1)[0]) == 0
-    if begin.op.type != "ConcatOffset":
-        return False
-    axis, rank = begin.op.inputs[0], begin.op.inputs[1].shape[0]
-    if axis.op.type == "FloorMod":  # the axis, modulo the rank
-        axis = axis.op.inputs[0]
-    value = tf.get_static_value(axis)
-    return value is not None and rank is not None and int(value) % rank != 0
 
 
 def _zero(t: tf.Tensor) -> bool:
