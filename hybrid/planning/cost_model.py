@@ -261,7 +261,9 @@ def _device_cost(
     resident = params * (2 + optimizer_slots) + (2 * params if R > 1 else 0.0)
     fused = fused_pairs(sched)
     held = max(
-        activation_bytes(
+        deferred_bytes(stages[k], whole[k], M)
+        if whole is not None
+        else activation_bytes(
             stages[k],
             run.peak_in_flight[d],
             config.remat,
@@ -269,8 +271,6 @@ def _device_cost(
         )
         for k in ks
     )
-    if whole is not None:
-        held = max(deferred_bytes(stages[k], whole[k], M) for k in ks)
     return _DeviceCost(
         finish=end + reduce + update,
         reduce=reduce,

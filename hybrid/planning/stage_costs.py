@@ -149,8 +149,7 @@ def deferred_schedule(sched: schedule_lib.Schedule) -> schedule_lib.Schedule:
     if sched.splits_backward:
         return sched
     Op, M = schedule_lib.Op, sched.num_microbatches
-    order = schedule_lib.execution_order(sched)
-    closing = {a.stage: a for a in order if a.op is Op.B}
+    closing = _last(sched, Op.B)
 
     def then(a: schedule_lib.Action) -> tuple[schedule_lib.Action, ...]:
         if closing.get(a.stage) != a:
@@ -159,6 +158,11 @@ def deferred_schedule(sched: schedule_lib.Schedule) -> schedule_lib.Schedule:
 
     rows = tuple(tuple(b for a in row for b in then(a)) for row in sched.actions)
     return dataclasses.replace(sched, actions=rows)
+
+
+def _last(sched: schedule_lib.Schedule, op: schedule_lib.Op) -> dict[int, schedule_lib.Action]:
+    """Each model stage's last ``op`` action (its device runs its row in order)."""
+    return {a.stage: a for row in sched.actions for a in row if a.op is op}
 
 
 def _deferred_costs(
@@ -171,7 +175,7 @@ def _deferred_costs(
     :func:`deferred_schedule`: each B the input gradients, each stage's last W the rest of
     its backward at all micro-batches' rows, the other W nothing."""
     Op, launch = schedule_lib.Op, hardware.action_overhead
-    closing = {a.stage: a for a in schedule_lib.execution_order(sched) if a.op is Op.W}
+    closing = _last(sched, Op.W)
 
     def cost(action: schedule_lib.Action) -> float:
         st, full = stages[action.stage], whole[action.stage]
