@@ -143,6 +143,27 @@ def test_per_row_tensors_that_cross_rows_in_b_are_deferred_exactly():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _twins(template, micro_batches):
+    """Two pipelines of copies of ``template`` (same weights) on 2 stages, one deferring
+    its weight gradients: {deferred: pipeline}."""
+    pipes = {}
+    for defer in (False, True):
+        twin = keras.models.clone_model(template)
+        twin.set_weights(template.get_weights())
+        pipes[defer] = hybrid.Pipeline(
+            twin,
+            mesh=hybrid.DeviceMesh.create(2, 1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras.optimizers.SGD(0.1),
+            micro_batches=micro_batches,
+            balance=[2, 3],
+            remat="never",
+            jit_compile=False,
+            defer_weight_gradients=defer,
+        )
+    return pipes
+
+
 def test_a_stage_whose_weight_program_is_not_a_sum_computes_it_per_micro_batch():
     """BatchNormalization normalizes each micro-batch by its own statistics, and its
     weight gradients read them (one row per micro-batch, not per example): the proof
@@ -162,20 +183,7 @@ def test_a_stage_whose_weight_program_is_not_a_sum_computes_it_per_micro_batch()
     x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
     y = np.arange(16) % 3
     grads = {}
-    for defer in (False, True):
-        twin = keras.models.clone_model(template)
-        twin.set_weights(template.get_weights())
-        pipe = hybrid.Pipeline(
-            twin,
-            mesh=hybrid.DeviceMesh.create(2, 1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.SGD(0.1),
-            micro_batches=4,
-            balance=[2, 3],
-            remat="never",
-            jit_compile=False,
-            defer_weight_gradients=defer,
-        )
+    for defer, pipe in _twins(template, 4).items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             grads[defer] = pipe.gradients(x, y)
@@ -248,20 +256,7 @@ def test_dropout_masks_are_kept_per_micro_batch_and_deferral_is_exact():
     x = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
     y = np.arange(8) % 4
     grads = {}
-    for defer in (False, True):
-        twin = keras.models.clone_model(template)
-        twin.set_weights(template.get_weights())
-        pipe = hybrid.Pipeline(
-            twin,
-            mesh=hybrid.DeviceMesh.create(2, 1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.SGD(0.1),
-            micro_batches=2,
-            balance=[2, 3],
-            remat="never",
-            jit_compile=False,
-            defer_weight_gradients=defer,
-        )
+    for defer, pipe in _twins(template, 2).items():
         grads[defer] = pipe.gradients(x, y)
     assert all(isinstance(row[0].deferral, row_sums.Plan) for row in pipe.stages)
     for got, want in zip(grads[True], grads[False], strict=True):
