@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import deferral, records, row_sums, split_programs
+from hybrid.engine import deferral, records, row_sums, shape_values, split_programs
 
 ROWS, M, WIDTH = 4, 3, 5
 
@@ -285,6 +285,16 @@ def _rounded_gradient(f_args, b_args):
     return [y], [dw1, tf.zeros_like(w2)]
 
 
+def _batch_picked_column(f_args, b_args):
+    """A hand-made W that reads the column of the output gradient given by the batch size (1
+    at 4 rows, 3 at 12 rows): the two traces pick other elements of every row."""
+    x, w1, w2 = f_args
+    column = min(x.shape[0] // 4, WIDTH - 1)
+    dh = b_args[0] @ tf.transpose(w2)
+    picked = tf.concat([tf.slice(dh, [0, column], [-1, 1])] * WIDTH, axis=1)
+    return [x @ w1 @ w2], [tf.matmul(x, picked, transpose_a=True), tf.zeros_like(w2)]
+
+
 @pytest.mark.parametrize(
     "joint,rows,reason",
     [
@@ -307,6 +317,8 @@ def _rounded_gradient(f_args, b_args):
         ),
         # a sum cast to integers is not the sum of the casts
         (_rounded_gradient, 4, "Cast"),
+        # the batch size as a slice's begin on the columns
+        (_batch_picked_column, 4, "the batch size reaches more than the rows"),
     ],
 )
 def test_what_the_proof_must_not_accept(joint, rows, reason):
@@ -314,3 +326,36 @@ def test_what_the_proof_must_not_accept(joint, rows, reason):
     over joined rows is not the sum of the micro-batches' (checked numerically then)."""
     found = _plan_of(joint, rows)
     assert isinstance(found, str) and reason in found, found
+
+
+def test_shape_values_are_read_from_static_shapes_and_batch_sizes_only_in_the_rows():
+    """The values row_sums compares: shapes rebuilt the way gradients rebuild them
+    (``ShapeN``, a strided slice of a shape, ``ConcatOffset``), and the rule that a shape
+    may differ between the traces in its first entry only, by the factor M."""
+    made = {}
+
+    @tf.function(autograph=False)
+    def trace(x, y, free):
+        made["rebuilt"] = tf.concat([[tf.size(x) // 35], tf.shape(x)[1:]], 0)
+        shapes = tf.raw_ops.ShapeN(input=[x, y])
+        made["offset"] = tf.raw_ops.ConcatOffset(concat_dim=1, shape=shapes)[1]
+        made["axes"] = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(x), s1=tf.shape(y[0, :1]))[1]
+        made["unknown"] = tf.shape(free)
+        made["column"], made["other"] = tf.constant([0, 3]), tf.constant([0, 1])
+        made["small"] = tf.constant([4, 5, 7])
+        return x
+
+    specs = [tf.TensorSpec([12, 5, 7]), tf.TensorSpec([12, 2, 7]), tf.TensorSpec([None, 5])]
+    trace.get_concrete_function(*specs)
+    np.testing.assert_array_equal(shape_values.value(made["rebuilt"]), [12, 5, 7])
+    np.testing.assert_array_equal(shape_values.value(made["offset"]), [0, 5, 0])
+    np.testing.assert_array_equal(shape_values.value(made["axes"]), [0, 1])
+    assert shape_values.value(made["unknown"]) is None
+    rebuilt, small, column = made["rebuilt"], made["small"], made["column"]
+    assert shape_values.beyond_rows(rebuilt, small, 3, rows=True) is None
+    assert "reaches more than the rows" in shape_values.beyond_rows(rebuilt, small, 3, False)
+    assert "reaches more than the rows" in shape_values.beyond_rows(rebuilt, small, 2, True)
+    assert shape_values.beyond_rows(column, column, 3, rows=False) is None
+    assert "[0, 3] for the whole batch, [0, 1]" in shape_values.beyond_rows(
+        column, made["other"], 3, rows=True
+    )

@@ -16,6 +16,7 @@ __all__ = [
     "LINEAR",
     "LINEAR_FIRST",
     "PRODUCTS",
+    "ROW_SHAPES",
     "SCALING",
     "SHAPE_ARGS",
     "UNIFORM",
@@ -58,6 +59,18 @@ SHAPE_ARGS: dict[str, frozenset[int]] = {
     ]
     for op in ops.split()
 }
+# Shape arguments whose first entry is the number of rows: (op, input).
+ROW_SHAPES = frozenset(
+    {
+        ("BroadcastTo", 1),
+        ("Conv2DBackpropInput", 0),
+        ("Fill", 0),
+        ("Reshape", 1),
+        ("Slice", 2),
+        ("StridedSlice", 2),
+        ("Tile", 1),
+    }
+)
 FILTER_GRADS = frozenset(
     {
         "Conv2DBackpropFilter",

@@ -9,7 +9,8 @@ weights, the loss's seed). :func:`plan` proves it op by op or names the op that 
 op it does not know stops it. Its evidence of the batch axis is two traces of the stage's
 forward + backward, at b and at M·b rows: a tensor whose first dimension is b in one and M·b
 in the other, the rest equal, is per row. A constant must be equal in both traces unless it
-only gives a shape (a reshape's, a sum's axes): the batch size used as a value stops it.
+only gives a shape (a reshape's, a sum's axes), and then unequal only in a shape's rows
+(``shape_values``): the batch size used as a value, or for another axis, stops it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine import row_ops
+from hybrid.engine import row_ops, shape_values
 from hybrid.engine.split_programs import SplitPrograms, descendants, pure
 
 __all__ = ["Plan", "plan"]
@@ -186,9 +187,14 @@ class _Analysis:
         kinds = set(ins) - {FIXED, SHAPE}
         if not op.outputs and not pure(op):
             raise _Stop(f"{op.type} {op.name} changes state")
+        shapes = row_ops.shape_args(op)
+        for i in (i for i in shapes if ins[i] == SHAPE):  # may differ in a shape's rows only
+            t, rows = op.inputs[i], (op.type, i) in row_ops.ROW_SHAPES
+            why = shape_values.beyond_rows(t, self.counterpart(t), self.M, rows)
+            if why is not None:
+                raise _Stop(f"{op.type} {op.name} reads {why}")
         if not kinds:
             return [self.constant(op, t, ins) for t in op.outputs]
-        shapes = row_ops.shape_args(op)
         for i, s in enumerate(ins):
             if s == SHAPE and i not in shapes:
                 raise _Stop(
