@@ -122,6 +122,59 @@ def train_step(pipe: Any, x: Any, y: Any) -> Callable[[], Any]:
     return lambda: pipe.train_step(x, y)
 
 
+def independent_step(
+    make_model: Callable[[], Any],
+    make_loss: Callable[[], Any],
+    make_optimizer: Callable[[], Any],
+    x: Any,
+    y: Any,
+    devices: Sequence[str],
+) -> Callable[[], float]:
+    """The host's ceiling for a step on ``devices``: on each device its own copy of the model
+    takes plain Keras's one-device step on its share of the batch (its gradients by one XLA
+    program, its update by another), all in one ``tf.function``, with nothing exchanged. No
+    step on those devices can beat it; busy cores share caches and memory bandwidth, so it is
+    faster than one device by less than N×. (The gradient program takes the weights as
+    arguments, as the engine's do: two XLA calls that each read and update variables are run
+    one after the other by the function's automatic control dependencies.)"""
+    import keras
+    import tensorflow as tf
+
+    shares = list(zip(tf.split(x, len(devices)), tf.split(y, len(devices)), strict=True))
+    replicas = []
+    for device in devices:
+        with tf.device(device):
+            model, loss, optimizer = make_model(), make_loss(), make_optimizer()
+            optimizer.build(model.trainable_variables)
+
+        def gradients(xr: Any, yr: Any, weights: list[Any], model: Any = model, loss=loss) -> Any:
+            mapping = list(zip(model.trainable_variables, weights, strict=True))
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                with keras.StatelessScope(state_mapping=mapping):
+                    value = loss(yr, model(xr, training=True))
+            return tape.gradient(value, weights), value
+
+        def update(grads: list[Any], model: Any = model, optimizer: Any = optimizer) -> None:
+            optimizer.apply(grads, model.trainable_variables)
+
+        programs = [tf.function(f, jit_compile=True) for f in (gradients, update)]
+        replicas.append((device, model, *programs))
+
+    @tf.function
+    def step() -> Any:
+        values = []
+        for (device, model, gradients, update), (xr, yr) in zip(replicas, shares, strict=True):
+            with tf.device(device):
+                weights = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+                grads, value = gradients(xr, yr, weights)
+                update(grads)
+                values.append(value)
+        return tf.add_n(values)
+
+    return lambda: float(step())
+
+
 def instrumented_step(
     pipe: Any, x: Any, y: Any
 ) -> tuple[list[Any], list[tuple[Any, float, float]]]:

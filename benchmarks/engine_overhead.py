@@ -35,6 +35,8 @@ and prints the issue-16 ratios:
     data parallelism     keras_1_device / pipeline_1x2_M1            (target >= 1.7)
     vs MirroredStrategy  mirrored_2_devices / pipeline_1x2_M1        (target >= 1.2)
     two-device ceiling   keras_1_device / independent_2_devices      (what the host allows)
+    ... of the ceiling   independent_2_devices / pipeline_1x2_M1, and the pipelining
+                         speedup / the ceiling (at most M / (M + 1): the 2×1 bubble)
 
     python benchmarks/engine_overhead.py [--rounds=7] [--steps_per_round=3]
 """
@@ -119,54 +121,6 @@ def mirrored_step(x: Any, y: Any, devices: list[str]) -> Callable[[], float]:
         lambda context: shards[context.replica_id_in_sync_group]
     )
     return lambda: float(step(data))
-
-
-def independent_step(x: Any, y: Any, devices: list[str]) -> Callable[[], float]:
-    """The host's ceiling for a two-device step: on each device its own copy of the model
-    takes plain Keras's one-device step on half the batch (its gradients by one XLA program,
-    its update by another), both in one ``tf.function``, with nothing exchanged. No
-    two-device step can beat it; two busy cores share caches and memory bandwidth, so it is
-    faster than one device by less than 2×. (The gradient program takes the weights as
-    arguments, as the engine's do: two XLA calls that each read and update variables are
-    run one after the other by the function's automatic control dependencies.)"""
-    import keras
-    import tensorflow as tf
-
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    halves = list(zip(tf.split(x, len(devices)), tf.split(y, len(devices)), strict=True))
-    replicas = []
-    for device in devices:
-        with tf.device(device):
-            model = _model()
-            optimizer = keras.optimizers.SGD(LEARNING_RATE)
-            optimizer.build(model.trainable_variables)
-
-        def gradients(xr: Any, yr: Any, weights: list[Any], model: Any = model) -> Any:
-            mapping = list(zip(model.trainable_variables, weights, strict=True))
-            with tf.GradientTape() as tape:
-                tape.watch(weights)
-                with keras.StatelessScope(state_mapping=mapping):
-                    value = loss(yr, model(xr, training=True))
-            return tape.gradient(value, weights), value
-
-        def update(grads: list[Any], model: Any = model, optimizer: Any = optimizer) -> None:
-            optimizer.apply(grads, model.trainable_variables)
-
-        programs = [tf.function(f, jit_compile=True) for f in (gradients, update)]
-        replicas.append((device, model, *programs))
-
-    @tf.function
-    def step() -> Any:
-        values = []
-        for (device, model, gradients, update), (xr, yr) in zip(replicas, halves, strict=True):
-            with tf.device(device):
-                weights = [tf.convert_to_tensor(v) for v in model.trainable_variables]
-                grads, value = gradients(xr, yr, weights)
-                update(grads)
-                values.append(value)
-        return tf.add_n(values)
-
-    return lambda: float(step())
 
 
 def handwritten_step(x: Any, y: Any, micro_batches: int) -> Callable[[], float]:
@@ -273,7 +227,9 @@ def candidates(counts: list[int]) -> tuple[dict[str, Callable[[], Any]], Any]:
         "keras_1_device": keras_step(x, y),
         f"handwritten_M{M}": handwritten_step(x, y, M),
         **{name: common.train_step(pipe, x, y) for name, pipe in pipes.items()},
-        "independent_2_devices": independent_step(x, y, devices),
+        "independent_2_devices": common.independent_step(
+            _model, _loss, lambda: keras.optimizers.SGD(LEARNING_RATE), x, y, devices
+        ),
         "mirrored_2_devices": mirrored_step(x, y, devices),
     }
     return steps, auto
@@ -300,6 +256,9 @@ def ratios(ms: dict[str, float], chosen: str) -> dict[str, float]:
         "data_parallel_vs_mirrored": ms["mirrored_2_devices"] / ms["pipeline_1x2_M1"],
         "two_device_ceiling": ms["keras_1_device"] / ms["independent_2_devices"],
     }
+    # how much of what two devices can do on this host each 2-device engine step reaches
+    values["data_parallel_of_ceiling"] = ms["independent_2_devices"] / ms["pipeline_1x2_M1"]
+    values["pipelining_of_ceiling"] = values["pipelining_speedup"] / values["two_device_ceiling"]
     targets = {
         "planned_vs_plain": ">= 1.2",
         "auto_vs_plain": ">= 1.2 (micro_batches='auto': M timed at the first step)",
@@ -312,6 +271,8 @@ def ratios(ms: dict[str, float], chosen: str) -> dict[str, float]:
         "data_parallel_vs_plain": ">= 1.7",
         "data_parallel_vs_mirrored": ">= 1.2",
         "two_device_ceiling": "what this host allows any 2-device step (no target)",
+        "data_parallel_of_ceiling": "independent_2_devices / pipeline_1x2_M1 (1 = the ceiling)",
+        "pipelining_of_ceiling": f"speedup / ceiling (at most {M / (M + 1):.2f}: the bubble)",
     }
     for name, value in values.items():
         print(f"  {name:28s} {value:6.3f}  (target {targets[name]})")

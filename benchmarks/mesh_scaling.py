@@ -230,19 +230,38 @@ def measured_timeline(pipe: Any, data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def keras_step(data: dict[str, Any]) -> Any:
-    """What the user would run instead: the same model (same initial weights) compiled by
-    plain Keras on one device (XLA when --jit_compile), one ``train_on_batch`` per step."""
+def _keras_model(data: dict[str, Any]) -> Any:
+    """The reference model (same initial weights) as one Keras model."""
     import keras
 
     fresh = common.reference_model(**common.flag_values(*common.REFERENCE_MODEL_FLAGS))
     inputs = keras.Input(data["input_shape"], dtype=data["input_dtype"])
-    model = keras.Sequential([inputs, *fresh["layers"]])
-    model.compile(_optimizer(), fresh["loss"], jit_compile=FLAGS.jit_compile)
+    return keras.Sequential([inputs, *fresh["layers"]])
+
+
+def keras_step(data: dict[str, Any]) -> Any:
+    """What the user would run instead: the same model (same initial weights) compiled by
+    plain Keras on one device (XLA when --jit_compile), one ``train_on_batch`` per step."""
+    model = _keras_model(data)
+    model.compile(_optimizer(), data["loss"], jit_compile=FLAGS.jit_compile)
     return lambda: model.train_on_batch(data["x"], data["y"])
 
 
+def ceiling_step(data: dict[str, Any], devices: int) -> Any:
+    """The host's ceiling for any step on ``devices`` devices: plain Keras's one-device step
+    on each device at once, on its share of the batch, nothing exchanged
+    (``common.independent_step``)."""
+    import tensorflow as tf
+
+    names = [d.name for d in tf.config.list_logical_devices("CPU")[:devices]]
+    loss = type(data["loss"]).from_config(data["loss"].get_config())
+    return common.independent_step(
+        lambda: _keras_model(data), lambda: loss, _optimizer, data["x"], data["y"], names
+    )
+
+
 KERAS = "plain Keras, 1 device"
+CEILING = "plain Keras on every device at once"
 
 
 def run_configurations(configs: list[dict], devices: int) -> None:
@@ -259,21 +278,34 @@ def run_configurations(configs: list[dict], devices: int) -> None:
     for c in configs:
         pipes[_label(c)], rows[_label(c)] = build(c, data)
     steps = {label: common.train_step(p, data["x"], data["y"]) for label, p in pipes.items()}
-    samples, _ = common.time_steps({KERAS: keras_step(data), **steps}, warmup=2)
+    baselines = {KERAS: keras_step(data)}
+    if devices > 1:
+        baselines[CEILING] = ceiling_step(data, devices)
+    samples, _ = common.time_steps({**baselines, **steps}, warmup=2)
     for label, pipe in pipes.items():
         measure(pipe, rows[label], samples[label], data, devices)
     for label in pipes:
         print("RESULT " + json.dumps(rows[label]))
     env = common.environment()
     keras_ms = 1e3 * common.median(samples[KERAS])
-    print("RESULT " + json.dumps({"environment": env, "keras_step_ms": keras_ms}))
+    ceiling_ms = 1e3 * common.median(samples[CEILING]) if devices > 1 else keras_ms
+    last = {"environment": env, "keras_step_ms": keras_ms, "ceiling_step_ms": ceiling_ms}
+    print("RESULT " + json.dumps(last))
 
 
-def _rank_and_derive(rows: list[dict], keras_ms: dict[int, float]) -> None:
-    """Speedup over the best 1×1 of the same process, efficiency = speedup / N, and the
-    speedup over plain Keras's one-device step timed in that process (``keras_ms``)."""
+def _rank_and_derive(
+    rows: list[dict], keras_ms: dict[int, float], ceiling_ms: dict[int, float]
+) -> None:
+    """Speedup over the best 1×1 of the same process, efficiency = speedup / N, the speedup
+    over plain Keras's one-device step timed in that process (``keras_ms``), and the share
+    of the host's ceiling for its device count reached (``of_ceiling``: the ceiling step of
+    the process's N devices, ``ceiling_ms``, over this step; plain Keras's for one device;
+    NaN for other counts)."""
     for r in rows:
-        r["speedup_vs_keras"] = keras_ms[r["process_devices"]] / r["step_ms"]
+        p = r["process_devices"]
+        r["speedup_vs_keras"] = keras_ms[p] / r["step_ms"]
+        ceiling = {1: keras_ms[p], p: ceiling_ms[p]}.get(r["devices"], float("nan"))
+        r["of_ceiling"] = ceiling / r["step_ms"]
     best_single: dict[int, float] = {}
     for r in rows:
         if r["devices"] == 1:
@@ -354,7 +386,8 @@ def _efficiency_panel(
 
 def _versus_keras_panel(ax: Any, sweeps: list[dict]) -> None:
     """Speedup over plain Keras on one device of each mesh shape (its best configuration), a
-    bar per model; a tick at the ideal N."""
+    bar per model; a tick at the ideal N and one per model at the host's ceiling (plain
+    Keras on each of the N devices at once)."""
     meshes = sorted(
         {(r["stages"], r["replicas"]) for sw in sweeps for r in sw["rows"]},
         key=lambda t: (t[0] * t[1], t),
@@ -370,13 +403,16 @@ def _versus_keras_panel(ax: Any, sweeps: list[dict]) -> None:
             label = sw["label"] if i == 0 else None
             value = best["speedup_vs_keras"]
             _bar(ax, x, value, width, f"{value:.2f}", f"C{j}", label)
+            n = S * R
+            ceiling = sw["keras_step_ms"][n] / sw["ceiling_step_ms"][n] if n > 1 else 1.0
+            ax.plot([x - width / 2, x + width / 2], [ceiling] * 2, color=f"C{j}", linestyle="--")
     for i, (S, R) in enumerate(meshes):
         ax.plot([i - 0.45, i + 0.45], [S * R] * 2, color="k", linestyle=":", linewidth=1)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylim(0, 1.35 * max(S * R for S, R in meshes))  # room for the legend
     ax.set_xticks(range(len(meshes)))
     ax.set_xticklabels([f"{S}×{R}" for S, R in meshes])
-    ax.set_xlabel("mesh S × R (best configuration; dotted: ideal N)")
+    ax.set_xlabel("mesh S × R (best configuration; dotted: ideal N; dashed: host ceiling)")
     ax.set_ylabel("speedup over plain Keras, 1 device")
     ax.set_title("vs what the user would run instead", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
@@ -449,9 +485,14 @@ def run_budgets(budgets: list[int], model: dict[str, Any]) -> dict[str, Any]:
         environments[n] = {
             **results[-1]["environment"],
             "keras_step_ms": results[-1]["keras_step_ms"],
+            "ceiling_step_ms": results[-1]["ceiling_step_ms"],
         }
         rows += results[:-1]
-    _rank_and_derive(rows, {n: e["keras_step_ms"] for n, e in environments.items()})
+    _rank_and_derive(
+        rows,
+        {n: e["keras_step_ms"] for n, e in environments.items()},
+        {n: e["ceiling_step_ms"] for n, e in environments.items()},
+    )
     rows.sort(key=lambda r: -r["examples_per_s"])
     return {
         "model": model,
@@ -460,13 +501,15 @@ def run_budgets(budgets: list[int], model: dict[str, Any]) -> dict[str, Any]:
         "skipped": skipped,
         "environments": environments,
         "keras_step_ms": {n: e["keras_step_ms"] for n, e in environments.items()},
+        "ceiling_step_ms": {n: e["ceiling_step_ms"] for n, e in environments.items()},
     }
 
 
 def print_table(rows: list[dict], skipped: list[dict]) -> None:
     print(
         f"  {'#':>3} {'N':>2} {'mesh':>5} {'M':>3} {'schedule':<16} {'remat':<12} "
-        f"{'ms/step':>8} {'ex/s':>8} {'speedup':>7} {'eff':>5} {'vs Keras':>8} {'bubble':>6} "
+        f"{'ms/step':>8} {'ex/s':>8} {'speedup':>7} {'eff':>5} {'vs Keras':>8} {'of ceil':>7} "
+        f"{'bubble':>6} "
         f"{'MiB/dev':>8} {'compile s':>9}"
     )
     for i, r in enumerate(rows, 1):
@@ -477,7 +520,7 @@ def print_table(rows: list[dict], skipped: list[dict]) -> None:
             f"  {i:>3} {r['devices']:>2} {r['stages']}x{r['replicas']:<3} "
             f"{r['micro_batches']:>3} {sched_name:<16} {r['remat']:<12} {r['step_ms']:>8.2f} "
             f"{r['examples_per_s']:>8.1f} {r['speedup']:>7.2f} {r['efficiency']:>5.2f} "
-            f"{r['speedup_vs_keras']:>8.2f} "
+            f"{r['speedup_vs_keras']:>8.2f} {r['of_ceiling']:>7.2f} "
             f"{r['measured_bubble']:>6.1%} {r['peak_mib_per_device']:>8.2f} "
             f"{r['compile_s']:>9.1f}"
         )
@@ -518,7 +561,8 @@ def write_results(env: dict, budgets: list[int], sweeps: list[dict]) -> tuple[st
     }
     if len(sweeps) > 1:
         small = sweeps[1]
-        result["small_model"] = {k: small[k] for k in ("model", "rows", "skipped", "keras_step_ms")}
+        keys = ("model", "rows", "skipped", "keras_step_ms", "ceiling_step_ms")
+        result["small_model"] = {k: small[k] for k in keys}
     path = common.write_json(FLAGS.name, result)
     labelled = [dict(r, curve=sw["label"]) for sw in sweeps for r in sw["rows"] + sw["skipped"]]
     csv_path = common.write_csv(FLAGS.name, labelled)
@@ -531,22 +575,26 @@ def write_results(env: dict, budgets: list[int], sweeps: list[dict]) -> tuple[st
 
 def summary_terms(sweep: dict, prefix: str = "") -> str:
     """The SUMMARY's terms of one sweep: its fastest multi-device configuration, and the
-    slowest mesh shape's best speedup over plain Keras (``worst_mesh_vs_keras``)."""
+    slowest mesh shape's best speedup over plain Keras (``worst_mesh_vs_keras``) and best
+    share of the host's ceiling (``worst_mesh_of_ceiling``)."""
     rows = sweep["rows"]
     pipelined = [r for r in rows if r["devices"] > 1]
     best = pipelined[0] if pipelined else rows[0]
     per_mesh: dict[tuple[int, int], float] = {}
+    of_ceiling: dict[tuple[int, int], float] = {}
     for r in pipelined:
         key = (r["stages"], r["replicas"])
         per_mesh[key] = max(per_mesh.get(key, 0.0), r["speedup_vs_keras"])
+        of_ceiling[key] = max(of_ceiling.get(key, 0.0), r["of_ceiling"])
     worst = min(per_mesh.values(), default=float("nan"))
+    worst_share = min(of_ceiling.values(), default=float("nan"))
     return (
         f"{prefix}best={best['stages']}x{best['replicas']}/{best['schedule']}/"
         f"M={best['micro_batches']}/{best['remat']} {prefix}best_examples_per_s="
         f"{best['examples_per_s']:.1f} {prefix}best_speedup={best['speedup']:.3f} "
         f"{prefix}best_efficiency={best['efficiency']:.3f} "
         f"{prefix}best_speedup_vs_keras={best['speedup_vs_keras']:.3f} "
-        f"{prefix}worst_mesh_vs_keras={worst:.3f}"
+        f"{prefix}worst_mesh_vs_keras={worst:.3f} {prefix}worst_mesh_of_ceiling={worst_share:.3f}"
     )
 
 
@@ -569,11 +617,15 @@ def main(argv: list[str]) -> None:
     env = dict(next(iter(environments.values()), {}))
     env["devices"] = {n: e["devices"] for n, e in environments.items()}
     env["keras_step_ms"] = sweeps[0]["keras_step_ms"]
+    env["ceiling_step_ms"] = sweeps[0]["ceiling_step_ms"]
     common.print_header(FLAGS.name, env)
     for sweep in sweeps:
         print(f"  -- {sweep['label']} --")
         print(f"  model: {sweep['model']}, {sweep['layers']} layers; optimizer {FLAGS.optimizer}")
         print(f"  plain Keras, 1 device: {sweep['keras_step_ms']} ms/step")
+        keras_ms, ceiling_ms = sweep["keras_step_ms"], sweep["ceiling_step_ms"]
+        ceilings = {n: round(keras_ms[n] / ms, 3) for n, ms in ceiling_ms.items()}
+        print(f"  the host's ceiling (plain Keras on every device at once) vs Keras: {ceilings}")
         print(f"  {len(sweep['rows'])} configurations measured, {len(sweep['skipped'])} skipped")
         print_table(sweep["rows"], sweep["skipped"])
     path, csv_path, png = write_results(env, budgets, sweeps)
