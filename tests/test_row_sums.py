@@ -295,6 +295,20 @@ def _batch_picked_column(f_args, b_args):
     return [x @ w1 @ w2], [tf.matmul(x, picked, transpose_a=True), tf.zeros_like(w2)]
 
 
+def _float_range_column(f_args, b_args):
+    """The column of the output gradient picked through a float ``Range`` of the batch size
+    (column 1 at 4 rows, 2 at 12): a value that truncating the floats would call equal."""
+    x, w1, w2 = f_args
+    dh = b_args[0] @ tf.transpose(w2)
+    start = 0.0625 * tf.cast(tf.shape(dh)[0], "float32") - 0.25
+    column = tf.cast(tf.reduce_sum(tf.range(start, start + 2.0, 1.0)), "int32")
+    picked = tf.strided_slice(dh, [0, column], [0, column + 1], [1, 1], begin_mask=1, end_mask=1)
+    return [x @ w1 @ w2], [
+        tf.matmul(x, tf.concat([picked] * WIDTH, 1), transpose_a=True),
+        tf.zeros_like(w2),
+    ]
+
+
 @pytest.mark.parametrize(
     "joint,rows,reason",
     [
@@ -319,6 +333,7 @@ def _batch_picked_column(f_args, b_args):
         (_rounded_gradient, 4, "Cast"),
         # the batch size as a slice's begin on the columns
         (_batch_picked_column, 4, "the batch size reaches more than the rows"),
+        (_float_range_column, 4, "the batch size reaches more than the rows"),
     ],
 )
 def test_what_the_proof_must_not_accept(joint, rows, reason):
@@ -359,3 +374,45 @@ def test_shape_values_are_read_from_static_shapes_and_batch_sizes_only_in_the_ro
     assert "[0, 3] for the whole batch, [0, 1]" in shape_values.beyond_rows(
         column, made["other"], 3, rows=True
     )
+
+
+def _long_shape_chain(f_args, b_args):
+    """A reshape whose target went through 1500 additions: no recursion limit is hit."""
+    x, w1, w2 = f_args
+    dh = b_args[0] @ tf.transpose(w2)
+    width = tf.shape(dh)[1]
+    for _ in range(1500):
+        width = width + 0
+    dh = tf.reshape(dh, tf.stack([tf.shape(dh)[0], width]))
+    return [x @ w1 @ w2], [tf.matmul(x, dh, transpose_a=True), tf.zeros_like(w2)]
+
+
+def _broadcast_bias(x, w1, b):
+    """A bias added across a broadcast axis: at one row per micro-batch the bias gradient
+    sums axes [1] of [1, 2, 5] where the whole batch sums [0, 1] of [3, 2, 5]."""
+    h = tf.reshape(x @ w1, [-1, 1, WIDTH]) * tf.ones([1, 2, 1])
+    return tf.reduce_sum(h + tf.reshape(b, [1, 1, WIDTH]), 1)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_programs_that_are_sums_are_proved_at_one_row_and_through_long_shape_chains(rows):
+    """One row per micro-batch (where deferral saves the most) and a long chain of shape
+    ops are still proved; each proof's W over joined rows is the sum of the micro-batches'."""
+    cases = [(_long_shape_chain, [WIDTH, WIDTH]), (_joint(_broadcast_bias, False), [WIDTH])]
+    for joint, bias in cases:
+        shapes = [[WIDTH, WIDTH], bias]
+        specs = [tf.TensorSpec(s) for s in shapes]
+
+        def trace(n, joint=joint, specs=specs):
+            inputs = [tf.TensorSpec([n, WIDTH]), *specs]
+            return split_programs.split(joint, inputs, [tf.TensorSpec([n, WIDTH])], [0], False)
+
+        found = row_sums.plan(trace(M * rows), trace(rows), M, [True, False, False], [True])
+        assert isinstance(found, row_sums.Plan), found
+        weights = [tf.random.stateless_normal(s, seed=[i, 1]) for i, s in enumerate(shapes)]
+        xs = [tf.random.stateless_normal([rows, WIDTH], seed=[30, m]) for m in range(M)]
+        dys = [tf.random.stateless_normal([rows, WIDTH], seed=[40, m]) for m in range(M)]
+        whole = joint([tf.concat(xs, 0), *weights], [tf.concat(dys, 0)])[1]
+        parts = [joint([x, *weights], [dy])[1] for x, dy in zip(xs, dys, strict=True)]
+        for got, *each in zip(whole, *parts, strict=True):
+            np.testing.assert_allclose(got, tf.add_n(each), rtol=1e-5, atol=1e-5)

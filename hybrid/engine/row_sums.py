@@ -190,7 +190,8 @@ class _Analysis:
         shapes = row_ops.shape_args(op)
         for i in (i for i in shapes if ins[i] == SHAPE):  # may differ in a shape's rows only
             t, rows = op.inputs[i], (op.type, i) in row_ops.ROW_SHAPES
-            why = shape_values.beyond_rows(t, self.counterpart(t), self.M, rows)
+            one_row = op.type == "Sum" and self.counterpart(op.inputs[0]).shape[:1] == [1]
+            why = shape_values.beyond_rows(t, self.counterpart(t), self.M, rows, one_row)
             if why is not None:
                 raise _Stop(f"{op.type} {op.name} reads {why}")
         if not kinds:

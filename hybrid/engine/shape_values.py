@@ -22,28 +22,81 @@ __all__ = ["beyond_rows", "value"]
 
 def value(t: tf.Tensor) -> np.ndarray | None:
     """``t``'s value if the trace fixes it (constants and fully defined static shapes only,
-    through the ops below), else None."""
-    return _Evaluator().value(t)
+    through the ops below), else None. Evaluated without recursion, inputs first."""
+    known: dict[str, np.ndarray | None] = {}
+    todo = [t]
+    while todo:
+        x = todo[-1]
+        if x.name in known:
+            todo.pop()
+            continue
+        if x.op.type in _LEAVES or x.op.type not in _KINDS:
+            known[x.name] = _leaf(x)
+            continue
+        missing = [i for i in x.op.inputs if i.name not in known]
+        if missing and all(known.get(i.name, 0) is not None for i in x.op.inputs):
+            todo += missing
+            continue
+        ins = [v for v in (known.get(i.name) for i in x.op.inputs) if v is not None]
+        known[x.name] = _applied(x, ins) if len(ins) == len(x.op.inputs) else None
+    return known[t.name]
 
 
-def beyond_rows(full: tf.Tensor, micro: tf.Tensor, micro_batches: int, rows: bool) -> str | None:
+def beyond_rows(
+    full: tf.Tensor, micro: tf.Tensor, micro_batches: int, rows: bool, one_row_axes: bool = False
+) -> str | None:
     """None if ``full`` (a tensor of the trace at ``micro_batches`` times the rows) has the
-    value of its counterpart ``micro`` but, when ``rows`` (it is a shape whose first entry
-    counts the rows), in that first entry, which may be ``micro_batches`` times larger;
+    value of its counterpart ``micro`` but where the rows show:
+
+    - ``rows``: it is a shape whose first entry counts the rows, which may be
+      ``micro_batches`` times larger;
+    - ``one_row_axes``: it is a sum's axes, and the micro-batch has one row: the whole
+      batch may also sum over axis 0 (its rows), which the micro-batch need not list
+      (summing one row is keeping it);
+
     else what differs. A begin, size or axis computed from the batch size for another axis
     would pick other elements of each row in the two traces."""
     big, small = value(full), value(micro)
-    if big is not None and small is not None and big.shape == small.shape:
-        if np.array_equal(big, small):
-            return None
-        first = rows and big.ndim == 1 and big.size > 0
-        if first and big[0] == micro_batches * small[0] and np.array_equal(big[1:], small[1:]):
-            return None
     shown = ["unknown" if v is None else str(v.tolist()) for v in (big, small)]
+    if big is None or small is None:
+        return (
+            f"{full.name} ({shown[0]} for the whole batch, {shown[1]} for a micro-batch), "
+            "a value the proof cannot compute"
+        )
+    if big.shape == small.shape and np.array_equal(big, small):
+        return None
+    if rows and big.shape == small.shape and big.ndim == 1 and big.size > 0:
+        if big[0] == micro_batches * small[0] and np.array_equal(big[1:], small[1:]):
+            return None
+    axes = one_row_axes and big.ndim <= 1 and small.ndim <= 1
+    if axes and min(big.min(initial=0), small.min(initial=0)) >= 0:
+        if set(big.flat) == set(small.flat) | {0}:
+            return None
     return (
         f"{full.name} ({shown[0]} for the whole batch, {shown[1]} for a micro-batch): "
         "the batch size reaches more than the rows"
     )
+
+
+def _shape(t: tf.Tensor, out: tf.Tensor) -> np.ndarray | None:
+    """``t``'s static shape as ``out``'s integers, if fully defined."""
+    shape = t.shape
+    if not shape.is_fully_defined():
+        return None
+    return np.array(shape.as_list(), out.dtype.as_numpy_dtype)
+
+
+def _leaf(t: tf.Tensor) -> np.ndarray | None:
+    """The value of a constant or of a static shape's op; None for an op not evaluated."""
+    op = t.op
+    if op.type == "Const":
+        return np.asarray(tf.get_static_value(t))
+    if op.type in ("Shape", "ShapeN", "Size", "Rank"):
+        shape = _shape(op.inputs[t.value_index if op.type == "ShapeN" else 0], t)
+        if shape is None or op.type in ("Shape", "ShapeN"):
+            return shape
+        return np.asarray(np.prod(shape) if op.type == "Size" else len(shape), shape.dtype)
+    return None
 
 
 _ARITHMETIC: dict[str, Callable[..., np.ndarray]] = {
@@ -60,82 +113,54 @@ _ARITHMETIC: dict[str, Callable[..., np.ndarray]] = {
     "NotEqual": np.not_equal,
 }
 _MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
-_EAGER: dict[str, Callable[[tf.Operation, list[np.ndarray]], Any]] = {
+_EAGER: dict[str, Callable[[tf.Operation, list[tf.Tensor]], Any]] = {
     "Slice": lambda op, v: tf.slice(*v),
     "StridedSlice": lambda op, v: tf.raw_ops.StridedSlice(
         input=v[0], begin=v[1], end=v[2], strides=v[3], **{m: op.get_attr(m) for m in _MASKS}
     ),
     "ConcatOffset": lambda op, v: tf.raw_ops.ConcatOffset(concat_dim=v[0], shape=v[1:]),
     "BroadcastGradientArgs": lambda op, v: tf.raw_ops.BroadcastGradientArgs(s0=v[0], s1=v[1]),
+    "Range": lambda op, v: tf.raw_ops.Range(start=v[0], limit=v[1], delta=v[2]),
 }
 _PASS = frozenset({"Identity", "Snapshot", "StopGradient", "EnsureShape"})
+_LEAVES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
+_KINDS = _LEAVES | _PASS | set(_ARITHMETIC) | set(_EAGER)
+_KINDS |= {"Cast", "Pack", "ConcatV2", "ExpandDims", "Reshape", "Prod", "Sum", "Fill"}
 
 
-class _Evaluator:
-    """Evaluates one tensor, remembering the values of the tensors it reads."""
-
-    def __init__(self) -> None:
-        self.known: dict[str, np.ndarray | None] = {}
-
-    def value(self, t: tf.Tensor) -> np.ndarray | None:
-        if t.name not in self.known:
-            try:
-                self.known[t.name] = self._evaluate(t)
-            except (ValueError, TypeError, IndexError, tf.errors.OpError):
-                self.known[t.name] = None
-        return self.known[t.name]
-
-    def _shape(self, t: tf.Tensor, out: tf.Tensor) -> np.ndarray | None:
-        """``t``'s static shape as ``out``'s integers, if fully defined."""
-        shape = t.shape
-        dtype = out.dtype.as_numpy_dtype
-        return np.array(shape.as_list(), dtype) if shape.is_fully_defined() else None
-
-    def _evaluate(self, t: tf.Tensor) -> np.ndarray | None:
-        op = t.op
-        kind = op.type
-        if kind == "Const":
-            return np.asarray(tf.get_static_value(t))
-        if kind == "Shape":
-            return self._shape(op.inputs[0], t)
-        if kind == "ShapeN":
-            return self._shape(op.inputs[t.value_index], t)
-        if kind in ("Size", "Rank"):
-            shape = self._shape(op.inputs[0], t)
-            if shape is None:
-                return None
-            return np.asarray(np.prod(shape) if kind == "Size" else len(shape), shape.dtype)
-        ins = [v for v in (self.value(i) for i in op.inputs) if v is not None]
-        return self._apply(t, ins) if len(ins) == len(op.inputs) else None
-
-    def _apply(self, t: tf.Tensor, ins: list[np.ndarray]) -> np.ndarray | None:
-        """``t``'s value from its op's input values."""
-        op = t.op
-        kind = op.type
-        if kind in _PASS:
-            return ins[0]
-        if kind in _ARITHMETIC:
-            return np.asarray(_ARITHMETIC[kind](*ins))
-        if kind == "Cast":
-            return ins[0].astype(tf.as_dtype(op.get_attr("DstT")).as_numpy_dtype)
-        if kind == "Pack":
-            return np.stack(ins, axis=op.get_attr("axis"))
-        if kind == "ConcatV2":
-            return np.concatenate(ins[:-1], axis=int(ins[-1]))
-        if kind == "ExpandDims":
-            return np.expand_dims(ins[0], int(ins[1]))
-        if kind == "Reshape":
-            return np.reshape(ins[0], ins[1])
-        if kind in ("Prod", "Sum"):
-            reduce = np.prod if kind == "Prod" else np.sum
-            axes = tuple(int(a) for a in np.reshape(ins[1], -1))
-            return np.asarray(reduce(ins[0], axis=axes, keepdims=op.get_attr("keep_dims")))
-        if kind == "Fill":
-            return np.full(ins[0], ins[1])
-        if kind == "Range":
-            return np.arange(int(ins[0]), int(ins[1]), int(ins[2]))
-        if kind in _EAGER:  # TensorFlow's own kernel, run eagerly on the values
-            with tf.init_scope():
-                out = _EAGER[kind](op, ins)
-            return np.asarray(out[t.value_index] if isinstance(out, list | tuple) else out)
+def _applied(t: tf.Tensor, ins: list[np.ndarray]) -> np.ndarray | None:
+    """``t``'s value from its op's input values (None where the op fails on them)."""
+    try:
+        return _apply(t, ins)
+    except (ValueError, TypeError, IndexError, ArithmeticError, tf.errors.OpError):
         return None
+
+
+def _apply(t: tf.Tensor, ins: list[np.ndarray]) -> np.ndarray:
+    op = t.op
+    kind = op.type
+    if kind in _PASS:
+        return ins[0]
+    if kind in _ARITHMETIC:
+        return np.asarray(_ARITHMETIC[kind](*ins))
+    if kind == "Cast":
+        return ins[0].astype(tf.as_dtype(op.get_attr("DstT")).as_numpy_dtype)
+    if kind == "Pack":
+        return np.stack(ins, axis=op.get_attr("axis"))
+    if kind == "ConcatV2":
+        return np.concatenate(ins[:-1], axis=int(ins[-1]))
+    if kind == "ExpandDims":
+        return np.expand_dims(ins[0], int(ins[1]))
+    if kind == "Reshape":
+        return np.reshape(ins[0], ins[1])
+    if kind in ("Prod", "Sum"):
+        reduce = np.prod if kind == "Prod" else np.sum
+        axes = tuple(int(a) for a in np.reshape(ins[1], -1))
+        keep = op.get_attr("keep_dims")
+        return np.asarray(reduce(ins[0], axis=axes, keepdims=keep, dtype=ins[0].dtype))
+    if kind == "Fill":
+        return np.full(ins[0], ins[1])
+    with tf.init_scope():  # TensorFlow's own kernel (_EAGER), run eagerly on the values
+        # (as tensors of their own dtypes: a raw op would convert numpy to its default type)
+        out = _EAGER[kind](op, [tf.constant(v) for v in ins])
+    return np.asarray(out[t.value_index] if isinstance(out, list | tuple) else out)

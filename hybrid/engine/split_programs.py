@@ -203,20 +203,25 @@ def split(
     # What the backward needs from outside its own nodes, and which of it is recomputed.
     recompute: set[tf.Operation] = set()
     residuals: dict[str, tf.Tensor] = {}  # by name, in the order found
-
     kept: set[tf.Operation] = set()  # known not to be recomputable
 
-    def recomputable(op: tf.Operation) -> bool:
-        if op in recompute or op.type == "Placeholder":
-            return True
-        if op in kept or not pure(op) or (op in data_ops and op.type not in _VIEWS):
-            kept.add(op)
-            return False
-        if all(recomputable(t.op) for t in op.inputs):
-            recompute.add(op)
-            return True
-        kept.add(op)
-        return False
+    def inputs(op: tf.Operation) -> set[tf.Operation]:
+        return {t.op for t in op.inputs if t.op.type != "Placeholder"}
+
+    def recomputable(root: tf.Operation) -> bool:
+        """Pure, reading no data (views aside) nor what does; a loop: chains may be long."""
+        todo = [root]
+        while todo:
+            op = todo[-1]
+            if op in recompute or op in kept or op.type == "Placeholder":
+                todo.pop()
+            elif not pure(op) or op in data_ops and op.type not in _VIEWS or kept & inputs(op):
+                kept.add(todo.pop())
+            elif pending := inputs(op) - recompute:
+                todo += pending
+            else:
+                recompute.add(todo.pop())
+        return root in recompute or root.type == "Placeholder"
 
     def needed(t: tf.Tensor) -> None:
         """Makes ``t`` available to the backward: its own, recomputed, or a residual."""
