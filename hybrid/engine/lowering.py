@@ -276,7 +276,7 @@ def lower_training(
         micro-batches (``deferral.py``; ``fused`` is then ignored).
     """
     state = _TrainingLowering(schedule, stages, loss_seed, codec, defer)
-    recorder = Recorder(clocks)
+    recorder = Recorder(clocks, compiled=all(stage.jit_compile for stage in stages))
     fused = frozenset() if state.defer else fused
     closing = {a.stage: a for a in order if a.op is not Op.F} if state.defer else {}
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
