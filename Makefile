@@ -82,6 +82,7 @@ bench: install
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/input_feed.py
 	$(PY) benchmarks/engine_overhead.py
+	$(PY) benchmarks/allreduce_overlap.py
 	$(PY) benchmarks/build_time.py
 	$(PY) benchmarks/tpu_smoke.py
 
