@@ -254,9 +254,8 @@ def ceiling_step(data: dict[str, Any], devices: int) -> Any:
     import tensorflow as tf
 
     names = [d.name for d in tf.config.list_logical_devices("CPU")[:devices]]
-    loss = type(data["loss"]).from_config(data["loss"].get_config())
-    return common.independent_step(
-        lambda: _keras_model(data), lambda: loss, _optimizer, data["x"], data["y"], names
+    return common.independent_step(  # (a Keras loss keeps no state: one for every copy)
+        lambda: _keras_model(data), lambda: data["loss"], _optimizer, data["x"], data["y"], names
     )
 
 

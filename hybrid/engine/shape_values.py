@@ -34,7 +34,8 @@ def value(t: tf.Tensor) -> np.ndarray | None:
             known[x.name] = _leaf(x)
             continue
         missing = [i for i in x.op.inputs if i.name not in known]
-        if missing and all(known.get(i.name, 0) is not None for i in x.op.inputs):
+        failed = any(i.name in known and known[i.name] is None for i in x.op.inputs)
+        if missing and not failed:
             todo += missing
             continue
         ins = [v for v in (known.get(i.name) for i in x.op.inputs) if v is not None]
@@ -90,7 +91,8 @@ def _leaf(t: tf.Tensor) -> np.ndarray | None:
     """The value of a constant or of a static shape's op; None for an op not evaluated."""
     op = t.op
     if op.type == "Const":
-        return np.asarray(tf.get_static_value(t))
+        constant = tf.get_static_value(t)
+        return None if constant is None else np.asarray(constant)
     if op.type in ("Shape", "ShapeN", "Size", "Rank"):
         shape = _shape(op.inputs[t.value_index if op.type == "ShapeN" else 0], t)
         if shape is None or op.type in ("Shape", "ShapeN"):
