@@ -416,3 +416,82 @@ def test_programs_that_are_sums_are_proved_at_one_row_and_through_long_shape_cha
         parts = [joint([x, *weights], [dy])[1] for x, dy in zip(xs, dys, strict=True)]
         for got, *each in zip(whole, *parts, strict=True):
             np.testing.assert_allclose(got, tf.add_n(each), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_micro_batches_defer_and_train_as_keras_trains_them():
+    """One example per micro-batch (where deferral saves the most), a small Transformer
+    block: TensorFlow builds some gradients differently at one row (a sum over a 1-row
+    axis), so W is proved against a trace at more rows and what the one-row programs kept
+    is checked to be made alike; both stages defer, with plain Keras's losses and weights."""
+
+    def build(seed):
+        layers = hybrid.models.transformer(16, 6, 8, num_heads=2, num_blocks=2, seed=seed)
+        return keras.Sequential([keras.Input((6,), dtype="int32"), *layers])
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = build(0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    twin = build(1)
+    twin.set_weights(reference.get_weights())
+    pipe = hybrid.Pipeline(
+        twin,
+        mesh=hybrid.DeviceMesh.create(2, 1),
+        loss=loss,
+        optimizer=keras.optimizers.SGD(0.1),
+        micro_batches=4,  # of one example each
+        schedule="1f1b",
+        remat="never",
+        jit_compile=False,
+        defer_weight_gradients=True,
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = rng.integers(0, 16, size=(4, 6)).astype("int32")
+        y = rng.integers(0, 16, size=(4, 6))
+        want = reference.train_on_batch(x, y)
+        np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-5)
+    assert all(isinstance(row[0].deferral, row_sums.Plan) for row in pipe.stages), [
+        row[0].deferral for row in pipe.stages
+    ]
+    for got, want in zip(pipe.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+class _OneRowBranch(keras.layers.Layer):
+    """tanh, but at one row a scaled sigmoid under the same op name (a layer that branches
+    on the static batch size): the one-row programs keep another computation's tensor."""
+
+    def call(self, x):
+        if x.shape[0] == 1:
+            return tf.math.sigmoid(2.0 * x, name="act") * 2.0 - 1.0
+        return tf.math.tanh(x, name="act")
+
+
+def test_one_row_programs_that_keep_another_computation_are_not_deferred():
+    """At one row per micro-batch W is proved against a trace at more rows, so what the
+    one-row programs kept must be made by the same ops there: here it is not (a sigmoid
+    named as the tanh), the stage computes W per micro-batch, with the undeferred
+    gradients."""
+    keras.utils.set_random_seed(0)
+    template = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8),
+            _OneRowBranch(name="branch"),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(3),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    y = np.arange(4) % 3
+    grads = {}
+    for defer, pipe in _twins(template, 4).items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grads[defer] = pipe.gradients(x, y)
+    first, second = (row[0].deferral for row in pipe.stages)
+    assert isinstance(first, str) and "at one row differs from its trace" in first, first
+    assert isinstance(second, row_sums.Plan), second
+    for got, want in zip(grads[True], grads[False], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
