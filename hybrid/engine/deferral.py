@@ -8,7 +8,9 @@ micro-batch's backward (W, ``split_programs``) reads, runs only its input-gradie
 per micro-batch, and after the stage's last B runs W once, traced at M·b rows, on those
 tensors concatenated: one GEMM over the step's rows, as one device does for the whole
 batch. ``row_sums.plan`` proves that this is the same sum; where it cannot, the stage
-computes W per micro-batch and warns, naming the op. Memory: every micro-batch's W inputs
+computes W per micro-batch and warns, naming the op. At one row per micro-batch, where
+TensorFlow builds some gradients differently, the proof may use a trace at more rows, and
+then what the one-row programs kept must have been made by the same ops. Memory: every micro-batch's W inputs
 (its layers' inputs and output gradients) stay until the end of the step's backward.
 """
 
