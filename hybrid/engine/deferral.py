@@ -10,8 +10,9 @@ tensors concatenated: one GEMM over the step's rows, as one device does for the 
 batch. ``row_sums.plan`` proves that this is the same sum; where it cannot, the stage
 computes W per micro-batch and warns, naming the op. At one row per micro-batch, where
 TensorFlow builds some gradients differently, the proof may use a trace at more rows, and
-then what the one-row programs kept must have been made by the same ops. Memory: every micro-batch's W inputs
-(its layers' inputs and output gradients) stay until the end of the step's backward.
+then what the one-row programs kept must have been made by the same ops. Memory: every
+micro-batch's W inputs (its layers' inputs and output gradients) stay until the end of the
+step's backward.
 """
 
 from __future__ import annotations
