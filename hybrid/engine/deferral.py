@@ -8,11 +8,8 @@ micro-batch's backward (W, ``split_programs``) reads, runs only its input-gradie
 per micro-batch, and after the stage's last B runs W once, traced at M·b rows, on those
 tensors concatenated: one GEMM over the step's rows, as one device does for the whole
 batch. ``row_sums.plan`` proves that this is the same sum; where it cannot, the stage
-computes W per micro-batch and warns, naming the op. At one row per micro-batch, where
-TensorFlow builds some gradients differently, the proof may use a trace at more rows, and
-then what the one-row programs kept must have been made by the same ops. Memory: every
-micro-batch's W inputs (its layers' inputs and output gradients) stay until the end of the
-step's backward.
+computes W per micro-batch and warns, naming the op. Memory: every micro-batch's W inputs
+(its layers' inputs and output gradients) stay until the end of the step's backward.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import tensorflow as tf
 
 from hybrid.engine.gradients import accumulated
 from hybrid.engine.records import Kept, Saved
-from hybrid.engine.row_sums import Plan, plan, twins
+from hybrid.engine.row_sums import Plan, plan
 from hybrid.engine.split_programs import SplitPrograms
 
 __all__ = ["backward", "run"]
@@ -43,7 +40,7 @@ def backward(
     first, M = kept[0], len(saved)
     weights = first.args[len(first.args) - len(stage.trainable_variables) :]
     data = tf.nest.map_structure(
-        lambda t: _rows(t, M * t.shape[0]) if t is not None else None,
+        lambda t: None if t is None else tf.TensorSpec([M * t.shape[0], *t.shape[1:]], t.dtype),
         (saved[0].inputs, saved[0].labels),
     )
     seed, specs = saved[0].seed, [tf.TensorSpec.from_tensor(w) for w in weights]
@@ -55,17 +52,6 @@ def backward(
     more = [[d for d in dy if d is not None] for dy in dys]
     per_row = [not stage.is_last] * len(more[0])  # the last stage's: the loss's seed
     stage.deferral = plan(full, probe, M, varying, per_row, kept=first.programs)
-    rows = tf.nest.flatten(saved[0].inputs)[0].shape[0]
-    wider = next((p for p in range(2, M) if M % p == 0), None) if rows == 1 else None
-    if not isinstance(stage.deferral, Plan) and wider is not None:
-        # TensorFlow builds some gradients differently when a dimension is 1 (a sum over a
-        # 1-row axis, a broadcast it skips): prove W against a probe of ``wider`` rows, and
-        # check that what W reads was made by the same computation in the programs that ran.
-        shaped = tf.nest.map_structure(lambda t: _rows(t, wider), micro[:2])
-        wide, _ = stage.kept_programs((*shaped, seed, specs), first.need_dx, True, False)
-        found = plan(full, wide, M // wider, varying, per_row, kept=first.programs)
-        why = _made_alike(found, first.programs, wide, wider) if isinstance(found, Plan) else None
-        stage.deferral = found if why is None else why
     if isinstance(stage.deferral, Plan):
         return accumulated(acc, run(stage.deferral, full, kept, more))
     warnings.warn(
@@ -76,39 +62,6 @@ def backward(
     for record, dy in zip(saved, dys, strict=True):
         _, acc = stage.backward(record, dy, need_dx=False, need_dw=True, acc=acc)
     return acc
-
-
-def _rows(t: tf.Tensor | None, rows: int) -> tf.TensorSpec | None:
-    """The spec of ``t`` with ``rows`` rows."""
-    return None if t is None else tf.TensorSpec([rows, *t.shape[1:]], t.dtype)
-
-
-def _made_alike(found: Plan, ran: SplitPrograms, wide: SplitPrograms, wider: int) -> str | None:
-    """None if every per-row residual and carried tensor ``found`` joins for W was computed
-    in ``ran`` (the programs of one-row micro-batches) by the ops that compute it in
-    ``wide`` (a trace at ``wider`` rows), shapes aside, and is one of its rows; else why
-    not. (What W reads unjoined is the same for every micro-batch: no rows to differ in.)"""
-    graph, other = ran.weights.graph, wide.weights.graph
-    names = [ran.residual_names[i] for i, joined in found.residuals if joined]
-    names += [ran.carried_names[i] for i, joined in found.carried if joined]
-    for name in names:
-        mine, theirs = graph.get_tensor_by_name(name).shape, other.get_tensor_by_name(name).shape
-        if not (mine.rank and mine[1:] == theirs[1:] and mine[0] * wider == theirs[0]):
-            return f"{name} {mine} at one row is not a row of {theirs} at {wider} rows"
-    todo, seen = [graph.get_tensor_by_name(n).op for n in names], set()
-    while todo:
-        op = todo.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        try:
-            twin = other.get_operation_by_name(op.name)
-        except (KeyError, ValueError):
-            twin = None
-        if twin is None or not twins(op, twin):
-            return f"{op.type} {op.name} at one row differs from its trace at more rows"
-        todo += [t.op for t in op.inputs]
-    return None
 
 
 def run(

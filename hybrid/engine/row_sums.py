@@ -24,7 +24,7 @@ import tensorflow as tf
 from hybrid.engine import row_ops, shape_values
 from hybrid.engine.split_programs import SplitPrograms, descendants, pure
 
-__all__ = ["Plan", "plan", "twins"]
+__all__ = ["Plan", "plan"]
 
 # What a tensor of W is, for the rows of the batch:
 ROW = "row"  # per row: concatenating the micro-batches' gives the whole batch's
@@ -108,7 +108,14 @@ class _Analysis:
             other = self.micro.weights.graph.get_operation_by_name(op.name)
         except (KeyError, ValueError):
             raise _Stop(f"{op.name} is only in the trace of the whole batch") from None
-        if not twins(op, other):
+        same = other.type == op.type and [t.name for t in other.inputs] == [
+            t.name for t in op.inputs
+        ]
+        attrs, others = op.node_def.attr, other.node_def.attr
+        for name in set(attrs) | set(others):
+            if name not in _SIZED and (name not in attrs or attrs[name] != others.get(name)):
+                same = False
+        if not same:
             raise _Stop(f"{op.type} {op.name} differs between the traces of the two sizes")
 
     def same_shape(self, t: tf.Tensor) -> bool:
@@ -383,16 +390,6 @@ class _Analysis:
         if batch not in result and self.same_shape(op.outputs[0]):
             return SUM
         raise fail
-
-
-def twins(op: tf.Operation, other: tf.Operation) -> bool:
-    """Whether two ops of traces at two sizes are one op: same type, inputs and attributes,
-    shapes and constants' values aside."""
-    if other.type != op.type or [t.name for t in other.inputs] != [t.name for t in op.inputs]:
-        return False
-    attrs, others = op.node_def.attr, other.node_def.attr
-    names = (set(attrs) | set(others)) - _SIZED
-    return all(name in attrs and attrs[name] == others.get(name) for name in names)
 
 
 def _deterministic(t: tf.Tensor) -> bool:
