@@ -17,7 +17,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["beyond_rows", "value"]
+__all__ = ["SHAPE_OPS", "beyond_rows", "value"]
+
+# Ops whose value is a static shape of their input (or its size or rank).
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 def value(t: tf.Tensor) -> np.ndarray | None:
@@ -93,7 +96,7 @@ def _leaf(t: tf.Tensor) -> np.ndarray | None:
     if op.type == "Const":
         constant = tf.get_static_value(t)
         return None if constant is None else np.asarray(constant)
-    if op.type in ("Shape", "ShapeN", "Size", "Rank"):
+    if op.type in SHAPE_OPS:
         shape = _shape(op.inputs[t.value_index if op.type == "ShapeN" else 0], t)
         if shape is None or op.type in ("Shape", "ShapeN"):
             return shape
@@ -125,7 +128,7 @@ _EAGER: dict[str, Callable[[tf.Operation, list[tf.Tensor]], Any]] = {
     "Range": lambda op, v: tf.raw_ops.Range(start=v[0], limit=v[1], delta=v[2]),
 }
 _PASS = frozenset({"Identity", "Snapshot", "StopGradient", "EnsureShape"})
-_LEAVES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
+_LEAVES = SHAPE_OPS | {"Const"}
 _KINDS = _LEAVES | _PASS | set(_ARITHMETIC) | set(_EAGER)
 _KINDS |= {"Cast", "Pack", "ConcatV2", "ExpandDims", "Reshape", "Prod", "Sum", "Fill"}
 

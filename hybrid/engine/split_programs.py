@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
+from hybrid.engine.shape_values import SHAPE_OPS
+
 __all__ = ["Part", "SplitPrograms", "descendants", "flatten", "pure", "signature", "split"]
 
 Tensors = list[tf.Tensor]
@@ -67,7 +69,6 @@ class Part(NamedTuple):
 
 # Ops a backward may recompute from what it has although they depend on data: views.
 _VIEWS = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "Shape", "Const"})
-_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _SOURCES = frozenset({"Placeholder", "Const"})
 
 
@@ -235,11 +236,10 @@ def split(
             needed(t)
     for t in b_outputs:  # a gradient that does not depend on the output gradients (zeros)
         needed(t)
-    # The shape of a tensor the backward has anyway is computed there, not kept (a program
-    # run on more rows then reads its own shapes).
+    # A shape of what the backward has is computed there, not kept: W on more rows reads its own.
     for name, t in list(residuals.items()):
         have = (backward_ops, recompute)
-        if t.op.type in _SHAPES and all(
+        if t.op.type in SHAPE_OPS and all(
             i.op.type == "Placeholder" or any(i.op in h for h in have) or i.name in residuals
             for i in t.op.inputs
         ):
