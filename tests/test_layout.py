@@ -20,7 +20,9 @@ PACKAGE = os.path.join(ROOT, "hybrid")
 # Bottom up; a module may import only from its own floor or lower ones.
 FLOORS = ["hybrid.core", "hybrid.engine", "hybrid.planning", "hybrid.platforms", "hybrid"]
 TOP_FLOOR = len(FLOORS)  # hybrid.launch: the entry points, above everything
-MAX_LINES = 420
+# A soft bound: a file owns one concept, whatever its length; past this it most likely holds
+# two (issue 29: the old 420-line cap cut concepts to fit, so it was raised).
+MAX_LINES = 600
 
 
 def modules() -> dict[str, str]:
@@ -127,7 +129,7 @@ def test_public_names_resolve():
 def test_modules_are_small(module, path):
     with open(path) as f:
         lines = sum(1 for _ in f)
-    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it by job (≤ ~400)"
+    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it by concept"
 
 
 def test_readme_layout_names_every_module():

@@ -125,6 +125,8 @@ def check_program(pipe, graph):
     want = collections.Counter(schedule.device_of(k) for k in range(schedule.num_model_stages))
     if not pipe._loss.late:  # the divisors are known from the labels: summed before the B
         want[schedule.device_of(schedule.num_model_stages - 1)] += 1
+    for k, row in enumerate(pipe.stages):  # the all_gather of sparse gradients' slices
+        want[schedule.device_of(k)] += any(row[0].sparse)
     assert sums == want
     assert [
         op for op in graph.get_operations() if "CrossReplica" in op.type and not in_program(op)

@@ -5,6 +5,7 @@ check every layer call against what the pipeline can honour  (template.check_lay
 balance = explicit counts, or the cut balancing each call's parameters or measured time
 segment k = calls [start_k, stop_k); its inputs are the tensors live at start_k
 stage k holds every model variable its calls read (a tied variable: several stages)
+sparse  = the variables whose gradient Keras hands its optimizer as IndexedSlices (sparse.py)
 place: a StageReplica of stage k on device (device_of(k), r) for every replica r, or one on
        the logical device of row device_of(k) that a tf.distribute strategy replicates
 """
@@ -22,7 +23,7 @@ import tensorflow as tf
 from hybrid.core import partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
-from hybrid.engine import batch_norm, keras_private, layer_costs
+from hybrid.engine import batch_norm, keras_private, layer_costs, sparse
 from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.losses import per_element
 from hybrid.engine.objective import Objective
@@ -45,6 +46,7 @@ class Layout:
       placement: where every model variable lives.
       output_shapes: each model output's shape without the batch dimension.
       masked: the keys of the tensors that carry a Keras mask (it crosses a cut with them).
+      sparse: ids of the variables whose gradients are IndexedSlices (``sparse.py``).
     """
 
     balance: tuple[int, ...]
@@ -54,6 +56,7 @@ class Layout:
     placement: Placement
     output_shapes: tuple[tuple[int, ...], ...]
     masked: frozenset[int]
+    sparse: frozenset[int] = frozenset()
 
 
 def spec_of(t: Any) -> TensorSpec:
@@ -83,7 +86,8 @@ def lay_out(
       NotImplementedError: a layer whose Keras semantics the pipeline cannot honour.
     """
     with tf.device(device):
-        values = graph.trace([tf.convert_to_tensor(s.zeros()) for s in input_specs])
+        zeros = [tf.convert_to_tensor(s.zeros()) for s in input_specs]
+        values = graph.trace(zeros)
         arguments = []
         for call in graph.calls:
             args = [values[k] for k in call.inputs]
@@ -102,6 +106,9 @@ def lay_out(
     for segment in segments:
         reads = {id(v) for layer in segment.layers for v in layer.weights}
         held.append(tuple(v for v in variables if id(v) in reads))
+    with tf.device(device):
+        slices = sparse.sparse_variables(graph, zeros, variables)
+    _refuse_tied_slices([v for v in variables if id(v) in slices], held)
     return Layout(
         tuple(balance),
         tuple(segments),
@@ -110,7 +117,23 @@ def lay_out(
         Placement.of(variables, held),
         tuple(tuple(values[k].shape[1:]) for k in graph.outputs),
         _masked(graph, values),
+        frozenset(slices),
     )
+
+
+def _refuse_tied_slices(variables: Sequence[Any], held: Sequence[Sequence[Any]]) -> None:
+    """Refuses a variable whose gradient is IndexedSlices held by several stages (an
+    Embedding called on two stages): Keras concatenates the slices of every use, which the
+    pipeline does not do across stages yet."""
+    for v in variables:
+        stages = [k for k, vs in enumerate(held) if any(u is v for u in vs)]
+        if len(stages) > 1:
+            raise NotImplementedError(
+                f"variable {v.path!r} is read by gathers (an Embedding's lookup) on stages "
+                f"{stages}; Keras applies its gradient as the IndexedSlices of every lookup, "
+                "which the pipeline does not combine across stages yet: put the layer calls "
+                "that read it on one stage (balance=[...]), or read it densely in one of them"
+            )
 
 
 def _masked(graph: Graph, values: dict[int, Any]) -> frozenset[int]:
@@ -192,6 +215,7 @@ def place(
                     layout.variables[k],
                     layout.masked,
                     inline=logical is not None,
+                    sparse=layout.sparse,
                 )
                 for device in (devices if logical is None else [logical.names[d]])
             ]

@@ -20,6 +20,11 @@ of that stage. How it is done is chosen by where the devices are (one rule, ``me
 
 Either way every device ends with the same values, bit for bit: the replicas stay equal.
 
+A sparse gradient (``tf.IndexedSlices``, ``sparse.py``) is gathered, not summed, as
+``MirroredStrategy`` gathers one: every device gets the group's slices concatenated in
+replica order (values and indices; the group's first device concatenates them, or one
+``CollectiveGatherV2`` per tensor, or the replica context's ``all_gather``).
+
 Several ``CollectiveReduceV2`` ops on different devices of one ``tf.function`` deadlock
 unless each carries an ordering token: a resource living on its device. Automatic control
 dependencies otherwise chain the group members one after another, and each would wait
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -96,16 +102,74 @@ class ReplicaGroup:
         """Element-wise sum of ``per_device[i]`` over the group, returned on every device."""
         return self._all_reduce(per_device, "Id")
 
-    def _all_reduce(
-        self, per_device: Sequence[Sequence[tf.Tensor]], final_op: str
-    ) -> list[list[tf.Tensor]]:
-        """Reduces over the group with ``merge_op="Add"`` then ``final_op``.
+    def _all_reduce(self, per_device: Sequence[Sequence[Any]], final_op: str) -> list[list[Any]]:
+        """Reduces over the group with ``merge_op="Add"`` then ``final_op``; IndexedSlices
+        are gathered (:meth:`_gather`) and, for a mean, their values divided.
 
-        Must be called while tracing a ``tf.function``. One collective per call: the tensors
-        of each device are flattened into one vector first.
+        Must be called while tracing a ``tf.function``. One collective per call for the
+        dense tensors: the tensors of each device are flattened into one vector first.
         """
         if len(per_device) != self.size:
             raise ValueError(f"expected tensors from {self.size} devices, got {len(per_device)}")
+        at = [j for j, t in enumerate(per_device[0]) if isinstance(t, tf.IndexedSlices)]
+        if not at:
+            return self._all_reduce_dense(per_device, final_op)
+        dense = [[t for j, t in enumerate(ts) if j not in at] for ts in per_device]
+        out = self._all_reduce_dense(dense, final_op)
+        for j in at:
+            gathered = self._gather([ts[j] for ts in per_device])
+            for i, (tensors, one) in enumerate(zip(out, gathered, strict=True)):
+                if final_op != "Id":
+                    with tf.device(self.devices[i]):
+                        one = tf.IndexedSlices(one.values / self.size, one.indices, one.dense_shape)
+                tensors.insert(j, one)
+        return out
+
+    def _gather(self, per_device: Sequence[tf.IndexedSlices]) -> list[tf.IndexedSlices]:
+        """Every device's slices concatenated in replica order, returned on every device."""
+        if self.size == 1 and self.method != "cross_replica":
+            return list(per_device)
+        shape = per_device[0].dense_shape
+        if self.method == "cross_replica":
+            context = tf.distribute.get_replica_context()
+            if context is None:
+                raise RuntimeError("a cross_replica gather runs inside a strategy's run()")
+            one = per_device[0]
+            with tf.device(self.devices[0]):
+                values = context.all_gather(one.values, axis=0)
+                indices = context.all_gather(one.indices, axis=0)
+            return [tf.IndexedSlices(values, indices, shape)]
+        if self.method == "sum":
+            with tf.device(self.devices[0]):
+                values = tf.concat([g.values for g in per_device], 0)
+                indices = tf.concat([g.indices for g in per_device], 0)
+            out = []
+            for device in self.devices:
+                with tf.device(device):
+                    copy = [tf.identity(values), tf.identity(indices)]
+                    out.append(tf.IndexedSlices(copy[0], copy[1], shape))
+            return out
+        keys = [new_collective_key(), new_collective_key()]
+        out = []
+        for device, one, token in zip(self.devices, per_device, self._tokens, strict=True):
+            with tf.device(device):
+                parts = [
+                    collective_ops.all_gather_v2(
+                        t,
+                        group_size=self.size,
+                        group_key=self.group_key,
+                        instance_key=key,
+                        ordering_token=token.handle,
+                    )
+                    for t, key in zip([one.values, one.indices], keys, strict=True)
+                ]
+                out.append(tf.IndexedSlices(parts[0], parts[1], shape))
+        return out
+
+    def _all_reduce_dense(
+        self, per_device: Sequence[Sequence[tf.Tensor]], final_op: str
+    ) -> list[list[tf.Tensor]]:
+        """:meth:`_all_reduce` of dense tensors."""
         if self.method == "cross_replica" and per_device[0]:
             return [self._across_replicas(per_device[0], final_op)]
         if self.size == 1 or not per_device[0]:

@@ -20,7 +20,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.engine.gradients import accumulated
 from hybrid.engine.records import Kept, Saved
 from hybrid.engine.row_sums import Plan, plan
 from hybrid.engine.split_programs import SplitPrograms
@@ -29,14 +28,33 @@ __all__ = ["backward", "run"]
 
 
 def backward(
-    stage: Any, saved: list[Saved], dys: list[list[tf.Tensor | None]], acc: list[tf.Tensor]
-) -> list[tf.Tensor]:
+    stage: Any, saved: list[Saved], dys: list[list[tf.Tensor | None]], acc: list[Any]
+) -> list[Any]:
     """``acc`` plus the weight gradients of every micro-batch in ``saved`` on ``stage`` (a
     ``StageReplica``; forwards kept with ``split``, each micro-batch's B run): once, over
     their rows joined, when the stage's W is a sum over rows (:func:`plan`), else one by
     one (with a warning saying why). ``stage.deferral`` gets the plan or the reason."""
     kept = [s.kept for s in saved if s.kept is not None]
     assert len(kept) == len(saved), "deferral needs remat='never'"
+    more = [[d for d in dy if d is not None] for dy in dys]
+    full, stage.deferral = _prove(stage, saved, kept, len(more[0]))
+    if isinstance(stage.deferral, Plan):
+        return stage.gradients_of(run(stage.deferral, full, kept, more), acc, summed=False)
+    warnings.warn(
+        f"stage {stage.index} computes its weight gradients per micro-batch, not once for "
+        f"the step (defer_weight_gradients): {stage.deferral}",
+        stacklevel=2,
+    )
+    for record, dy in zip(saved, dys, strict=True):
+        _, acc = stage.backward(record, dy, need_dx=False, need_dw=True, acc=acc)
+    return acc
+
+
+def _prove(
+    stage: Any, saved: list[Saved], kept: list[Kept], num_more: int
+) -> tuple[SplitPrograms, Plan | str]:
+    """The stage's programs traced at M times the micro-batch's rows, and whether their W
+    run once is the sum of the micro-batches' W (:func:`plan`), or why not."""
     first, M = kept[0], len(saved)
     weights = first.args[len(first.args) - len(stage.trainable_variables) :]
     data = tf.nest.map_structure(
@@ -49,19 +67,10 @@ def backward(
     micro = (saved[0].inputs, saved[0].labels, seed, specs)
     probe, _ = stage.kept_programs(micro, first.need_dx, True, accumulate=False)
     varying = [True] * (len(first.args) - len(weights)) + [False] * len(weights)
-    more = [[d for d in dy if d is not None] for dy in dys]
-    per_row = [not stage.is_last] * len(more[0])  # the last stage's: the loss's seed
-    stage.deferral = plan(full, probe, M, varying, per_row, kept=first.programs)
-    if isinstance(stage.deferral, Plan):
-        return accumulated(acc, run(stage.deferral, full, kept, more))
-    warnings.warn(
-        f"stage {stage.index} computes its weight gradients per micro-batch, not once for "
-        f"the step (defer_weight_gradients): {stage.deferral}",
-        stacklevel=2,
-    )
-    for record, dy in zip(saved, dys, strict=True):
-        _, acc = stage.backward(record, dy, need_dx=False, need_dw=True, acc=acc)
-    return acc
+    per_row = [not stage.is_last] * num_more  # the last stage's: the loss's seed
+    # A sparse gradient's (values, indices), W's last outputs, are rows: joined, not summed.
+    rows = 2 * sum(stage.sparse)
+    return full, plan(full, probe, M, varying, per_row, kept=first.programs, row_returns=rows)
 
 
 def run(

@@ -1,6 +1,7 @@
 """The gradients a stage's programs take: of its outputs against their output gradients
 (input and weight gradients, from one tape), their running sum over micro-batches, and the
-weight regularization Keras adds to the loss once per step."""
+weight regularization Keras adds to the loss once per step. A sparse weight gradient (a
+gather's, ``sparse.py``) stays ``IndexedSlices``, as Keras hands it to the optimizer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+
+from hybrid.engine import sparse as sparse_grads
 
 __all__ = ["Grads", "accumulated", "differentiable", "gradients", "weight_penalty"]
 
@@ -28,12 +31,14 @@ def gradients(
     weights: Tensors,
     need_dx: bool,
     need_dw: bool,
+    sparse: Sequence[bool] = (),
 ) -> Grads:
     """``dys · ∂ys/∂xs`` (when ``need_dx``: one per input, None for an input that is not
     a float) and ``dys · ∂ys/∂weights`` (when ``need_dw``), from the ``tape`` that watched
     the forward; an output whose ``dy`` is None contributes nothing. Dense tensors of the
-    sources' static shapes (an embedding's IndexedSlices made dense, zeros where a source
-    does not reach the outputs)."""
+    sources' static shapes (zeros where a source does not reach the outputs), except the
+    weights marked ``sparse``, whose gradients stay IndexedSlices (no slices where the
+    weight does not reach the outputs)."""
     inputs = [x for x in xs if differentiable(x)] if need_dx else []
     sources = inputs + (list(weights) if need_dw else [])
     if not sources:
@@ -44,9 +49,16 @@ def gradients(
     grads = tape.gradient(
         [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
     )
+    kept = [False] * len(inputs)
+    if need_dw:
+        kept += list(sparse) or [False] * len(weights)
     grads = [
-        tf.zeros_like(s) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), s.shape)
-        for g, s in zip(grads, sources, strict=True)
+        _sparse(g, s)
+        if keep
+        else tf.zeros_like(s)
+        if g is None
+        else tf.ensure_shape(tf.convert_to_tensor(g), s.shape)
+        for g, s, keep in zip(grads, sources, kept, strict=True)
     ]
     if not need_dx:
         return None, grads
@@ -54,11 +66,16 @@ def gradients(
     return [next(found) if differentiable(x) else None for x in xs], grads[len(inputs) :]
 
 
-def accumulated(acc: Sequence[tf.Tensor] | None, dw: Tensors) -> Tensors:
-    """``acc + dw`` element-wise (``dw`` when there is nothing before)."""
-    if not acc or not dw:
-        return dw
-    return [a + g for a, g in zip(acc, dw, strict=True)]
+def _sparse(grad: Any, source: tf.Tensor) -> tf.IndexedSlices:
+    """A sparse weight's gradient as IndexedSlices of rows of the weight's shape."""
+    values, indices = sparse_grads.pairs(grad, source)
+    return tf.IndexedSlices(values, indices, tf.constant(list(source.shape)))
+
+
+def accumulated(acc: Sequence[Any] | None, dw: Sequence[Any]) -> list[Any]:
+    """``acc + dw`` per variable (``dw`` when there is nothing before); sparse gradients
+    are concatenated (``sparse.joined``)."""
+    return sparse_grads.joined(acc, dw)
 
 
 def weight_penalty(

@@ -29,6 +29,7 @@ from tensorflow.compiler.tf2xla.python import xla
 from hybrid.core.schedule import Action, Op, Schedule
 from hybrid.engine import deferral
 from hybrid.engine.compression import Codec
+from hybrid.engine.sparse import flat_tensors
 from hybrid.engine.stage import Labels, Saved, StageReplica
 from hybrid.engine.timing import DeviceClock, Recorder
 
@@ -78,7 +79,8 @@ class ReplicaStep:
 
     Attributes:
       losses: each micro-batch's loss [numerator, denominator], in completion order.
-      grads: ``grads[k]``: model stage k's gradients summed over micro-batches.
+      grads: ``grads[k]``: model stage k's gradients summed over micro-batches (a sparse
+        one: every micro-batch's IndexedSlices, concatenated in micro-batch order).
       tails: ``tails[d]``: the last outputs of device d's chain (the all-reduce waits on them).
       stats: ``stats[k]``: model stage k's BatchNormalization statistics, one per forward.
       activity: every forward's activity-regularization penalty (unweighted).
@@ -183,7 +185,7 @@ class _TrainingLowering:
         self.predictions[m] = out[1:]
         self.accumulate(k, dw)
         sent = self.pass_down(k, m, dx)
-        return [loss] + sent + dw, [loss] + sent + self.grads[k]
+        return [loss] + sent + flat_tensors(dw), [loss] + sent + flat_tensors(self.grads[k])
 
     def forward(
         self,
@@ -217,7 +219,7 @@ class _TrainingLowering:
         if not (sent or dw):  # stage 0's B in a split schedule computes nothing
             tail = self.tails[self.schedule.device_of(k)]
             return tail, tail
-        return sent + dw, sent + self.grads[k]
+        return sent + flat_tensors(dw), sent + flat_tensors(self.grads[k])
 
     def weight(self, k: int, m: int, dy: list[tf.Tensor | None]) -> Outputs:
         if self.defer:  # W runs once, after the stage's last backward action (deferred)
@@ -226,7 +228,7 @@ class _TrainingLowering:
         saved = self.saved.pop((k, m))
         _, dw = self.stages[k].backward(saved, dy, need_dx=False, need_dw=True, acc=self.grads[k])
         self.accumulate(k, dw)
-        return dw, self.grads[k]
+        return flat_tensors(dw), flat_tensors(self.grads[k])
 
     def deferred(self, k: int, outputs: Outputs) -> Outputs:
         """Stage k's weight gradients of every micro-batch at once (``deferral``), after
@@ -236,7 +238,7 @@ class _TrainingLowering:
         dys = [self.output_gradient(k, m, keep=False) for m in range(M)]
         dw = deferral.backward(self.stages[k], saved, dys, self.grads[k])
         self.accumulate(k, dw)
-        return outputs[0] + dw, outputs[1] + self.grads[k]
+        return outputs[0] + flat_tensors(dw), outputs[1] + flat_tensors(self.grads[k])
 
 
 def lower_training(

@@ -50,6 +50,7 @@ from hybrid.engine.micro_batching import (
 )
 from hybrid.engine.objective import Objective
 from hybrid.engine.records import StepResult
+from hybrid.engine.sparse import flat_tensors
 from hybrid.engine.stage import StageReplica, TensorSpec
 from hybrid.engine.template import OptimizerLike, optimizer_copies
 from hybrid.engine.timing import TimedAction
@@ -271,7 +272,7 @@ class Pipeline(Workflow):
         """The gradients of the batch's loss as :meth:`train_step` computes them (replica
         0's, in the order of ``model.trainable_variables``), without updating anything."""
         _, grads = self._grads(self._batch(x, y, sample_weight))
-        return [g.numpy() for g in grads]
+        return [tf.convert_to_tensor(g).numpy() for g in grads]  # a sparse one densified
 
     def _batch(
         self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: int | None = None
@@ -341,7 +342,8 @@ class Pipeline(Workflow):
                     stage.apply_gradients(grads[k][r])
                     if stats[k]:
                         stage.update_norms(stats[k][r][0], parts)
-        with tf.control_dependencies([g for row in grads for per in row for g in per]):
+        done = [g for row in grads for per in row for g in flat_tensors(per)]
+        with tf.control_dependencies(done):
             self._step.assign_add(1)
 
     def _gradient_step(self, parts: Shards) -> tuple[tf.Tensor, list[tf.Tensor]]:

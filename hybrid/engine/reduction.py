@@ -22,6 +22,7 @@ import tensorflow as tf
 from hybrid.engine.collectives import ReplicaGroup
 from hybrid.engine.lowering import ReplicaStep
 from hybrid.engine.objective import Objective
+from hybrid.engine.sparse import all_finite, scaled, square_sum
 from hybrid.engine.stage import Labels, StageReplica
 from hybrid.engine.template import OptimizerCopies
 
@@ -77,13 +78,13 @@ def nan_unless_finite(
     flags = []
     for stage_grads, copy in zip(grads, copies, strict=True):
         with tf.device(copy.device):
-            flags.append(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in stage_grads]))
+            flags.append(tf.reduce_all([all_finite(g) for g in stage_grads]))
     with tf.device(copies[0].device):
         factor = tf.where(tf.reduce_all(flags), 1.0, float("nan"))
     out = []
     for stage_grads, copy in zip(grads, copies, strict=True):
         with tf.device(copy.device):
-            out.append([g * tf.cast(factor, g.dtype) for g in stage_grads])
+            out.append([scaled(g, factor) for g in stage_grads])
     return out
 
 
@@ -179,15 +180,19 @@ def stage_gradients(
     grads, penalty = [], None
     for r, (stage, stage_grads) in enumerate(zip(copies, summed, strict=True)):
         with tf.device(stage.device):
-            scaled = list(stage_grads) if scale is None else [g * scale for g in stage_grads]
+            out = list(stage_grads) if scale is None else [scaled(g, scale) for g in stage_grads]
             regularization = stage.weight_penalty()
             if regularization is not None:
                 extra = regularization[1]
                 if loss_scale is not None:
                     extra = [p * loss_scale for p in extra]
-                scaled = [g + p for g, p in zip(scaled, extra, strict=True)]
+                # (a sparse gradient's variable has no regularizer: its penalty is zero)
+                out = [
+                    g if sparse else g + p
+                    for g, p, sparse in zip(out, extra, stage.sparse, strict=True)
+                ]
                 penalty = regularization[0] if r == 0 else penalty
-        grads.append(scaled)
+        grads.append(out)
     return grads, penalty
 
 
@@ -200,7 +205,8 @@ def clip_by_global_norm(
     """``grads[k]`` (the gradients of stage copy ``copies[k]``) scaled as Keras's
     ``global_clipnorm`` scales a model's gradients: by ``clip · min(1/norm, 1/clip)`` with the
     norm over every model variable (a tied one counted once, by its owner), NaN when the norm
-    is not finite (so the update is too). Gradients that carry a dynamic ``loss_scale`` are
+    is not finite (so the update is too); a sparse gradient's norm counts each slice, and
+    the clipped gradient is dense, as Keras's are. Gradients that carry a dynamic ``loss_scale`` are
     scaled by the factor of their unscaled norm, as the inner optimizer of a
     LossScaleOptimizer clips after unscaling."""
     devices = [copy.device for copy in copies]
@@ -208,7 +214,7 @@ def clip_by_global_norm(
     for stage_grads, copy in zip(grads, copies, strict=True):
         with tf.device(copy.device):
             owned = [g for g, mine in zip(stage_grads, copy.owned, strict=True) if mine]
-            squares += [tf.add_n([tf.reduce_sum(tf.square(g)) for g in owned])] if owned else []
+            squares += [tf.add_n([square_sum(g) for g in owned])] if owned else []
     with tf.device(devices[0]):
         norm = tf.sqrt(tf.add_n(squares))
         if loss_scale is not None:
@@ -217,5 +223,7 @@ def clip_by_global_norm(
     clipped = []
     for stage_grads, device in zip(grads, devices, strict=True):
         with tf.device(device):
-            clipped.append([g * tf.cast(scale, g.dtype) for g in stage_grads])
+            # ``g * scale`` as Keras writes it: a sparse gradient becomes dense (its rows
+            # summed), so the optimizer's dense path follows, as in Keras.
+            clipped.append([tf.convert_to_tensor(g) * tf.cast(scale, g.dtype) for g in stage_grads])
     return clipped

@@ -60,6 +60,7 @@ def plan(
     varying_args: Sequence[bool],
     varying_more: Sequence[bool],
     kept: SplitPrograms | None = None,
+    row_returns: int = 0,
 ) -> Plan | str:
     """Whether ``full``'s weight program (traced at ``micro_batches`` times the rows of
     ``micro``, neither adding to running sums) run once on the micro-batches' inputs
@@ -69,10 +70,12 @@ def plan(
     Args:
       varying_args, varying_more: which forward and backward arguments differ between
         micro-batches (inputs, labels, the seed, output gradients; not the weights).
+      row_returns: W's last ``row_returns`` outputs are per row, not sums (the values and
+        indices of sparse gradients): the whole batch's must be the micro-batches' joined.
     """
     try:
         analysis = _Analysis(full, micro, micro_batches, kept or micro)
-        return analysis.run(varying_args, varying_more)
+        return analysis.run(varying_args, varying_more, row_returns)
     except _Stop as stop:
         return str(stop)
 
@@ -132,7 +135,9 @@ class _Analysis:
             raise _Stop(f"{t.name} {t.shape} depends on the batch size")
         return FIXED
 
-    def run(self, varying_args: Sequence[bool], varying_more: Sequence[bool]) -> Plan:
+    def run(
+        self, varying_args: Sequence[bool], varying_more: Sequence[bool], row_returns: int = 0
+    ) -> Plan:
         part, graph = self.part, self.part.graph
         placeholders = {f"{n}:0": v for n, v in zip(part.args, varying_args, strict=True)}
         placeholders.update({f"{n}:0": v for n, v in zip(part.more, varying_more, strict=True)})
@@ -160,10 +165,16 @@ class _Analysis:
             self.same_op(op)
             states = self.rule(op, [self.states[t.name] for t in op.inputs])
             self.states.update((t.name, s) for t, s in zip(op.outputs, states, strict=True))
-        for name in part.returns:
+        rows = len(part.returns) - row_returns
+        for i, name in enumerate(part.returns):
             t = graph.get_tensor_by_name(name)
+            if name not in self.states and name in outside:  # returned as the forward made it
+                self.states[name] = self.source(t, t.op in varying)
             state = self.states.get(name)
-            if state != SUM and not (state == FIXED and _zero(t)):
+            if i >= rows:
+                if state != ROW:
+                    raise _Stop(f"the sparse gradient's {name} is not per row ({state})")
+            elif state != SUM and not (state == FIXED and _zero(t)):
                 raise _Stop(f"the gradient {name} is not a sum over the batch ({state})")
         used = {t.name for op in part.ops for t in op.inputs} | set(part.returns)
 

@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine import batch_norm, keras_private, split_programs
+from hybrid.engine import batch_norm, keras_private, sparse, split_programs
 from hybrid.engine.gradients import (
     Grads,
     accumulated,
@@ -78,6 +78,8 @@ class StageReplica:
         come after them (in key order), and the outputs' masks after the outputs.
       inline: the programs are not functions of their own: their ops go into the caller's
         program (a TPU step, which XLA compiles whole), under the caller's device scope.
+      sparse: ids of the template variables whose gradient Keras hands its optimizer as
+        ``IndexedSlices`` (``sparse.sparse_variables``): their gradients stay slices.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class StageReplica:
         variables: Sequence[Any] | None = None,
         masked: frozenset[int] = frozenset(),
         inline: bool = False,
+        sparse: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.inline = inline
@@ -104,6 +107,8 @@ class StageReplica:
         self.templates = list(variables)
         self._trainable = [v for v in self.templates if v.trainable]
         self._state = [v for v in self.templates if not v.trainable]
+        # For each trainable variable: whether its gradients are IndexedSlices.
+        self.sparse = [id(v) in sparse for v in self._trainable]
         specs = [input_specs] if isinstance(input_specs, TensorSpec) else list(input_specs)
         self.input_specs = specs
         with tf.device(device):
@@ -264,8 +269,37 @@ class StageReplica:
             out = self._run(xs, labels, seed, weights)
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity)
-        dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
-        return out, dx, accumulated(acc, dw)
+        dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw, self.sparse)
+        return out, dx, self._program_gradients(acc, dw)
+
+    def _program_gradients(self, acc: Tensors | None, dw: list[Any]) -> Tensors:
+        """Weight gradients as a program returns them: the dense ones plus ``acc`` (the
+        running sums of the dense ones), then each sparse one's (values, indices)."""
+        if not dw:
+            return []
+        dense = accumulated(acc, [g for g, s in zip(dw, self.sparse, strict=True) if not s])
+        found = iter(dense)
+        grads = [g if s else next(found) for g, s in zip(dw, self.sparse, strict=True)]
+        return sparse.program_outputs(grads, self.sparse, self.trainable_variables)
+
+    def gradients_of(
+        self, flat: Tensors, acc: list[Any] | None, summed: bool = True
+    ) -> list[Any]:
+        """One weight gradient per trainable variable from a program's outputs
+        (:meth:`_program_gradients`), joined with ``acc``, the micro-batches' before: the
+        sparse ones' slices after ``acc``'s, the dense ones plus ``acc``'s unless the
+        program already added them (``summed``)."""
+        if not flat:
+            return []
+        grads = sparse.structured(flat, self.sparse, self.trainable_variables)
+        if not acc:
+            return grads
+        if summed:
+            return [
+                sparse.concat([a, g]) if s else g
+                for a, g, s in zip(acc, grads, self.sparse, strict=True)
+            ]
+        return accumulated(acc, grads)
 
     def kept_programs(
         self, structure: Any, need_dx: bool, split: bool, accumulate: bool = True
@@ -371,14 +405,17 @@ class StageReplica:
                 raise ValueError(f"stage {self.index}: its forward was run with need_dx=False")
             more = [d for d in dys if d is not None] + self._sums(acc)
             wanted = [differentiable(x) for x in saved.inputs]
-            return kept.backward(more, wanted, need_dx, need_dw)
+            dx, flat = kept.backward(more, wanted, need_dx, need_dw)
+            return dx, self.gradients_of(flat, acc)
         if saved.tape is None:
             sums = self._sums(acc) if need_dw else None
             args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
-            _, dx, dw = self._forward_backward(*args)
-            return dx, dw
+            _, dx, flat = self._forward_backward(*args)
+            return dx, self.gradients_of(flat, acc)
         ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
-        dx, dw = gradients(saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw)
+        dx, dw = gradients(
+            saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw, self.sparse
+        )
         return dx, accumulated(acc, dw)
 
     def forward_backward(
@@ -393,16 +430,22 @@ class StageReplica:
         """F immediately followed by its whole backward, as one program (the last stage,
         whose output gradient is known, when its B follows its F): its outputs, dx, dW (plus
         ``acc`` when given, added in the program), its activity penalty and BN statistics."""
-        out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True, self._sums(acc))
+        out, dx, flat = self._forward_backward(
+            xs, dys, labels, seed, need_dx, True, self._sums(acc)
+        )
         ys, activity, stats = self._split(out)
-        return ys, dx, dw, activity, stats
+        return ys, dx, self.gradients_of(flat, acc), activity, stats
 
-    def _sums(self, acc: list[tf.Tensor] | None) -> list[tf.Tensor]:
-        """The running gradient sums a backward adds to (zeros first: one compile; none
-        with one micro-batch per step)."""
+    def _sums(self, acc: list[Any] | None) -> list[tf.Tensor]:
+        """The running sums of the dense gradients a backward adds to (zeros first: one
+        compile; none with one micro-batch per step). Sparse gradients are not summed: each
+        micro-batch's slices come out of the program (:meth:`gradients_of`)."""
         if not (self.accumulates or acc):
             return []
-        return acc or [tf.zeros(v.shape, v.dtype) for v in self.trainable_variables]
+        dense = [v for v, s in zip(self.trainable_variables, self.sparse, strict=True) if not s]
+        if acc:
+            return [a for a, s in zip(acc, self.sparse, strict=True) if not s]
+        return [tf.zeros(v.shape, v.dtype) for v in dense]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer."""
