@@ -11,6 +11,9 @@ PY := $(VENV)/bin/python
 TF ?= cpu
 EXTRAS ?= $(TF),test,plot,tpu
 TF_PACKAGE ?=
+# KerasHub for the model-zoo tests and benchmark, without its tensorflow-text dependency (which
+# requires the full `tensorflow` package beside tensorflow-cpu); what it imports is in `test`.
+KERAS_HUB ?= keras-hub==0.32.*
 PYTEST_WORKERS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export TF_ENABLE_ONEDNN_OPTS ?= 0
@@ -21,6 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" $(TF_PACKAGE)
+	$(PY) -m pip install --quiet --no-deps $(KERAS_HUB)
 	touch $@
 
 install: $(VENV)/.installed

@@ -11,7 +11,15 @@ own: deepest nodes first), and a cut into S stages is S contiguous runs of calls
     stage k writes live(stop_k)    (the last stage: the model outputs)
 
 A skip tensor made on stage 0 and read on stage 2 is live at both cuts, so stage 1 passes
-it through unchanged (its gradient comes back the same way). Each segment runs the user's own
+it through unchanged (its gradient comes back the same way). A functional model (or a
+Sequential) called inside the model is flattened into its own layer calls, in place of its
+call, so a cut can fall inside it (KerasHub's task models call their backbone so)::
+
+    model:  ids -> backbone(ids) -> head          calls:  embed block0 block1 norm | head
+                   (ids -> embed -> block0 -> block1 -> norm)
+
+Its variables stay the user's (paths, checkpoints and ``to_keras`` see the nesting); a
+subclassed model inside stays one call. Each segment runs the user's own
 layer objects (``Layer.__call__``, so Keras's call semantics hold); the stage binds their
 variables to per-device values around it (``hybrid.engine.stage``).
 """
@@ -37,7 +45,8 @@ class Call:
       layer: the user's layer object (or a ``keras.ops`` operation of a functional graph).
       inputs: keys of the tensors it reads.
       outputs: keys of the tensors it makes.
-      node: the Keras node (its arguments, with the non-tensor ones), or None in a chain.
+      node: the Keras node (its arguments, with the non-tensor ones), or None in a chain;
+        its input tensors are read from ``inputs``, in order.
     """
 
     layer: keras.layers.Layer
@@ -51,7 +60,8 @@ class Call:
         if self.node is None:
             outputs = call(values[self.inputs[0]])
         else:
-            args, kwargs = self.node.arguments.fill_in(values)
+            found = zip(self.node.input_tensors, self.inputs, strict=True)
+            args, kwargs = self.node.arguments.fill_in({id(t): values[k] for t, k in found})
             outputs = call(*args, **kwargs)
         for key, value in zip(self.outputs, keras.tree.flatten(outputs), strict=True):
             values[key] = value
@@ -208,20 +218,7 @@ def _chain(layers: list[keras.layers.Layer], source: Any) -> Graph:
 
 
 def _functional_graph(model: keras.Model) -> Graph:
-    calls = []
-    by_depth = model._nodes_by_depth
-    for depth in sorted(by_depth, reverse=True):
-        for node in by_depth[depth]:
-            if node.operation is None or node.is_input:
-                continue
-            calls.append(
-                Call(
-                    node.operation,
-                    tuple(id(t) for t in node.input_tensors),
-                    tuple(id(t) for t in node.outputs),
-                    node,
-                )
-            )
+    calls = _Flattener().calls(model, {})
     if not calls:
         raise ValueError(f"model {model.name!r} has no layers")
     return Graph(
@@ -232,6 +229,83 @@ def _functional_graph(model: keras.Model) -> Graph:
         _names(keras_private.input_structure(model)),
         _names(keras_private.output_structure(model)),
     )
+
+
+class _Flattener:
+    """A functional model's calls in topological order, each nested functional model's
+    calls in place of its call. A tensor's key is its ``id`` in the outer model; inside a
+    nested model, the outer tensor it stands for, or a new negative key (a model called
+    twice makes new tensors each time)."""
+
+    def __init__(self) -> None:
+        self._fresh = 0
+
+    def calls(self, model: keras.Model, keys: dict[int, int]) -> list[Call]:
+        """``model``'s calls; ``keys`` maps its boundary tensors (ids) to outer keys."""
+        scope: dict[int, int] = dict(keys)
+
+        def key(t: Any) -> int:
+            if id(t) not in scope:
+                if keys:  # inside a nested model: a key no outer tensor has
+                    self._fresh -= 1
+                    scope[id(t)] = self._fresh
+                else:
+                    scope[id(t)] = id(t)
+            return scope[id(t)]
+
+        calls: list[Call] = []
+        by_depth = model._nodes_by_depth
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
+                if node.operation is None or node.is_input:
+                    continue
+                ins = tuple(key(t) for t in node.input_tensors)
+                outs = tuple(key(t) for t in node.outputs)
+                inner = _nested(node)
+                if inner is None:
+                    calls.append(Call(node.operation, ins, outs, node))
+                    continue
+                boundary = zip(_flat_inputs(inner) + _flat_outputs(inner), ins + outs, strict=True)
+                calls += self.calls(inner, {id(t): k for t, k in boundary})
+        return calls
+
+
+def _nested(node: Any) -> keras.Model | None:
+    """The functional model a node calls, when it can be flattened (called on one input
+    structure matching its own, its outputs made inside it), else None.
+
+    A ``training=`` given to the nested call is dropped, as Keras drops it: a functional
+    model passes its own call's training mode to every call in its graph, overriding the
+    recorded one (Keras 3.15 trains the BatchNormalization of ``base(x, training=False)``
+    inside a model that ``fit`` trains)."""
+    if not isinstance(node.operation, keras.Model):
+        return None
+    inner = keras_private.functional_of(node.operation)
+    args = node.arguments.args
+    kwargs = {  # without the masks Keras passes as None (mask=None, or a dict of None)
+        k: v
+        for k, v in node.arguments.kwargs.items()
+        if any(leaf is not None for leaf in keras.tree.flatten(v))
+    }
+    kwargs.pop("training", None)
+    if inner is None or len(args) != 1 or kwargs:
+        return None
+    flat = keras.tree.flatten(args[0])
+    inputs, outputs = _flat_inputs(inner), _flat_outputs(inner)
+    if len(flat) != len(inputs) or len(node.outputs) != len(outputs):
+        return None
+    passed = {id(t) for t in inputs}
+    if any(id(t) in passed for t in outputs) or len({id(t) for t in outputs}) < len(outputs):
+        return None  # an input returned as it is, or one tensor returned twice
+    return inner
+
+
+def _flat_inputs(model: keras.Model) -> list[Any]:
+    return list(keras.tree.flatten(keras_private.input_structure(model)))
+
+
+def _flat_outputs(model: keras.Model) -> list[Any]:
+    return list(keras.tree.flatten(keras_private.output_structure(model)))
 
 
 def _names(structure: Any) -> tuple[str, ...] | None:
