@@ -16,9 +16,9 @@ from collections.abc import Callable
 import keras
 import keras_hub
 import numpy as np
-import pytest
 
 import hybrid
+
 import runner
 
 BATCH = 8
@@ -26,7 +26,8 @@ BATCH = 8
 
 def fit_both(
     build: Callable[[], keras.Model],
-    x, y,
+    x,
+    y,
     stages: int,
     replicas: int,
     micro_batches: int,
@@ -186,8 +187,13 @@ def test_an_applications_feature_extractor_is_cut_inside():
 def gpt2_lm() -> keras.Model:
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=64, num_layers=4, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        max_sequence_length=8, dropout=0.0,
+        vocabulary_size=64,
+        num_layers=4,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=8,
+        dropout=0.0,
     )
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
@@ -215,8 +221,13 @@ def test_kerashub_gpt2_causal_lm_is_cut_inside_its_backbone():
 def bert_classifier() -> keras.Model:
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        max_sequence_length=8, dropout=0.0,
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=8,
+        dropout=0.0,
     )
     return keras_hub.models.BertTextClassifier(
         backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0
