@@ -88,6 +88,7 @@ bench: install
 	$(PY) benchmarks/engine_overhead.py
 	$(PY) benchmarks/allreduce_overlap.py
 	$(PY) benchmarks/build_time.py
+	$(PY) benchmarks/sparse_embedding.py
 	$(PY) benchmarks/tpu_smoke.py
 
 clean:
