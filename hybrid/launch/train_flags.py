@@ -94,11 +94,26 @@ def _define_run_flags() -> None:
         "checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0
     )
     flags.DEFINE_integer("keep_checkpoints", 3, "Recent checkpoints kept.", lower_bound=1)
+    flags.DEFINE_bool(
+        "fresh_start",
+        False,
+        "Start from step 1 in --model_dir: its checkpoints and run record are moved into "
+        "--model_dir/aside-<time> (never deleted) instead of being resumed.",
+    )
+    flags.DEFINE_bool(
+        "take_over_lock",
+        False,
+        "Take --model_dir's lock even though it names a run on another host (that run is "
+        "gone); a lock of this host whose process is gone is taken over anyway.",
+    )
     flags.DEFINE_string(
         "profile_steps", None, "'FIRST,LAST': capture a TF profiler trace into --model_dir."
     )
     flags.DEFINE_integer(
-        "simulated_devices", None, "CPU only: logical devices to simulate (default: mesh size)."
+        "simulated_devices",
+        None,
+        "CPU only: logical devices to simulate (default: mesh size).",
+        lower_bound=1,
     )
     flags.DEFINE_bool("progress_bar", False, "Show Keras's progress bar instead of log lines.")
     flags.DEFINE_integer(
@@ -156,6 +171,9 @@ def _register_validators() -> None:
     )  # fmt: skip
     flags.register_multi_flags_validator(
         ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
+    )
+    flags.register_multi_flags_validator(
+        ["model_dir", "export_dir", "keras_file"], _check_output_paths
     )
     flags.register_multi_flags_validator(
         [
@@ -304,6 +322,18 @@ def _check_run(values: dict[str, Any]) -> bool:
             )
         if not values["model_dir"]:
             raise flags.ValidationError("--profile_steps needs --model_dir to write the trace to")
+    return True
+
+
+def _check_output_paths(values: dict[str, Any]) -> bool:
+    """Every output path writable, none under a regular file, no export overwritten
+    (``hybrid.output_paths``, which ``train`` applies too)."""
+    from hybrid.output_paths import check_output_paths
+
+    try:
+        check_output_paths(values["model_dir"], values["export_dir"], values["keras_file"])
+    except ValueError as err:
+        raise flags.ValidationError(str(err)) from None
     return True
 
 
