@@ -314,7 +314,7 @@ class Checkpointer:
             try:
                 restored = self.restore(path)
             except (tf.errors.OpError, IndexError) as err:  # how the reader reports torn files
-                failures.append(f"{path.rsplit('/', 1)[-1]}: {type(err).__name__}")
+                failures.append(f"{os.path.basename(path)}: {type(err).__name__}")
                 log(f"checkpoint {path} is unreadable ({type(err).__name__}); trying an older one")
                 continue
             if model_dir.state_file_problem(self.directory) is not None or failures:

@@ -122,7 +122,12 @@ def rewrite_state(directory: str, latest: str, keep: int) -> None:
     """Rewrites the state file to name ``latest`` and the ``keep`` listed checkpoints up to
     it, so that the next save continues from there (``tf.train.CheckpointManager`` reads
     the file when it is made)."""
-    older = [p for p in listed_checkpoints(directory) if _step(p) <= _step(latest)]
+    kept = [p for p in listed_checkpoints(directory) if _step(p) <= _step(latest)][-keep:]
+    times = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for p in kept]
     tf.compat.v1.train.update_checkpoint_state(
-        directory, latest, all_model_checkpoint_paths=older[-keep:]
+        directory,
+        latest,
+        all_model_checkpoint_paths=kept,
+        all_model_checkpoint_timestamps=times,
+        last_preserved_timestamp=min(times) - 1,  # none kept forever: `keep` applies
     )

@@ -17,14 +17,18 @@ import dataclasses
 from collections.abc import Sequence
 
 from hybrid.core import generators
+from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.core.partition import check_balance
 
 __all__ = [
     "BOUNDARY_DTYPES",
     "BALANCE_MODES",
     "REMAT_MODES",
+    "ArgumentTypeError",
     "ConfigError",
     "RunConfig",
+    "as_mesh",
+    "check_switches",
     "check_global_batch",
     "least_micro_batches",
     "validate_run",
@@ -50,6 +54,46 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.kind = kind
         self.arguments = tuple(arguments)
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (a string where a bool goes, ...)."""
+
+
+def as_mesh(mesh: object) -> DeviceMesh:
+    """``mesh`` as a DeviceMesh: one as it is, or a spec string as the launcher's --mesh
+    (``"stage:2;replica:4"``) laid on this process's first S × R devices.
+
+    Raises:
+      ArgumentTypeError: neither a DeviceMesh nor a string.
+      ConfigError: a string that is not a mesh spec.
+    """
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, str):
+        try:
+            stages, replicas = parse_spec(mesh)
+        except ValueError as err:
+            raise ConfigError("bad mesh spec", f"mesh={mesh!r}: {err}", ["mesh"]) from None
+        return DeviceMesh.create(stages, replicas)
+    raise ArgumentTypeError(
+        "mesh of the wrong type",
+        f"mesh={mesh!r} ({type(mesh).__name__}): give a hybrid.DeviceMesh or a spec string "
+        "such as 'stage:2;replica:4'",
+        ["mesh"],
+    )
+
+
+def check_switches(**switches: object) -> None:
+    """Raises :class:`ArgumentTypeError` for a switch (``jit_compile=...``) that is not a
+    bool: a string such as "no" would otherwise be taken as true."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ArgumentTypeError(
+                "switch not a bool",
+                f"{name}={value!r} ({type(value).__name__}): give True or False",
+                [name],
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Ctrl-C and SIGTERM (what ``kill`` and a preempted VM send) for the launcher.
 
-    first SIGINT / SIGTERM   -> ``stop`` is set: the step in flight finishes, is checkpointed,
+    first SIGINT / SIGTERM   -> a line on stderr ("SIGINT: finishing the step in flight ...");
+                                ``stop`` is set: the step in flight finishes, is checkpointed,
                                 and the run ends: "interrupted at step N; saved ckpt-N; run
                                 the same command to resume", exit 130 / 143 (128 + signal)
     a second one             -> KeyboardInterrupt at once (``Pipeline.fit`` stops its threads)
@@ -12,6 +13,7 @@ event, and ``Pipeline.fit`` lets KeyboardInterrupt through as Keras does.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -45,6 +47,12 @@ class Interrupts:
             raise KeyboardInterrupt(f"{signal.Signals(number).name} again: stopping at once")
         self.received = number
         self.stop.set()
+        # os.write, not print: a handler may run in the middle of another print
+        os.write(
+            2,
+            f"{signal.Signals(number).name}: finishing the step in flight, then saving a "
+            "checkpoint (send it again to stop at once)\n".encode(),
+        )
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Interrupts]:

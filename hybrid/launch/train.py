@@ -272,7 +272,7 @@ _FILE_ERRORS = (
 def _flag_of(text: str) -> str:
     """``--flag: `` for the output flag whose path ``text`` mentions, else ''."""
     for name in ("model_dir", "export_dir", "keras_file"):
-        value = FLAGS[name].value
+        value = FLAGS[name].value if name in FLAGS else None
         if value and value.rstrip("/") in text:
             return f"--{name}={value}: "
     return ""
