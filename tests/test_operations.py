@@ -418,7 +418,9 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_what_it_needed(tmp_p
     code, out, err = finish(process)
     assert code == 1, err[-3000:]
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-    assert line.startswith(f"error: could not write checkpoint ckpt-2 in {tmp_path}/run (")
+    assert line.startswith(
+        f"error: --model_dir={tmp_path}/run: could not write checkpoint ckpt-2 in {tmp_path}/run ("
+    )
     assert "File too large" in line and "; it needs about " in line and "Traceback" not in err
     assert line.endswith(
         f"the previous checkpoints are intact (newest: {tmp_path}/run/ckpt-1); free space or "
@@ -429,12 +431,22 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_what_it_needed(tmp_p
     ]  # fmt: skip
 
 
-def test_a_bad_output_path_fails_in_one_line_before_training(tmp_path):
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--keras_file={t}/file/m.keras"], "--keras_file={t}/file/m.keras is under {t}/file, a"),
+        (["--mesh=auto", "--simulated_devices=0"], "flag --simulated_devices=0: 0 is not a pos"),
+        (["--platform=gpu"], "error: --platform=gpu --mesh=stage:2;replica:1 needs 2 GPUs but"),
+    ],
+)
+def test_flag_errors_are_one_line_naming_the_flag(tmp_path, flags, message):
+    if "--platform=gpu" in flags and tf.config.list_physical_devices("GPU"):
+        pytest.skip("this host has GPUs")
     open(tmp_path / "file", "w").close()
-    process = start(tmp_path / "run", f"--keras_file={tmp_path}/file/m.keras")
+    process = start(tmp_path / "run", *(f.format(t=tmp_path) for f in flags))
     code, out, err = finish(process)
-    assert code == 1 and "Traceback" not in err and "step " not in out
-    assert f"--keras_file={tmp_path}/file/m.keras is under {tmp_path}/file, a regular file" in err
+    assert code == 1 and "Traceback" not in err and "step " not in out, err[-3000:]
+    assert message.format(t=tmp_path) in err, err[-3000:]
 
 
 if __name__ == "__main__":

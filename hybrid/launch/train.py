@@ -292,7 +292,8 @@ def report_error(err: BaseException) -> int:
         print(f"error: {lines[0]} (--learning_rate)", file=sys.stderr)
         return 1
     if isinstance(err, CheckpointError | RunLockError | ValueError):
-        print(f"error: {lines[0]}", file=sys.stderr)
+        flag = "" if lines[0].startswith("--") else _flag_of(lines[0])
+        print(f"error: {flag}{lines[0]}", file=sys.stderr)
         return 1
     file_error = type(err).__name__ in _FILE_ERRORS and "tensorflow" in type(err).__module__
     if isinstance(err, OSError) or file_error:
