@@ -29,6 +29,7 @@ __all__ = [
     "RunConfig",
     "as_mesh",
     "check_switches",
+    "pipeline_arguments",
     "check_global_batch",
     "least_micro_batches",
     "validate_run",
@@ -94,6 +95,13 @@ def check_switches(**switches: object) -> None:
                 f"{name}={value!r} ({type(value).__name__}): give True or False",
                 [name],
             )
+
+
+def pipeline_arguments(mesh: object, jit_compile: object) -> DeviceMesh:
+    """Checks the ``Pipeline`` arguments a RunConfig does not hold: ``jit_compile`` is a
+    bool (:func:`check_switches`); returns ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
+    check_switches(jit_compile=jit_compile)
+    return as_mesh(mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,18 +256,19 @@ def check_global_batch(config: RunConfig, global_batch: int) -> None:
 def validate_run(config: RunConfig) -> RunConfig:
     """Checks every rule a run configuration must satisfy; returns it unchanged.
 
-    The rules: S, R, M and virtual stages are positive integers; the schedule and remat mode
-    exist; deferred weight gradients only with ``remat="never"``; virtual stages only with a
-    schedule that has them; interleaved needs M to be a multiple of S; with the layer count
-    known, at most one model stage per layer and an explicit balance that gives every model
-    stage at least one layer and sums to the layers; with the global batch known, a batch
-    that splits into R × M equal parts.
+    The rules: S, R, M and virtual stages are positive integers, defer_weight_gradients a
+    bool; the schedule and remat mode exist; deferred weight gradients only with
+    ``remat="never"``; virtual stages only with a schedule that has them; interleaved needs M
+    to be a multiple of S; with the layer count known, at most one model stage per layer and
+    an explicit balance that gives every model stage at least one layer and sums to the
+    layers; with the global batch known, a batch that splits into R × M equal parts.
 
     Raises:
       ConfigError: the first rule broken, naming the values and the fix.
     """
     for name in ("stages", "replicas", "micro_batches", "virtual_stages"):
         _positive(name, getattr(config, name))
+    check_switches(defer_weight_gradients=config.defer_weight_gradients)
     _check_names(config)
     _check_schedule(config)
     _check_model(config)
