@@ -321,7 +321,7 @@ class Checkpointer:
                 model_dir.rewrite_state(self.directory, path, self._keep)
                 self._manager = self._new_manager()  # it reads the state file when made
             return restored
-        files = model_dir.checkpoint_files(self.directory)
+        files = model_dir.checkpoint_files(self.directory, unfinished=False)
         if files:
             found = "; ".join(failures) if failures else "no ckpt-<N>.index among " + str(files)
             raise UnreadableCheckpointsError(

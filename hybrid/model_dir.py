@@ -27,6 +27,7 @@ __all__ = [
     "listed_checkpoints",
     "move_aside",
     "remove_partial_save",
+    "remove_unfinished_saves",
     "rewrite_state",
     "state_file_problem",
 ]
@@ -53,10 +54,23 @@ def listed_checkpoints(directory: str) -> list[str]:
     return [_join(directory, f"ckpt-{step}") for step, _ in sorted(found)]
 
 
-def checkpoint_files(directory: str) -> list[str]:
+def checkpoint_files(directory: str, unfinished: bool = True) -> list[str]:
     """The names of the checkpoint files in ``directory``: the state file, every ``ckpt-<N>``
-    index and data file, and leftover ``ckpt-<N>_temp`` folders."""
-    return sorted(n for n in _names(directory) if n == STATE_FILE or _CHECKPOINT_FILE.match(n))
+    index and data file, and (with ``unfinished``) leftover ``ckpt-<N>_temp`` folders."""
+    return sorted(
+        n
+        for n in _names(directory)
+        if n == STATE_FILE or (_CHECKPOINT_FILE.match(n) and (unfinished or "_temp" not in n))
+    )
+
+
+def remove_unfinished_saves(directory: str) -> list[str]:
+    """Deletes the ``ckpt-<N>_temp`` folders of saves that never finished (a run killed
+    while saving; call it only while holding the directory's lock) and returns them."""
+    found = [n for n in checkpoint_files(directory) if n.endswith("_temp")]
+    for name in found:
+        tf.io.gfile.rmtree(_join(directory, name))
+    return found
 
 
 def state_file_problem(directory: str) -> str | None:

@@ -106,7 +106,7 @@ def resume(
     changes = run_record.Changes()
     if saver is not None and config.model_dir:
         record = run_record.read(config.model_dir)
-        if record is not None and model_dir.checkpoint_files(config.model_dir):
+        if record is not None and model_dir.checkpoint_files(config.model_dir, unfinished=False):
             changes = run_record.compare(record, fields, *summary)
         if changes.refused:
             raise run_record.ConfigDriftError(
@@ -115,6 +115,9 @@ def resume(
                 + ". Resume with the checkpoint's values, or start another run: another "
                 "--model_dir, or --fresh_start (moves these checkpoints aside)"
             )
+    if saver is not None and config.model_dir:
+        for name in model_dir.remove_unfinished_saves(config.model_dir):
+            log(f"removed {config.model_dir}/{name}, a save an earlier run did not finish")
     restored = saver.restore_latest(log) if saver else None
     mesh = pipe.mesh
     log(

@@ -71,8 +71,10 @@ def test_a_garbled_or_missing_state_file_resumes_from_the_newest_listed_checkpoi
     run(tmp_path, train_steps=3)
     with open(tmp_path / "checkpoint", "w") as f:
         f.write("this is not a checkpoint state\x00\x01")
+    os.makedirs(tmp_path / "ckpt-4_temp")  # a save killed half-way
     log = []
     result = run(tmp_path, log, train_steps=4)
+    assert f"removed {tmp_path}/ckpt-4_temp, a save an earlier run did not finish" in log
     warning = [line for line in log if line.startswith("WARNING")]
     assert warning == [
         f"WARNING the checkpoint state file {tmp_path}/checkpoint is unreadable; found 3 "
