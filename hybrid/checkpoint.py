@@ -47,6 +47,7 @@ __all__ = [
     "Checkpointer",
     "Restored",
     "UnreadableCheckpointsError",
+    "error_line",
     "to_keras",
 ]
 
@@ -249,7 +250,7 @@ class Checkpointer:
 
     def _save_failure(self, step: int, err: Exception) -> str:
         """One line: which checkpoint failed where, why, the bytes it needs, what is kept."""
-        reason = (getattr(err, "message", None) or str(err)).strip().splitlines()[0]
+        reason = error_line(err)
         try:
             free = f", {shutil.disk_usage(self.directory).free} bytes free there"
         except OSError:  # not a local directory (gs://...)
@@ -341,6 +342,14 @@ class Checkpointer:
             "this pipeline's model",
             "restore with the model it was written with or start in a new directory",
         )
+
+
+def error_line(err: BaseException) -> str:
+    """A TensorFlow (or OS) error as one line: its first line, without the op's
+    ``{{function_node ...}}`` prefix and ``[Op:...]`` suffix."""
+    text = (getattr(err, "message", None) or str(err)).strip()
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]", "", text)
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 _SLOT_KEY = re.compile(r"^optimizer/v\d+/([^/]+)/")

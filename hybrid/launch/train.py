@@ -283,7 +283,7 @@ def report_error(err: BaseException) -> int:
     so for an internal bug (exit code 2)."""
     import traceback
 
-    from hybrid.checkpoint import CheckpointError
+    from hybrid.checkpoint import CheckpointError, error_line
     from hybrid.run_lock import RunLockError
     from hybrid.trainer import NonFiniteLossError
 
@@ -297,8 +297,9 @@ def report_error(err: BaseException) -> int:
         return 1
     file_error = type(err).__name__ in _FILE_ERRORS and "tensorflow" in type(err).__module__
     if isinstance(err, OSError) or file_error:
-        message = getattr(err, "message", None) or lines[0]
-        print(f"error: {_flag_of(str(err))}{type(err).__name__}: {message}", file=sys.stderr)
+        print(
+            f"error: {_flag_of(str(err))}{type(err).__name__}: {error_line(err)}", file=sys.stderr
+        )
         return 1
     traceback.print_exception(err)
     print(
