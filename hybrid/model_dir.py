@@ -91,11 +91,11 @@ def state_file_problem(directory: str) -> str | None:
 def move_aside(directory: str, names: list[str]) -> str:
     """Moves ``names`` (files or folders of ``directory``) into a new folder
     ``directory/aside-<UTC time>`` and returns its path; nothing is deleted."""
-    aside = _join(directory, time.strftime("aside-%Y%m%d-%H%M%S", time.gmtime()))
-    suffix = 1
-    while tf.io.gfile.exists(aside):
+    base = _join(directory, time.strftime("aside-%Y%m%d-%H%M%S", time.gmtime()))
+    aside, suffix = base, 1
+    while tf.io.gfile.exists(aside):  # twice in one second
         suffix += 1
-        aside = aside.split(".")[0] + f".{suffix}"
+        aside = f"{base}.{suffix}"
     tf.io.gfile.makedirs(aside)
     for name in names:
         tf.io.gfile.rename(_join(directory, name), _join(aside, name))
