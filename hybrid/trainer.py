@@ -69,7 +69,7 @@ class TrainConfig:
       balance: layers per stage ("params", "time", or counts such as (3, 2)).
       global_batch_size: examples per step over all replicas.
       train_steps: the step to train up to (a resumed run continues to it).
-      learning_rate: Adam learning rate.
+      learning_rate: the optimizer's learning rate; a resumed run applies it (``hybrid.resume``).
       seed: initial weights, data order and random layers.
       width, depth: model width (d_model, channels, units) and depth (blocks).
       seq_len, num_heads, dropout: the Transformer's context, heads and dropout rate.

@@ -78,7 +78,12 @@ def _define_mesh_flags() -> None:
 def _define_run_flags() -> None:
     flags.DEFINE_integer("global_batch_size", 32, "Examples per step, all replicas.", lower_bound=1)
     flags.DEFINE_integer("train_steps", 60, "Train up to this step.", lower_bound=1)
-    flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.", lower_bound=0.0)
+    flags.DEFINE_float(
+        "learning_rate",
+        3e-3,
+        "The optimizer's learning rate (a resumed run applies it in place of the checkpoint's).",
+        lower_bound=0.0,
+    )
     flags.DEFINE_integer("seed", 0, "Seed for weights, data order and random layers.")
     flags.DEFINE_bool("jit_compile", True, "XLA-compile the stage programs.")
     flags.DEFINE_integer(
