@@ -324,7 +324,10 @@ class Checkpointer:
             return restored
         files = model_dir.checkpoint_files(self.directory, unfinished=False)
         if files:
-            found = "; ".join(failures) if failures else "no ckpt-<N>.index among " + str(files)
+            found = "; ".join(failures[:3]) + (
+                f"; ... {len(failures)} in all" * (len(failures) > 3)
+            )
+            found = found or f"no ckpt-<N>.index among {files}"
             raise UnreadableCheckpointsError(
                 f"{self.directory} holds checkpoint files but none can be restored ({found}); "
                 "repair or remove them, point --model_dir at another directory, or pass "
