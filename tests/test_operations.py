@@ -189,6 +189,18 @@ def test_config_drift_is_refused_per_field_and_allowed_changes_are_logged(tmp_pa
     assert run_record.read(str(tmp_path))["config"]["mesh"] == "stage:1;replica:2"
 
 
+def test_the_record_refuses_other_layers_or_another_loss_and_names_them():
+    record = {"config": {"model": "m:f"}, "layers": ["Dense float32 [[4, 8], [8]]"], "loss": "mse"}
+    same = run_record.compare(record, {"model": "m:f"}, record["layers"], "mse")
+    assert (same.refused, same.applied, same.learning_rate) == ([], [], None)
+    other = run_record.compare(record, {"model": "m:f"}, ["Dense float32 [[4, 9], [9]]"], "mae")
+    assert other.refused == [
+        "--model (its layers): layer 0: Dense float32 [[4, 8], [8]] in the checkpoint, "
+        "Dense float32 [[4, 9], [9]] now",
+        "--model (its loss): mse in the checkpoint, mae now",
+    ]
+
+
 # -- 5. output paths, checked before any work ---------------------------------------------------
 
 
@@ -265,6 +277,9 @@ def test_an_internal_error_shows_its_traceback_and_says_it_is_a_bug(capsys):
 
     assert report_error(OSError(28, "No space left on device")) == 1
     assert capsys.readouterr().err == "error: OSError: [Errno 28] No space left on device\n"
+    missing = "{{function_node __wrapped__ReadFile}} /data/x.txt; No such file [Op:ReadFile]"
+    assert report_error(tf.errors.NotFoundError(None, None, missing)) == 1
+    assert capsys.readouterr().err == "error: NotFoundError: /data/x.txt; No such file\n"
     try:
         raise KeyError("stage")
     except KeyError as err:
@@ -397,9 +412,7 @@ def test_sigterm_saves_the_step_exits_143_and_the_same_command_resumes(tmp_path)
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     code, out, err, _ = interrupted(tmp_path, [signal.SIGINT, signal.SIGINT])
     assert code == 130, err[-3000:]
-    assert out.splitlines()[-1] == (
-        "interrupted again: stopped at once; nothing saved; run the same command to resume"
-    )
+    assert out.splitlines()[-1] == "interrupted again: stopped at once; no checkpoint was saved"
     assert "Traceback" not in err
 
 

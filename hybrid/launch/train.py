@@ -314,13 +314,11 @@ def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
     """The run's last line: done, already done, or interrupted (then exit 128 + signal)."""
     if result.interrupted_at is not None:
         saved = (
-            f"saved {os.path.basename(result.checkpoint)}"
+            f"saved {os.path.basename(result.checkpoint)}; run the same command to resume"
             if result.checkpoint
             else "nothing saved (no --model_dir)"
         )
-        print(
-            f"interrupted at step {result.interrupted_at}; {saved}; run the same command to resume"
-        )
+        print(f"interrupted at step {result.interrupted_at}; {saved}")
         sys.exit(exit_code(interrupts.received or signal.SIGINT))
     if result.losses:
         print(
@@ -346,8 +344,12 @@ def main(argv: list[str]) -> None:
         from hybrid.checkpoint import latest_step
 
         step = latest_step(FLAGS.model_dir) if FLAGS.model_dir else None
-        kept = f"the newest checkpoint is ckpt-{step}" if step is not None else "nothing saved"
-        print(f"interrupted again: stopped at once; {kept}; run the same command to resume")
+        kept = (
+            f"the newest checkpoint is ckpt-{step}; run the same command to resume"
+            if step is not None
+            else "no checkpoint was saved"
+        )
+        print(f"interrupted again: stopped at once; {kept}")
         sys.exit(exit_code(interrupts.received or signal.SIGINT))
     except Exception as err:  # noqa: BLE001 - every error ends here, as one line or a bug report
         sys.exit(report_error(err))
