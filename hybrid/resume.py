@@ -32,7 +32,14 @@ from hybrid.run_lock import RunLock
 if TYPE_CHECKING:
     from hybrid.trainer import TrainConfig
 
-__all__ = ["describe_model", "lock", "resume", "set_learning_rate", "start_afresh"]
+__all__ = [
+    "describe_model",
+    "learning_rate",
+    "lock",
+    "resume",
+    "set_learning_rate",
+    "start_afresh",
+]
 
 
 @contextlib.contextmanager

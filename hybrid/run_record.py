@@ -17,6 +17,7 @@ and then writes its own, so the record always describes the newest run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -67,6 +68,7 @@ def read(directory: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("config"), dict) else None
 
 
+@dataclasses.dataclass
 class Changes:
     """What differs between the recorded run and this one, field by field.
 
@@ -76,10 +78,9 @@ class Changes:
       learning_rate: (recorded, now) when the learning rate changed, else None.
     """
 
-    def __init__(self) -> None:
-        self.refused: list[str] = []
-        self.applied: list[str] = []
-        self.learning_rate: tuple[float, float] | None = None
+    refused: list[str] = dataclasses.field(default_factory=list)
+    applied: list[str] = dataclasses.field(default_factory=list)
+    learning_rate: tuple[float, float] | None = None
 
 
 def _show(value: Any) -> str:

@@ -338,8 +338,10 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 
 
 def start(model_dir, *flags, env=None, **popen):
+    """The launcher on FLAGS and ``flags``, in ``model_dir`` unless it is a flag itself."""
+    where = [str(model_dir) if str(model_dir).startswith("--") else f"--model_dir={model_dir}"]
     return subprocess.Popen(
-        [sys.executable, "-m", "hybrid.launch.train", *FLAGS, f"--model_dir={model_dir}", *flags],
+        [sys.executable, "-m", "hybrid.launch.train", *FLAGS, *where, *flags],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -452,13 +454,15 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_what_it_needed(tmp_p
         (["--keras_file={t}/file/m.keras"], "--keras_file={t}/file/m.keras is under {t}/file, a"),
         (["--mesh=auto", "--simulated_devices=0"], "flag --simulated_devices=0: 0 is not a pos"),
         (["--platform=gpu"], "error: --platform=gpu --mesh=stage:2;replica:1 needs 2 GPUs but"),
+        (["--fresh_start"], "--fresh_start applies to a --model_dir; none is given"),
     ],
 )
 def test_flag_errors_are_one_line_naming_the_flag(tmp_path, flags, message):
     if "--platform=gpu" in flags and tf.config.list_physical_devices("GPU"):
         pytest.skip("this host has GPUs")
     open(tmp_path / "file", "w").close()
-    process = start(tmp_path / "run", *(f.format(t=tmp_path) for f in flags))
+    model_dir = [] if "--fresh_start" in flags else [tmp_path / "run"]
+    process = start(*model_dir, *(f.format(t=tmp_path) for f in flags))
     code, out, err = finish(process)
     assert code == 1 and "Traceback" not in err and "step " not in out, err[-3000:]
     assert message.format(t=tmp_path) in err, err[-3000:]

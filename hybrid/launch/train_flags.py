@@ -175,8 +175,12 @@ def _register_validators() -> None:
         _check_run_config,
     )  # fmt: skip
     flags.register_multi_flags_validator(
-        ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
-    )
+        [
+            "model_dir", "checkpoint_every", "profile_steps", "train_steps", "fresh_start",
+            "take_over_lock",
+        ],
+        _check_run,
+    )  # fmt: skip
     flags.register_multi_flags_validator(
         ["model_dir", "export_dir", "keras_file"], _check_output_paths
     )
@@ -317,6 +321,9 @@ def _check_run(values: dict[str, Any]) -> bool:
         raise flags.ValidationError(
             f"--checkpoint_every={values['checkpoint_every']} needs --model_dir to write to"
         )
+    for name in ("fresh_start", "take_over_lock"):
+        if values[name] and not values["model_dir"]:
+            raise flags.ValidationError(f"--{name} applies to a --model_dir; none is given")
     steps = parse_profile_steps(values["profile_steps"])
     if steps is not None:
         first, last = steps
