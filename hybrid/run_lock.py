@@ -69,6 +69,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         if "://" in self.directory:
+            self.log(f"WARNING {self.directory}: an object store holds no lock; run one job there")
             return self
         os.makedirs(self.directory, exist_ok=True)
         while self._fd is None:

@@ -2,13 +2,16 @@
 
 Conceptually::
 
+    check every output path; hold model_dir's lock (hybrid.resume)
     pipe = Pipeline(model(config), mesh(config), ...)
     start = restore the newest checkpoint in model_dir (its step), else 0
+            (its recorded config compared with this one first; hybrid.run_record)
     pipe.fit(batches from step start + 1 on,            # batch(step) depends only on (seed, step)
              epochs=1, steps_per_epoch=train_steps - start, callbacks=[after each step:
         stop with NonFiniteLossError if loss is NaN/Inf (the last good checkpoint stays)
-        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every])
-    checkpoint at the end
+        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every;
+        once `stop` is set: checkpoint this step and end])
+    checkpoint at the end; export (unless stopped early)
 
 The loop is ``Pipeline.fit``, Keras's own (``--progress_bar`` shows Keras's progress bar),
 and everything the launcher does per step is a Keras callback (``hybrid.train_steps``).
