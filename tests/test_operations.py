@@ -280,6 +280,8 @@ def test_an_internal_error_shows_its_traceback_and_says_it_is_a_bug(capsys):
     missing = "{{function_node __wrapped__ReadFile}} /data/x.txt; No such file [Op:ReadFile]"
     assert report_error(tf.errors.NotFoundError(None, None, missing)) == 1
     assert capsys.readouterr().err == "error: NotFoundError: /data/x.txt; No such file\n"
+    assert report_error(tf.errors.OutOfRangeError(None, None, "End of sequence")) == 2
+    capsys.readouterr()
     try:
         raise KeyError("stage")
     except KeyError as err:

@@ -262,11 +262,19 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     return config, train(config, step_callback=step_callback, stop=stop)
 
 
-# TensorFlow's errors that are about files (a path, its permissions, its space, its bytes).
-_FILE_ERRORS = (
-    "NotFoundError", "PermissionDeniedError", "AlreadyExistsError", "OutOfRangeError",
-    "DataLossError", "ResourceExhaustedError", "FailedPreconditionError",
-)  # fmt: skip
+# TensorFlow's errors about files (a path, its permissions, its space, its bytes); the last
+# two also report other things, so they count only when their message is about a file.
+_FILE_ERRORS = ("NotFoundError", "PermissionDeniedError", "AlreadyExistsError", "DataLossError")
+_FILE_ERRORS_IF_SAID = ("OutOfRangeError", "FailedPreconditionError", "ResourceExhaustedError")
+
+
+def _is_file_error(err: BaseException) -> bool:
+    """Whether ``err`` is TensorFlow's report of a file problem (a user's, not a bug)."""
+    name, text = type(err).__name__, str(err).lower()
+    if "tensorflow" not in type(err).__module__:
+        return False
+    said = any(word in text for word in ("file", "directory", "space left", "permission"))
+    return name in _FILE_ERRORS or (name in _FILE_ERRORS_IF_SAID and said)
 
 
 def _flag_of(text: str) -> str:
@@ -295,8 +303,7 @@ def report_error(err: BaseException) -> int:
         flag = "" if lines[0].startswith("--") else _flag_of(lines[0])
         print(f"error: {flag}{lines[0]}", file=sys.stderr)
         return 1
-    file_error = type(err).__name__ in _FILE_ERRORS and "tensorflow" in type(err).__module__
-    if isinstance(err, OSError) or file_error:
+    if isinstance(err, OSError) or _is_file_error(err):
         print(
             f"error: {_flag_of(str(err))}{type(err).__name__}: {error_line(err)}", file=sys.stderr
         )
