@@ -96,6 +96,27 @@ def learning_rate(pipe: Pipeline) -> float:
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate)) if optimizer else 0.0
 
 
+def _check_record(config: TrainConfig, summary: tuple[list[str], str]) -> run_record.Changes:
+    """The changes from the directory's record to this run (none without checkpoints).
+
+    Raises:
+      ConfigDriftError: a change of what is trained, each field named.
+    """
+    assert config.model_dir
+    record = run_record.read(config.model_dir)
+    if record is None or not model_dir.checkpoint_files(config.model_dir, unfinished=False):
+        return run_record.Changes()
+    changes = run_record.compare(record, _fields(config), *summary)
+    if changes.refused:
+        raise run_record.ConfigDriftError(
+            f"--model_dir={config.model_dir} was trained as another run: "
+            + "; ".join(changes.refused)
+            + ". Resume with the checkpoint's values, or start another run: another "
+            "--model_dir, or --fresh_start (moves these checkpoints aside)"
+        )
+    return changes
+
+
 def resume(
     config: TrainConfig,
     pipe: Pipeline,
@@ -109,23 +130,12 @@ def resume(
     Raises:
       ConfigDriftError: the checkpoints were trained as something else (each field named).
     """
-    fields = _fields(config)
-    changes = run_record.Changes()
+    changes, restored = run_record.Changes(), None
     if saver is not None and config.model_dir:
-        record = run_record.read(config.model_dir)
-        if record is not None and model_dir.checkpoint_files(config.model_dir, unfinished=False):
-            changes = run_record.compare(record, fields, *summary)
-        if changes.refused:
-            raise run_record.ConfigDriftError(
-                f"--model_dir={config.model_dir} was trained as another run: "
-                + "; ".join(changes.refused)
-                + ". Resume with the checkpoint's values, or start another run: another "
-                "--model_dir, or --fresh_start (moves these checkpoints aside)"
-            )
-    if saver is not None and config.model_dir:
+        changes = _check_record(config, summary)
         for name in model_dir.remove_unfinished_saves(config.model_dir):
             log(f"removed {config.model_dir}/{name}, a save an earlier run did not finish")
-    restored = saver.restore_latest(log) if saver else None
+        restored = saver.restore_latest(log)
     mesh = pipe.mesh
     log(
         f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
@@ -133,7 +143,7 @@ def resume(
         f"remat {config.remat}" + " deferred weight gradients" * config.defer_weight_gradients
     )
     if restored:
-        set_learning_rate(pipe, config.learning_rate)
+        set_learning_rate(pipe, config.learning_rate)  # the rule: this run's rate applies
         for change in changes.applied:
             log(f"resuming with a change: {change}")
         if changes.learning_rate is not None:
@@ -141,5 +151,5 @@ def resume(
             log(f"learning rate {new} (--learning_rate) applies; the checkpoint's run used {old}")
         log(f"restored {restored.path}: resuming at step {restored.step + 1}")
     if saver is not None and config.model_dir:
-        run_record.write(config.model_dir, fields, *summary)
+        run_record.write(config.model_dir, _fields(config), *summary)
     return restored
