@@ -14,6 +14,7 @@ say which of its own options to change.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 from hybrid.core import generators
@@ -97,10 +98,21 @@ def check_switches(**switches: object) -> None:
             )
 
 
-def pipeline_arguments(mesh: object, jit_compile: object) -> DeviceMesh:
-    """Checks the ``Pipeline`` arguments a RunConfig does not hold: ``jit_compile`` is a
-    bool (:func:`check_switches`); returns ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
+def pipeline_arguments(mesh: object, jit_compile: object, balance: object = None) -> DeviceMesh:
+    """Checks the ``Pipeline`` arguments before a RunConfig holds them: ``jit_compile`` is a
+    bool (:func:`check_switches`), ``balance`` None, a string or layer counts; returns
+    ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
     check_switches(jit_compile=jit_compile)
+    counts = isinstance(balance, list | tuple) and all(
+        isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in balance
+    )
+    if not (balance is None or isinstance(balance, str) or counts):
+        raise ArgumentTypeError(
+            "balance of the wrong type",
+            f"balance={balance!r} ({type(balance).__name__}): give None, one of "
+            f"{list(BALANCE_MODES)}, or layer counts per stage such as [3, 2]",
+            ["balance"],
+        )
     return as_mesh(mesh)
 
 

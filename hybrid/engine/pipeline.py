@@ -125,7 +125,7 @@ class Pipeline(Workflow):
         self.prefetch = feed.check_depth(prefetch)
         self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
         self._graph = graph = graph_of(model)
-        self.mesh = mesh = pipeline_arguments(mesh, jit_compile)
+        self.mesh = mesh = pipeline_arguments(mesh, jit_compile, balance)
         self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
         policy = getattr(getattr(model, "dtype_policy", None), "name", None)
         self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")
