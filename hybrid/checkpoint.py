@@ -18,28 +18,47 @@ Writing goes through ``tf.train.CheckpointManager``: the data and index files of
 ``ckpt-<step>`` are complete before the ``checkpoint`` state file names them (TensorFlow
 writes that file atomically), so a process killed while saving leaves the previous
 checkpoint as the latest. A checkpoint that turns out unreadable is skipped for the one
-before it.
+before it; the checkpoints are found by listing the directory too, so a missing or garbled
+state file loses nothing (it is rewritten after the restore). A directory that holds
+checkpoint files of which none can be restored raises :class:`UnreadableCheckpointsError`
+rather than starting again over them; a save that fails (a full disk, permissions) removes
+what it had written and raises :class:`CheckpointError`, the previous checkpoints intact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from hybrid import model_dir
 from hybrid.engine.graph import graph_of
 from hybrid.engine.pipeline import Pipeline
 from hybrid.engine.stage import StageReplica
 
-__all__ = ["CheckpointError", "Checkpointer", "Restored", "to_keras"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "Restored",
+    "UnreadableCheckpointsError",
+    "error_line",
+    "to_keras",
+]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that does not fit the pipeline (other model, other optimizer, seed)."""
+    """A checkpoint that does not fit the pipeline (other model, other optimizer, seed), or
+    one that could not be written."""
+
+
+class UnreadableCheckpointsError(CheckpointError):
+    """The directory holds checkpoint files, but none of them can be restored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +216,20 @@ class Checkpointer:
                     len(pipe.placement.variables), dtype=tf.int64, trainable=False
                 ),
             }
-        self._checkpoint = tf.train.Checkpoint(**_trackables(pipe, self._meta))
-        self._manager = tf.train.CheckpointManager(
-            self._checkpoint, directory, max_to_keep=keep, checkpoint_name="ckpt"
+        trackables = _trackables(pipe, self._meta)
+        self._bytes = sum(
+            v.shape.num_elements() * v.dtype.size for v in tf.nest.flatten(trackables)
+        )
+        self._slot_names = {
+            k.split("/")[1] for k in _flat_keys(trackables["optimizer"]) if "/" in k
+        }
+        self._checkpoint = tf.train.Checkpoint(**trackables)
+        self._keep = keep
+        self._manager = self._new_manager()
+
+    def _new_manager(self) -> tf.train.CheckpointManager:
+        return tf.train.CheckpointManager(
+            self._checkpoint, self.directory, max_to_keep=self._keep, checkpoint_name="ckpt"
         )
 
     @property
@@ -211,7 +241,26 @@ class Checkpointer:
         self._meta["step"].assign(step)
         self._meta["data_position"].assign(step if data_position is None else data_position)
         self._meta["seed"].assign(self.seed)
-        return str(self._manager.save(checkpoint_number=step, options=self._options))
+        try:
+            return str(self._manager.save(checkpoint_number=step, options=self._options))
+        except (tf.errors.OpError, OSError) as err:
+            if f"ckpt-{step}" not in [os.path.basename(p) for p in self._manager.checkpoints]:
+                model_dir.remove_partial_save(self.directory, step)
+            raise CheckpointError(self._save_failure(step, err)) from err
+
+    def _save_failure(self, step: int, err: Exception) -> str:
+        """One line: which checkpoint failed where, why, the bytes it needs, what is kept."""
+        reason = error_line(err)
+        try:
+            free = f", {shutil.disk_usage(self.directory).free} bytes free there"
+        except OSError:  # not a local directory (gs://...)
+            free = ""
+        kept = self.latest or "none"
+        return (
+            f"could not write checkpoint ckpt-{step} in {self.directory} ({reason}); it needs "
+            f"about {self._bytes} bytes{free}; the previous checkpoints are intact (newest: "
+            f"{kept}); free space or fix the permissions, then run the same command to resume"
+        )
 
     def restore(self, path: str) -> Restored:
         """Loads ``path`` into every replica; sets the pipeline's step counter.
@@ -224,10 +273,7 @@ class Checkpointer:
         try:
             status.assert_consumed()
         except AssertionError as err:
-            raise CheckpointError(
-                f"checkpoint {path} does not match this pipeline's optimizer or model "
-                f"({err}); restore it with the optimizer and model it was written with"
-            ) from err
+            raise CheckpointError(self._mismatch(path)) from err
         seed = int(self._meta["seed"].numpy())
         if seed != self.seed:
             raise CheckpointError(
@@ -239,17 +285,55 @@ class Checkpointer:
         self.pipe.step_counter.assign(step)
         return Restored(path, step, int(self._meta["data_position"].numpy()))
 
+    def _mismatch(self, path: str) -> str:
+        """Why a checkpoint's object graph differs from this pipeline's: the optimizer slots
+        each holds per weight (their names, no protobuf dump)."""
+        keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+        saved = {m.group(1) for k in keys if (m := _SLOT_KEY.match(k))}
+        optimizer = type(_optimizer(self.pipe.stages[0][0])).__name__
+        return (
+            f"checkpoint {path} does not match this pipeline's optimizer or model: it holds "
+            f"the optimizer slots {sorted(saved)} per weight, this pipeline's {optimizer} keeps "
+            f"{sorted(self._slot_names)}; restore "
+            "it with the optimizer and model it was written with"
+        )
+
     def restore_latest(self, log: Callable[[str], None] = lambda _: None) -> Restored | None:
         """Restores the newest readable checkpoint in the directory; None if there is none.
 
-        An unreadable checkpoint (a truncated file) is reported through ``log`` and the one
-        before it is tried; a checkpoint of another model raises at once.
+        The checkpoints are the state file's and those a listing of the directory finds (a
+        missing or unreadable state file is reported through ``log`` and rewritten after the
+        restore). An unreadable checkpoint (a truncated file) is reported through ``log``
+        and the one before it is tried; a checkpoint of another model raises at once.
+
+        Raises:
+          UnreadableCheckpointsError: the directory holds checkpoint files, none restorable.
+          CheckpointError: the newest readable checkpoint is of another model or seed.
         """
-        for path in reversed(self._manager.checkpoints):
+        failures = []
+        for path in model_dir.candidates(self.directory, self._manager.checkpoints, log):
             try:
-                return self.restore(path)
+                restored = self.restore(path)
             except (tf.errors.OpError, IndexError) as err:  # how the reader reports torn files
+                failures.append(f"{os.path.basename(path)}: {type(err).__name__}")
                 log(f"checkpoint {path} is unreadable ({type(err).__name__}); trying an older one")
+                continue
+            if model_dir.state_file_problem(self.directory) is not None or failures:
+                model_dir.rewrite_state(self.directory, path, self._keep)
+                self._manager = self._new_manager()  # it reads the state file when made
+            return restored
+        files = model_dir.checkpoint_files(self.directory, unfinished=False)
+        if files:
+            found = "; ".join(failures[:3]) + (
+                f"; ... {len(failures)} in all" * (len(failures) > 3)
+            )
+            found = found or f"no ckpt-<N>.index among {files}"
+            raise UnreadableCheckpointsError(
+                f"{self.directory} holds checkpoint files but none can be restored ({found}); "
+                "repair or remove them, point --model_dir at another directory, or pass "
+                "--fresh_start to move them aside (into an aside-<time> folder there) and "
+                "start from step 1"
+            )
         return None
 
     def _check_layout(self, path: str) -> None:
@@ -261,6 +345,28 @@ class Checkpointer:
             "this pipeline's model",
             "restore with the model it was written with or start in a new directory",
         )
+
+
+def error_line(err: BaseException) -> str:
+    """A TensorFlow (or OS) error as one line: its first line, without the op's
+    ``{{function_node ...}}`` prefix and ``[Op:...]`` suffix."""
+    text = (getattr(err, "message", None) or str(err)).strip()
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]", "", text)
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+_SLOT_KEY = re.compile(r"^optimizer/v\d+/([^/]+)/")
+
+
+def _flat_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """The '/'-joined paths of a nested dict's leaves."""
+    keys = []
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            keys += _flat_keys(value, f"{prefix}{name}/")
+        else:
+            keys.append(prefix + name)
+    return keys
 
 
 def _check_model(reader: Any, path: str, variables: Sequence[Any], whose: str, remedy: str) -> None:

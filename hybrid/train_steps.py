@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
-from hybrid import timeline
+from hybrid import resume, timeline
 from hybrid.checkpoint import Checkpointer
 from hybrid.engine.pipeline import Pipeline
 from hybrid.engine.timing import StepView
@@ -64,7 +65,9 @@ class _Progress:
 class Steps(keras.callbacks.Callback):
     """What the launcher does around each step of ``fit``: times it, stops on a non-finite
     loss, logs and writes TensorBoard scalars, checkpoints, profiles, and calls the
-    ``step_callback``; the model's step is ``start`` + the batch's index + 1."""
+    ``step_callback``; the model's step is ``start`` + the batch's index + 1. Once ``stop``
+    is set, the step just run is checkpointed (with a saver) and ``fit`` stops after it
+    (``interrupted_at``)."""
 
     def __init__(
         self,
@@ -75,8 +78,11 @@ class Steps(keras.callbacks.Callback):
         writer: tf.summary.SummaryWriter | None,
         log: Callable[[str], None],
         step_callback: StepCallback | None,
+        stop: threading.Event | None = None,
     ) -> None:
         super().__init__()
+        self.stop = stop
+        self.interrupted_at: int | None = None
         self.config, self.pipe, self.start, self.saver = config, pipe, start, saver
         self.writer, self.log, self.step_callback = writer, log, step_callback
         self.progress = _Progress(config.global_batch_size, config.train_steps - start)
@@ -97,18 +103,25 @@ class Steps(keras.callbacks.Callback):
         _check_finite(config, step, loss, self.last_checkpoint)
         self.losses.append(loss)
         if step % config.log_every == 0 or step == config.train_steps:
-            _report(config, step, loss, self.progress, self.log, self.writer)
+            rate = resume.learning_rate(self.pipe)
+            _report(config, step, loss, rate, self.progress, self.log, self.writer)
         view = self.pipe.last_timeline
         if view is not None and view is not self.timeline_seen:
             self.timeline_seen = view
             _report_timeline(config, self.pipe, step, view, self.log, self.writer)
+        saved = False
         if self.saver and (
             (config.checkpoint_every and step % config.checkpoint_every == 0)
             or step == config.train_steps
         ):
-            self.last_checkpoint = self.saver.save(step)
+            self.last_checkpoint, saved = self.saver.save(step), True
         if self.step_callback is not None:
             self.step_callback(step, loss)
+        if self.stop is not None and self.stop.is_set():
+            if self.saver and not saved:
+                self.last_checkpoint = self.saver.save(step)
+            self.interrupted_at = step
+            self.pipe.stop_training = True
 
 
 def _check_finite(config: TrainConfig, step: int, loss: float, checkpoint: str | None) -> None:
@@ -128,12 +141,13 @@ def _report(
     config: TrainConfig,
     step: int,
     loss: float,
+    rate: float,
     progress: _Progress,
     log: Callable[[str], None],
     writer: tf.summary.SummaryWriter | None,
 ) -> None:
     """One progress line (unless the progress bar shows), and the TensorBoard scalars when
-    a writer is open."""
+    a writer is open (``rate``: the learning rate the optimizer used)."""
     if not config.progress_bar:
         log(
             f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
@@ -141,7 +155,7 @@ def _report(
             f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
         )
     if writer is not None:
-        _scalars(writer, step, loss, config.learning_rate, progress)
+        _scalars(writer, step, loss, rate, progress)
 
 
 def _scalars(

@@ -2,13 +2,16 @@
 
 Conceptually::
 
+    check every output path; hold model_dir's lock (hybrid.resume)
     pipe = Pipeline(model(config), mesh(config), ...)
     start = restore the newest checkpoint in model_dir (its step), else 0
+            (its recorded config compared with this one first; hybrid.run_record)
     pipe.fit(batches from step start + 1 on,            # batch(step) depends only on (seed, step)
              epochs=1, steps_per_epoch=train_steps - start, callbacks=[after each step:
         stop with NonFiniteLossError if loss is NaN/Inf (the last good checkpoint stays)
-        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every])
-    checkpoint at the end
+        log / TensorBoard scalars every log_every steps; checkpoint every checkpoint_every;
+        once `stop` is set: checkpoint this step and end])
+    checkpoint at the end; export (unless stopped early)
 
 The loop is ``Pipeline.fit``, Keras's own (``--progress_bar`` shows Keras's progress bar),
 and everything the launcher does per step is a Keras callback (``hybrid.train_steps``).
@@ -21,35 +24,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
 
-from hybrid import data, models
-from hybrid.checkpoint import Checkpointer, Restored
+from hybrid import data, resume
+from hybrid.checkpoint import Checkpointer
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.data_sources import is_function_spec
 from hybrid.engine.pipeline import Pipeline
 from hybrid.engine.strategy_pipeline import StrategyPipeline
+from hybrid.output_paths import check_output_paths
+from hybrid.run_model import call_user, model_for, optimizer_for
 from hybrid.train_steps import NonFiniteLossError, StepCallback, Steps
 
 __all__ = [
     "NonFiniteLossError",
     "TrainConfig",
     "TrainResult",
-    "build_model",
-    "load_function",
-    "optimizer_class",
-    "optimizer_for",
     "train",
 ]
-
-_IMAGE_SHAPE = (16, 16, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +55,7 @@ class TrainConfig:
 
     Attributes:
       model: "transformer", "resnet" or "mlp" (``hybrid.models``), or yours:
-        "package.module:fn" (:func:`_user_model`).
+        "package.module:fn" (``hybrid.run_model``).
       data: "synthetic", "text:PATH", "text:python-docs" or "package.module:fn"
         (``hybrid.data``).
       tfrecord_features, tfrecord_label: a "tfrecord:PATTERN" source's feature spec (JSON)
@@ -75,7 +72,7 @@ class TrainConfig:
       balance: layers per stage ("params", "time", or counts such as (3, 2)).
       global_batch_size: examples per step over all replicas.
       train_steps: the step to train up to (a resumed run continues to it).
-      learning_rate: Adam learning rate.
+      learning_rate: the optimizer's learning rate; a resumed run applies it (``hybrid.resume``).
       seed: initial weights, data order and random layers.
       width, depth: model width (d_model, channels, units) and depth (blocks).
       seq_len, num_heads, dropout: the Transformer's context, heads and dropout rate.
@@ -96,6 +93,9 @@ class TrainConfig:
       export_dir: at the end, a SavedModel of the model here and one per stage under
         ``export_dir/stages``; None writes none.
       keras_file: at the end, the trained model saved as this ``.keras`` file; None: none.
+      fresh_start: move the model_dir's checkpoints aside (``aside-<time>/``) and start
+        from step 1, instead of resuming (or stopping, when none can be restored).
+      take_over_lock: take the model_dir's lock even when it names a run on another host.
     """
 
     model: str = "transformer"
@@ -135,6 +135,8 @@ class TrainConfig:
     progress_bar: bool = False
     export_dir: str | None = None
     keras_file: str | None = None
+    fresh_start: bool = False
+    take_over_lock: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,7 @@ class TrainResult:
       examples_per_second: throughput after the first (compiling) step of this call.
       pipeline: the trained pipeline.
       checkpoint: the last checkpoint written, if any.
+      interrupted_at: the step after which ``stop`` ended the run early (None: it did not).
     """
 
     losses: tuple[float, ...]
@@ -154,31 +157,7 @@ class TrainResult:
     examples_per_second: float
     pipeline: Pipeline
     checkpoint: str | None
-
-
-def build_model(config: TrainConfig) -> tuple[list[keras.layers.Layer], tuple[int, ...], str]:
-    """The reference model's layers, its input shape (without batch) and input dtype."""
-    if config.model == "transformer":
-        layers = models.transformer(
-            vocab_size=data.VOCAB_SIZE,
-            seq_len=config.seq_len,
-            d_model=config.width,
-            num_heads=config.num_heads,
-            num_blocks=config.depth,
-            dropout=config.dropout,
-            seed=config.seed,
-            tie_embeddings=config.tie_embeddings,
-        )
-        return layers, (config.seq_len,), "int32"
-    if config.model == "resnet":
-        return (
-            models.resnet(10, config.width, config.depth, seed=config.seed),
-            _IMAGE_SHAPE,
-            ("float32"),
-        )
-    if config.model == "mlp":
-        return models.mlp(10, config.width, config.depth, seed=config.seed), (64,), "float32"
-    raise ValueError(f"unknown model {config.model!r}; choose one of {list(models.MODEL_NAMES)}")
+    interrupted_at: int | None = None
 
 
 def _mesh(config: TrainConfig, devices: Sequence[str] | None) -> DeviceMesh:
@@ -188,85 +167,13 @@ def _mesh(config: TrainConfig, devices: Sequence[str] | None) -> DeviceMesh:
     return DeviceMesh.create(stages, replicas, config.platform.upper())
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """The function ``package.module:name`` names (``--model``, ``--data``).
-
-    Raises:
-      ValueError: the module cannot be imported or has no such function.
-    """
-    module_name, _, name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"{spec}: cannot import {module_name!r} ({err}); is it on PYTHONPATH?"
-        ) from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"{spec}: module {module_name!r} has no function {name!r}")
-    return function
-
-
-def _user_model(config: TrainConfig) -> tuple[keras.Model, Any, Any]:
-    """Your model, loss and metrics from ``config.model`` (``package.module:fn``): fn()
-    returns a dict ``{"model", "loss", "metrics"}`` or a model compiled with its loss."""
-    made = load_function(config.model)()
-    if isinstance(made, dict):
-        model, loss, metrics = made.get("model"), made.get("loss"), made.get("metrics")
-    else:
-        model, loss, metrics = made, getattr(made, "loss", None), None
-    if not isinstance(model, keras.Model) or loss is None:
-        raise ValueError(
-            f"--model={config.model} must return a Keras model compiled with its loss, or "
-            f"{{'model': ..., 'loss': ..., 'metrics': ...}}; got {type(made).__name__}"
-        )
-    return model, loss, metrics
-
-
-def optimizer_class(name: str) -> type:
-    """The ``keras.optimizers`` class named ``name``, case-insensitively ("adamw": AdamW)."""
-    for attribute, cls in vars(keras.optimizers).items():
-        if attribute.lower() == name.lower() and isinstance(cls, type):
-            return cls
-    raise ValueError(f"keras.optimizers has no optimizer {name!r}")
-
-
-def optimizer_for(config: TrainConfig) -> keras.optimizers.Optimizer:
-    """``--optimizer`` at ``--learning_rate`` with ``--optimizer_config``'s arguments, under
-    a LossScaleOptimizer for ``mixed_float16`` (as ``compile`` wraps it: a list of layers
-    carries no model policy for the Pipeline to see)."""
-    cls = optimizer_class(config.optimizer)
-    made = cls(learning_rate=config.learning_rate, **json.loads(config.optimizer_config))
-    if config.precision == "mixed_float16":
-        return keras.optimizers.LossScaleOptimizer(made)
-    return made
-
-
-def _model(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
-    """The config's model built under its dtype policy (the global policy is restored after),
-    its loss, metrics, input shape(s) with the batch and dtype(s)."""
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(config.precision)
-    try:
-        if is_function_spec(config.model):
-            model, loss, metrics = _user_model(config)
-            shapes = [(None, *t.shape[1:]) for t in model.inputs]
-            dtypes = [t.dtype for t in model.inputs]
-            if len(shapes) == 1:
-                return model, loss, metrics, shapes[0], dtypes[0]
-            return model, loss, metrics, shapes, dtypes
-        layers, input_shape, dtype = build_model(config)
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return layers, loss, None, (None, *input_shape), dtype
-
-
-def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tuple[Pipeline, Any]:
+def _pipeline(
+    config: TrainConfig, mesh: DeviceMesh, strategy: Any = None
+) -> tuple[Pipeline, Any, tuple[list[str], str]]:
     """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
-    and the input shape (one, without the batch) the reference data needs (None for a
-    model of several inputs)."""
-    model, loss, metrics, shape, dtype = _model(config)
+    the input shape (one, without the batch) the reference data needs (None for a
+    model of several inputs); the model's summary for the run's record."""
+    model, loss, metrics, shape, dtype = model_for(config)
     kind = Pipeline if strategy is None else functools.partial(StrategyPipeline, strategy=strategy)
     pipe = kind(
         model,
@@ -286,7 +193,8 @@ def _pipeline(config: TrainConfig, mesh: DeviceMesh, strategy: Any = None) -> tu
     )
     pipe.build(shape, dtype)
     pipe.timeline_every = config.timeline_every
-    return pipe, None if isinstance(dtype, list) else tuple(shape[1:])
+    summary = resume.describe_model(model, loss)
+    return pipe, None if isinstance(dtype, list) else tuple(shape[1:]), summary
 
 
 def train(
@@ -296,8 +204,12 @@ def train(
     devices: Sequence[str] | None = None,
     checkpoint_io_device: str | None = None,
     strategy: Any = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
     """Trains ``config.model`` on ``config.data`` on ``config.mesh``; resumes from model_dir.
+
+    Before any work the output paths are checked and the model_dir's lock is taken
+    (``hybrid.resume``: one run per directory; the record of the run compared).
 
     Args:
       config: the run.
@@ -311,11 +223,32 @@ def train(
         multi-host client passes its own CPU).
       strategy: run each step as one program per replica under this ``tf.distribute``
         strategy (a ``TPUStrategy`` on the layout of ``devices``: ``StrategyPipeline``).
+      stop: once set, the step in flight finishes, is checkpointed (with a model_dir) and
+        the run ends early (``TrainResult.interrupted_at``; nothing is exported).
 
     Raises:
       NonFiniteLossError: the loss became NaN or Inf.
+      ValueError: an output path cannot be written (naming it), the model_dir holds
+        another run (``ConfigDriftError``), your function raised (``UserFunctionError``).
+      RunLockError: another run holds the model_dir.
+      CheckpointError: no checkpoint there can be restored, or one cannot be written.
     """
-    pipe, input_shape = _pipeline(config, _mesh(config, devices), strategy)
+    check_output_paths(config.model_dir, config.export_dir, config.keras_file)
+    with resume.lock(config, log):
+        resume.start_afresh(config, log)
+        return _train(config, log, step_callback, devices, checkpoint_io_device, strategy, stop)
+
+
+def _train(
+    config: TrainConfig,
+    log: Callable[[str], None],
+    step_callback: StepCallback | None,
+    devices: Sequence[str] | None,
+    checkpoint_io_device: str | None,
+    strategy: Any,
+    stop: threading.Event | None,
+) -> TrainResult:
+    pipe, input_shape, summary = _pipeline(config, _mesh(config, devices), strategy)
     saver = (
         Checkpointer(
             pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device
@@ -323,11 +256,11 @@ def train(
         if config.model_dir
         else None
     )
-    restored = _resume(config, pipe, saver, log)
+    restored = resume.resume(config, pipe, saver, summary, log)
     start = restored.step if restored else 0
     position = restored.data_position if restored else 0
     if is_function_spec(config.data):  # yours: the batches after the ones already taken
-        batches = load_function(config.data)(config.global_batch_size).skip(position)
+        batches = call_user("data", config.data, config.global_batch_size).skip(position)
     elif config.data.startswith("tfrecord:"):
         batches = data.tfrecord_dataset(
             config.data.partition(":")[2],
@@ -351,7 +284,7 @@ def train(
         if config.model_dir
         else None
     )
-    steps = Steps(config, pipe, start, saver, writer, log, step_callback)
+    steps = Steps(config, pipe, start, saver, writer, log, step_callback, stop)
     steps.last_checkpoint = restored.path if restored else None
     if config.train_steps > start:
         pipe.fit(
@@ -364,13 +297,15 @@ def train(
         )
     if writer is not None:
         writer.flush()
-    _export(config, pipe, log)
+    if steps.interrupted_at is None:
+        _export(config, pipe, log)
     return TrainResult(
         tuple(steps.losses),
         start,
         steps.progress.examples_per_second,
         pipe,
         steps.last_checkpoint,
+        steps.interrupted_at,
     )
 
 
@@ -383,22 +318,3 @@ def _export(config: TrainConfig, pipe: Pipeline, log: Callable[[str], None]) -> 
     if config.keras_file:
         pipe.save(config.keras_file)
         log(f"saved the Keras model to {config.keras_file}")
-
-
-def _resume(
-    config: TrainConfig,
-    pipe: Pipeline,
-    saver: Checkpointer | None,
-    log: Callable[[str], None],
-) -> Restored | None:
-    """Restores the newest checkpoint (if any) and logs the layout and where training starts."""
-    restored = saver.restore_latest(log) if saver else None
-    mesh = pipe.mesh
-    log(
-        f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
-        f"balance {pipe.balance} micro_batches {config.micro_batches} schedule {config.schedule} "
-        f"remat {config.remat}" + " deferred weight gradients" * config.defer_weight_gradients
-    )
-    if restored:
-        log(f"restored {restored.path}: resuming at step {restored.step + 1}")
-    return restored

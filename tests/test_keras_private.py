@@ -88,7 +88,7 @@ def test_the_launchers_optimizer_names_are_kerass():
     """--optimizer is checked against a list (no Keras import while flags are parsed): it
     must be every optimizer class of keras.optimizers, each made from its name."""
     from hybrid.launch.model_flags import KERAS_OPTIMIZERS
-    from hybrid.trainer import optimizer_class
+    from hybrid.run_model import optimizer_class
 
     classes = {
         name.lower()
@@ -101,7 +101,8 @@ def test_the_launchers_optimizer_names_are_kerass():
 
 
 def test_the_launchers_mixed_float16_scales_the_loss_as_compile_does():
-    from hybrid.trainer import TrainConfig, optimizer_for
+    from hybrid.run_model import optimizer_for
+    from hybrid.trainer import TrainConfig
 
     scaled = optimizer_for(TrainConfig(optimizer="adamw", precision="mixed_float16"))
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)

@@ -14,17 +14,23 @@ say which of its own options to change.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 from hybrid.core import generators
+from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.core.partition import check_balance
 
 __all__ = [
     "BOUNDARY_DTYPES",
     "BALANCE_MODES",
     "REMAT_MODES",
+    "ArgumentTypeError",
     "ConfigError",
     "RunConfig",
+    "as_mesh",
+    "check_switches",
+    "pipeline_arguments",
     "check_global_batch",
     "least_micro_batches",
     "validate_run",
@@ -50,6 +56,64 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.kind = kind
         self.arguments = tuple(arguments)
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (a string where a bool goes, ...)."""
+
+
+def as_mesh(mesh: object) -> DeviceMesh:
+    """``mesh`` as a DeviceMesh: one as it is, or a spec string as the launcher's --mesh
+    (``"stage:2;replica:4"``) laid on this process's first S × R devices.
+
+    Raises:
+      ArgumentTypeError: neither a DeviceMesh nor a string.
+      ConfigError: a string that is not a mesh spec.
+    """
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, str):
+        try:
+            stages, replicas = parse_spec(mesh)
+        except ValueError as err:
+            raise ConfigError("bad mesh spec", f"mesh={mesh!r}: {err}", ["mesh"]) from None
+        return DeviceMesh.create(stages, replicas)
+    raise ArgumentTypeError(
+        "mesh of the wrong type",
+        f"mesh={mesh!r} ({type(mesh).__name__}): give a hybrid.DeviceMesh or a spec string "
+        "such as 'stage:2;replica:4'",
+        ["mesh"],
+    )
+
+
+def check_switches(**switches: object) -> None:
+    """Raises :class:`ArgumentTypeError` for a switch (``jit_compile=...``) that is not a
+    bool: a string such as "no" would otherwise be taken as true."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ArgumentTypeError(
+                "switch not a bool",
+                f"{name}={value!r} ({type(value).__name__}): give True or False",
+                [name],
+            )
+
+
+def pipeline_arguments(mesh: object, jit_compile: object, balance: object = None) -> DeviceMesh:
+    """Checks the ``Pipeline`` arguments before a RunConfig holds them: ``jit_compile`` is a
+    bool (:func:`check_switches`), ``balance`` None, a string or layer counts; returns
+    ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
+    check_switches(jit_compile=jit_compile)
+    counts = isinstance(balance, list | tuple) and all(
+        isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in balance
+    )
+    if not (balance is None or isinstance(balance, str) or counts):
+        raise ArgumentTypeError(
+            "balance of the wrong type",
+            f"balance={balance!r} ({type(balance).__name__}): give None, one of "
+            f"{list(BALANCE_MODES)}, or layer counts per stage such as [3, 2]",
+            ["balance"],
+        )
+    return as_mesh(mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,18 +268,19 @@ def check_global_batch(config: RunConfig, global_batch: int) -> None:
 def validate_run(config: RunConfig) -> RunConfig:
     """Checks every rule a run configuration must satisfy; returns it unchanged.
 
-    The rules: S, R, M and virtual stages are positive integers; the schedule and remat mode
-    exist; deferred weight gradients only with ``remat="never"``; virtual stages only with a
-    schedule that has them; interleaved needs M to be a multiple of S; with the layer count
-    known, at most one model stage per layer and an explicit balance that gives every model
-    stage at least one layer and sums to the layers; with the global batch known, a batch
-    that splits into R × M equal parts.
+    The rules: S, R, M and virtual stages are positive integers, defer_weight_gradients a
+    bool; the schedule and remat mode exist; deferred weight gradients only with
+    ``remat="never"``; virtual stages only with a schedule that has them; interleaved needs M
+    to be a multiple of S; with the layer count known, at most one model stage per layer and
+    an explicit balance that gives every model stage at least one layer and sums to the
+    layers; with the global batch known, a batch that splits into R × M equal parts.
 
     Raises:
       ConfigError: the first rule broken, naming the values and the fix.
     """
     for name in ("stages", "replicas", "micro_batches", "virtual_stages"):
         _positive(name, getattr(config, name))
+    check_switches(defer_weight_gradients=config.defer_weight_gradients)
     _check_names(config)
     _check_schedule(config)
     _check_model(config)

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.core.config import REMAT_MODES, RunConfig, validate_run
+from hybrid.core.config import REMAT_MODES, RunConfig, pipeline_arguments, validate_run
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine import assembly, batches, compression, feed, lowering, reduction, timing
 from hybrid.engine.collectives import ReplicaGroup
@@ -71,7 +71,7 @@ class Pipeline(Workflow):
         layers and inputs; or Sequential), or a list of Keras layers applied in order. Its
         layer objects run as they are; each stage device holds a copy of the variables its
         layers read.
-      mesh: the S × R device mesh.
+      mesh: the S × R device mesh, or its spec ("stage:2;replica:4") on the local devices.
       loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch), a
         loss name, or ``callable(y_true, y_pred)`` returning per-example values (reduced as
         ``compile`` reduces them: the mean over the batch); for several outputs, one for all
@@ -126,7 +126,7 @@ class Pipeline(Workflow):
         self.prefetch = feed.check_depth(prefetch)
         self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
         self._graph = graph = graph_of(model)
-        self.mesh = mesh
+        self.mesh = mesh = pipeline_arguments(mesh, jit_compile, balance)
         self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
         policy = getattr(getattr(model, "dtype_policy", None), "name", None)
         self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")

@@ -306,14 +306,16 @@ class Workflow:
             for epoch in range(initial_epoch, epochs):
                 self._metrics.reset()
                 callbacks.on_epoch_begin(epoch)
+                ran = False  # an empty epoch logs nothing, as in Keras
                 with iterator.catch_stop_iteration():
                     for begin, end, data in iterator:
                         callbacks.on_train_batch_begin(begin)
                         self._train_one(data[0])
+                        ran = True
                         callbacks.on_train_batch_end(end, self._metrics.result())
                         if self.stop_training:
                             break
-                epoch_logs = self._metrics.result()
+                epoch_logs = self._metrics.result() if ran else {}
                 if validation_data is not None and _should_eval(epoch, validation_freq):
                     val_x, val_y, val_w = keras_private.unpack_x_y_sample_weight(validation_data)
                     val_logs = self.evaluate(
@@ -357,11 +359,13 @@ class Workflow:
             callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
             self._metrics.reset()
             callbacks.on_test_begin()
+            ran = False  # no data: empty logs, as in Keras
             for begin, end, data in iterator:
                 callbacks.on_test_batch_begin(begin)
                 self._eval(data[0])
+                ran = True
                 callbacks.on_test_batch_end(end, self._metrics.result())
-        logs = self._metrics.result()
+        logs = self._metrics.result() if ran else {}
         callbacks.on_test_end(logs)
         return logs if return_dict else _logs_in_order(logs)
 

@@ -14,6 +14,7 @@ Every flag combination is checked before any work; ``main`` freezes the flags in
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -24,6 +25,7 @@ from typing import Any  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from hybrid.launch import cloud_tpu, show_in_help  # noqa: E402
+from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
 from hybrid.launch.train_flags import (  # noqa: E402
     define_flags,
     parse_balance,
@@ -40,7 +42,7 @@ FLAGS = flags.FLAGS
 PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
 
 
-def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
+def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) -> Any:
     """Connects to the workers, lays the mesh over their devices and trains from the client.
 
     Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
@@ -66,6 +68,7 @@ def _run_on_cluster(config: Any, step_callback: Any = None) -> Any:
                 devices=[d for row in mesh.devices for d in row],
                 checkpoint_io_device=f"/job:{job.client_job}/replica:0/task:0/device:CPU:0",
                 step_callback=step_callback,
+                stop=stop,
             )
     except cluster_lib.ClusterError as err:
         print(f"error: {flag_terms(str(err))}", file=sys.stderr)
@@ -91,7 +94,7 @@ def _planned(config: Any, devices: int) -> Any:
     import keras
 
     from hybrid.planning import planner
-    from hybrid.trainer import build_model
+    from hybrid.run_model import build_model
 
     layers, shape, dtype = build_model(config)
     flags_given = ("schedule", "remat", "micro_batches", "defer_weight_gradients")
@@ -169,7 +172,9 @@ def pause_hook(value: str | None = None) -> Any:
     return pause
 
 
-def train_on_tpu(config: Any, system: Any, step_callback: Any = None, log: Any = print) -> Any:
+def train_on_tpu(
+    config: Any, system: Any, step_callback: Any = None, log: Any = print, stop: Any = None
+) -> Any:
     """Trains on a connected TPU system (``tpu_node.TPUSystem``): the mesh placed on its
     topology (``tpu_mesh.layout``), each step one TPU program per replica under the
     layout's ``TPUStrategy`` (``StrategyPipeline``)."""
@@ -185,7 +190,7 @@ def train_on_tpu(config: Any, system: Any, step_callback: Any = None, log: Any =
     strategy = tpu_mesh.tpu_strategy(system.resolver, tpu)
     devices = [device for row in tpu.devices for device in row]  # stage-major
     try:
-        return train(config, log, step_callback, devices=devices, strategy=strategy)
+        return train(config, log, step_callback, devices=devices, strategy=strategy, stop=stop)
     except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as err:
         if tf.config.list_logical_devices("TPU"):
             raise
@@ -197,7 +202,7 @@ def train_on_tpu(config: Any, system: Any, step_callback: Any = None, log: Any =
         ) from err
 
 
-def _run_on_tpu(config: Any, step_callback: Any) -> Any:
+def _run_on_tpu(config: Any, step_callback: Any, stop: Any) -> Any:
     """Trains on the Cloud TPU node the flags name, through preemptions (the supervisor)."""
     from hybrid.platforms import cloud_tpu as tpu_lib
 
@@ -206,50 +211,122 @@ def _run_on_tpu(config: Any, step_callback: Any) -> Any:
         system = tpu_lib.resolve(
             FLAGS.tpu, FLAGS.tpu_zone, FLAGS.gcp_project, discovery_url=FLAGS.tpu_discovery_url
         )
-        return train_on_tpu(config, system, step_callback)
+        return train_on_tpu(config, system, step_callback, stop=stop)
 
     return cloud_tpu.run_supervised(
         attempt, FLAGS.tpu, FLAGS.tpu_zone, FLAGS.gcp_project, log=print
     )
 
 
-def _run(config: Any, step_callback: Any) -> Any:
+def _check_gpus(config: Any) -> None:
+    """``--platform=gpu``: the mesh's GPUs must be there (a message in GPU terms, not in
+    the CPU simulation's)."""
+    import hybrid
+    from hybrid.core.mesh import parse_spec
+
+    stages, replicas = (1, 1) if config.mesh == "auto" else parse_spec(config.mesh)
+    found = len(hybrid.local_devices("GPU"))
+    if found < stages * replicas:
+        import tensorflow as tf
+
+        cuda = (
+            ""
+            if tf.test.is_built_with_cuda()
+            else " (this TensorFlow has no CUDA: `make install TF=cuda`)"
+        )
+        raise ValueError(
+            f"--platform=gpu --mesh={config.mesh} needs {stages * replicas} GPUs but TensorFlow "
+            f"sees {found} on this host{cuda}; use a smaller --mesh, or --platform=cpu"
+        )
+
+
+def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     """Trains where the flags say: a cluster, a Cloud TPU, or this host's devices."""
     import hybrid
     from hybrid.core.mesh import parse_spec
     from hybrid.trainer import train
 
+    if config.platform == "gpu" and FLAGS.cluster is None:
+        _check_gpus(config)
     if config.mesh == "auto":
         if config.platform == "cpu":
             hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
         config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
     if FLAGS.cluster is not None:
-        return config, _run_on_cluster(config, step_callback)
+        return config, _run_on_cluster(config, step_callback, stop)
     if config.platform == "tpu":
-        return config, _run_on_tpu(config, step_callback)
+        return config, _run_on_tpu(config, step_callback, stop)
     if config.platform == "cpu":
         stages, replicas = parse_spec(config.mesh)
         hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-    return config, train(config, step_callback=step_callback)
+    return config, train(config, step_callback=step_callback, stop=stop)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    import logging
+# TensorFlow's errors about files (a path, its permissions, its space, its bytes); the last
+# two also report other things, so they count only when their message is about a file.
+_FILE_ERRORS = ("NotFoundError", "PermissionDeniedError", "AlreadyExistsError", "DataLossError")
+_FILE_ERRORS_IF_SAID = ("OutOfRangeError", "FailedPreconditionError", "ResourceExhaustedError")
 
-    from hybrid.checkpoint import CheckpointError
+
+def _is_file_error(err: BaseException) -> bool:
+    """Whether ``err`` is TensorFlow's report of a file problem (a user's, not a bug)."""
+    name, text = type(err).__name__, str(err).lower()
+    if "tensorflow" not in type(err).__module__:
+        return False
+    said = any(word in text for word in ("file", "directory", "space left", "permission"))
+    return name in _FILE_ERRORS or (name in _FILE_ERRORS_IF_SAID and said)
+
+
+def _flag_of(text: str) -> str:
+    """``--flag: `` for the output flag whose path ``text`` mentions, else ''."""
+    for name in ("model_dir", "export_dir", "keras_file"):
+        value = FLAGS[name].value if name in FLAGS else None
+        if value and value.rstrip("/") in text:
+            return f"--{name}={value}: "
+    return ""
+
+
+def report_error(err: BaseException) -> int:
+    """Prints one line for a user's error (the exit code 1); a traceback and a line saying
+    so for an internal bug (exit code 2)."""
+    import traceback
+
+    from hybrid.checkpoint import CheckpointError, error_line
+    from hybrid.run_lock import RunLockError
     from hybrid.trainer import NonFiniteLossError
 
-    logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
-    try:
-        config, result = _run(config_from_flags(), pause_hook())
-    except NonFiniteLossError as err:
-        print(f"error: {err} (--learning_rate)", file=sys.stderr)
-        sys.exit(1)
-    except (CheckpointError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    if isinstance(err, NonFiniteLossError):
+        print(f"error: {lines[0]} (--learning_rate)", file=sys.stderr)
+        return 1
+    if isinstance(err, CheckpointError | RunLockError | ValueError):
+        flag = "" if lines[0].startswith("--") else _flag_of(lines[0])
+        print(f"error: {flag}{lines[0]}", file=sys.stderr)
+        return 1
+    if isinstance(err, OSError) or _is_file_error(err):
+        print(
+            f"error: {_flag_of(str(err))}{type(err).__name__}: {error_line(err)}", file=sys.stderr
+        )
+        return 1
+    traceback.print_exception(err)
+    print(
+        f"error: internal error ({type(err).__name__}) in hybrid, not in your flags: this is a "
+        "bug; please report it with the traceback above",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
+    """The run's last line: done, already done, or interrupted (then exit 128 + signal)."""
+    if result.interrupted_at is not None:
+        saved = (
+            f"saved {os.path.basename(result.checkpoint)}; run the same command to resume"
+            if result.checkpoint
+            else "nothing saved (no --model_dir)"
+        )
+        print(f"interrupted at step {result.interrupted_at}; {saved}")
+        sys.exit(exit_code(interrupts.received or signal.SIGINT))
     if result.losses:
         print(
             f"done: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over steps "
@@ -258,6 +335,32 @@ def main(argv: list[str]) -> None:
         )
     else:
         print(f"done: already trained to step {config.train_steps} ({result.checkpoint})")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import logging
+
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
+    interrupts = Interrupts()
+    try:
+        with interrupts.installed():
+            config, result = _run(config_from_flags(), pause_hook(), interrupts.stop)
+    except KeyboardInterrupt:
+        from hybrid.checkpoint import latest_step
+
+        step = latest_step(FLAGS.model_dir) if FLAGS.model_dir else None
+        kept = (
+            f"the newest checkpoint is ckpt-{step}; run the same command to resume"
+            if step is not None
+            else "no checkpoint was saved"
+        )
+        print(f"interrupted again: stopped at once; {kept}")
+        sys.exit(exit_code(interrupts.received or signal.SIGINT))
+    except Exception as err:  # noqa: BLE001 - every error ends here, as one line or a bug report
+        sys.exit(report_error(err))
+    _finish(config, result, interrupts)
 
 
 def run() -> None:

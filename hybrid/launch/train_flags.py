@@ -78,7 +78,12 @@ def _define_mesh_flags() -> None:
 def _define_run_flags() -> None:
     flags.DEFINE_integer("global_batch_size", 32, "Examples per step, all replicas.", lower_bound=1)
     flags.DEFINE_integer("train_steps", 60, "Train up to this step.", lower_bound=1)
-    flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.", lower_bound=0.0)
+    flags.DEFINE_float(
+        "learning_rate",
+        3e-3,
+        "The optimizer's learning rate (a resumed run applies it in place of the checkpoint's).",
+        lower_bound=0.0,
+    )
     flags.DEFINE_integer("seed", 0, "Seed for weights, data order and random layers.")
     flags.DEFINE_bool("jit_compile", True, "XLA-compile the stage programs.")
     flags.DEFINE_integer(
@@ -94,11 +99,26 @@ def _define_run_flags() -> None:
         "checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0
     )
     flags.DEFINE_integer("keep_checkpoints", 3, "Recent checkpoints kept.", lower_bound=1)
+    flags.DEFINE_bool(
+        "fresh_start",
+        False,
+        "Start from step 1 in --model_dir: its checkpoints and run record are moved into "
+        "--model_dir/aside-<time> (never deleted) instead of being resumed.",
+    )
+    flags.DEFINE_bool(
+        "take_over_lock",
+        False,
+        "Take --model_dir's lock even though it names a run on another host (that run is "
+        "gone); a lock of this host whose process is gone is taken over anyway.",
+    )
     flags.DEFINE_string(
         "profile_steps", None, "'FIRST,LAST': capture a TF profiler trace into --model_dir."
     )
     flags.DEFINE_integer(
-        "simulated_devices", None, "CPU only: logical devices to simulate (default: mesh size)."
+        "simulated_devices",
+        None,
+        "CPU only: logical devices to simulate (default: mesh size).",
+        lower_bound=1,
     )
     flags.DEFINE_bool("progress_bar", False, "Show Keras's progress bar instead of log lines.")
     flags.DEFINE_integer(
@@ -155,7 +175,14 @@ def _register_validators() -> None:
         _check_run_config,
     )  # fmt: skip
     flags.register_multi_flags_validator(
-        ["model_dir", "checkpoint_every", "profile_steps", "train_steps"], _check_run
+        [
+            "model_dir", "checkpoint_every", "profile_steps", "train_steps", "fresh_start",
+            "take_over_lock",
+        ],
+        _check_run,
+    )  # fmt: skip
+    flags.register_multi_flags_validator(
+        ["model_dir", "export_dir", "keras_file"], _check_output_paths
     )
     flags.register_multi_flags_validator(
         [
@@ -294,6 +321,9 @@ def _check_run(values: dict[str, Any]) -> bool:
         raise flags.ValidationError(
             f"--checkpoint_every={values['checkpoint_every']} needs --model_dir to write to"
         )
+    for name in ("fresh_start", "take_over_lock"):
+        if values[name] and not values["model_dir"]:
+            raise flags.ValidationError(f"--{name} applies to a --model_dir; none is given")
     steps = parse_profile_steps(values["profile_steps"])
     if steps is not None:
         first, last = steps
@@ -304,6 +334,18 @@ def _check_run(values: dict[str, Any]) -> bool:
             )
         if not values["model_dir"]:
             raise flags.ValidationError("--profile_steps needs --model_dir to write the trace to")
+    return True
+
+
+def _check_output_paths(values: dict[str, Any]) -> bool:
+    """Every output path writable, none under a regular file, no export overwritten
+    (``hybrid.output_paths``, which ``train`` applies too)."""
+    from hybrid.output_paths import check_output_paths
+
+    try:
+        check_output_paths(values["model_dir"], values["export_dir"], values["keras_file"])
+    except ValueError as err:
+        raise flags.ValidationError(str(err)) from None
     return True
 
 
