@@ -89,6 +89,7 @@ bench: install
 	$(PY) benchmarks/allreduce_overlap.py
 	$(PY) benchmarks/build_time.py
 	$(PY) benchmarks/sparse_embedding.py
+	$(PY) benchmarks/zoo.py
 	$(PY) benchmarks/tpu_smoke.py
 
 clean:

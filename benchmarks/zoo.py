@@ -1,0 +1,245 @@
+"""Models users bring, on the mesh: Keras Applications CNNs and KerasHub task models (random
+init, small inputs and configs), per model × mesh against plain Keras on one device.
+
+Each (model, mesh) runs in its own process with 4 simulated CPU devices (1 intra-op thread
+each) and a fresh XLA cache. Measured there, side by side:
+
+    keras_first_s     model.compile(jit_compile=True) + the first train_on_batch (trace+compile)
+    keras_step_ms     the next steps (median)
+    build_first_s     Pipeline(...) + the first train_step (layers, cut, stage programs)
+    step_ms           the pipeline's next steps (median), XLA stage programs
+    examples_per_s    batch / step time, and its ratio to Keras's (speedup)
+
+    python benchmarks/zoo.py [--models=mobilenetv2,gpt2] [--meshes=2x1:1,2x2:2] [--batch=16]
+
+The CNNs train with BatchNormalization: at R·M > 1 each micro-batch is normalized with its own
+statistics (warned); the timing is what this benchmark reports. Results: zoo.json, zoo.csv,
+zoo.png (build + first step and step time per model, Keras beside each mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+from absl import app, flags
+
+import common
+
+MODELS = (
+    "mobilenetv2",
+    "resnet50",
+    "densenet121",
+    "efficientnetb0",
+    "convnexttiny",
+    "gpt2",
+    "bert",
+    "llama",
+)
+flags.DEFINE_list("models", ["mobilenetv2", "resnet50", "gpt2", "bert"], f"Of {MODELS}.")
+flags.DEFINE_list("meshes", ["2x1:1", "2x2:2"], "Meshes as SxR:M (stages x replicas : M).")
+flags.DEFINE_integer("batch", 16, "Global batch.")
+flags.DEFINE_integer("image_size", 32, "CNN input height and width.")
+flags.DEFINE_integer("seq_len", 32, "KerasHub models: tokens per example.")
+flags.DEFINE_integer("steps", 5, "Timed steps after the first.")
+flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
+FLAGS = flags.FLAGS
+
+
+def build(name: str) -> tuple[Any, Any, Any]:
+    """(model, x, y) of the named model, seeded: the same weights every call."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    n, size = FLAGS.batch, FLAGS.image_size
+    applications = {
+        "mobilenetv2": keras.applications.MobileNetV2,
+        "resnet50": keras.applications.ResNet50,
+        "densenet121": keras.applications.DenseNet121,
+        "efficientnetb0": keras.applications.EfficientNetB0,
+        "convnexttiny": keras.applications.ConvNeXtTiny,
+    }
+    if name in applications:
+        model = applications[name](input_shape=(size, size, 3), weights=None, classes=10)
+        x = rng.normal(size=(n, size, size, 3)).astype("float32")
+        return model, x, rng.integers(0, 10, size=(n,)).astype("int32")
+    import keras_hub
+
+    seq, vocab = FLAGS.seq_len, 1024
+    x = {
+        "token_ids": rng.integers(1, vocab, size=(n, seq)).astype("int32"),
+        "padding_mask": np.ones((n, seq), "int32"),
+    }
+    small = dict(num_layers=4, num_heads=4, hidden_dim=64, intermediate_dim=128)
+    if name == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab, max_sequence_length=seq, dropout=0.0, **small
+        )
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        return model, x, rng.integers(0, vocab, size=(n, seq)).astype("int32")
+    if name == "llama":
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=vocab,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            **{k: v for k, v in small.items() if k != "num_heads"},
+        )
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        return model, x, rng.integers(0, vocab, size=(n, seq)).astype("int32")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=vocab, max_sequence_length=seq, dropout=0.0, **small
+    )
+    x["segment_ids"] = np.zeros((n, seq), "int32")
+    model = keras_hub.models.BertTextClassifier(
+        backbone=backbone, num_classes=4, preprocessor=None, dropout=0.0
+    )
+    return model, x, rng.integers(0, 4, size=(n,)).astype("int32")
+
+
+def measure(name: str, mesh: str) -> dict[str, Any]:
+    """In this process (4 simulated devices): Keras's and the pipeline's first and later
+    steps of the named model on ``mesh`` ("SxR:M")."""
+    import hybrid
+
+    hybrid.simulate_cpu_devices(4)
+    import keras
+    import numpy as np
+
+    shape, micro = mesh.split(":")
+    stages, replicas = map(int, shape.split("x"))
+
+    def loss() -> Any:
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
+
+    model, x, y = build(name)
+    start = time.perf_counter()
+    model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=True)
+    model.train_on_batch(x, y)
+    keras_first = time.perf_counter() - start
+    keras_steps = []
+    for _ in range(FLAGS.steps):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        keras_steps.append(time.perf_counter() - start)
+    model, x, y = build(name)
+    start = time.perf_counter()
+    pipe = hybrid.Pipeline(
+        model,
+        mesh=hybrid.DeviceMesh.create(stages, replicas),
+        loss=loss(),
+        optimizer=keras.optimizers.Adam(1e-3),
+        micro_batches=int(micro),
+        schedule="1f1b",
+        remat="never",
+    )
+    pipe.train_step(x, y)
+    build_first = time.perf_counter() - start
+    steps = []
+    for _ in range(FLAGS.steps):
+        start = time.perf_counter()
+        pipe.train_step(x, y)
+        steps.append(time.perf_counter() - start)
+    keras_ms, step_ms = 1e3 * float(np.median(keras_steps)), 1e3 * float(np.median(steps))
+    return {
+        "model": name,
+        "mesh": mesh,
+        "balance": list(pipe.balance),
+        "parameters": int(sum(np.prod(w.shape) for w in model.weights)),
+        "keras_first_s": keras_first,
+        "keras_step_ms": keras_ms,
+        "build_first_s": build_first,
+        "step_ms": step_ms,
+        "examples_per_s": FLAGS.batch / step_ms * 1e3,
+        "keras_examples_per_s": FLAGS.batch / keras_ms * 1e3,
+        "speedup": keras_ms / step_ms,
+        "build_over_keras_first": build_first / keras_first,
+    }
+
+
+def plot(rows: list[dict[str, Any]]) -> str:
+    """Build + first step and step time per model: Keras, then each mesh."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    meshes = list(dict.fromkeys(r["mesh"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(models)), 4))
+    width = 0.8 / (len(meshes) + 1)
+    for ax, (keras_key, key, label) in zip(
+        axes,
+        [
+            ("keras_first_s", "build_first_s", "build + first step (s)"),
+            ("keras_step_ms", "step_ms", "step (ms)"),
+        ],
+        strict=True,
+    ):
+        for i, model in enumerate(models):
+            mine = [r for r in rows if r["model"] == model]
+            ax.bar(i, mine[0][keras_key], width, color="grey", label="Keras" if i == 0 else None)
+            for j, mesh in enumerate(meshes):
+                found = [r[key] for r in mine if r["mesh"] == mesh]
+                ax.bar(
+                    i + (j + 1) * width,
+                    found[0] if found else 0,
+                    width,
+                    color=f"C{j}",
+                    label=mesh if i == 0 else None,
+                )
+        ax.set_xticks([i + width * len(meshes) / 2 for i in range(len(models))], models)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Model zoo, batch {FLAGS.batch}: plain Keras on one device vs the pipeline")
+    fig.tight_layout()
+    path = os.path.join(common.RESULTS, "zoo.png")
+    os.makedirs(common.RESULTS, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.child:
+        name, mesh = FLAGS.child.split(",")
+        print("RESULT " + json.dumps(measure(name, mesh)))
+        return
+    env = common.start("zoo", devices=1)  # the header; each child has its own devices
+    rows = []
+    for name in FLAGS.models:
+        if name not in MODELS:
+            raise app.UsageError(f"--models: unknown model {name!r}; choose from {MODELS}")
+        for mesh in FLAGS.meshes:
+            with tempfile.TemporaryDirectory() as cache:
+                (row,) = common.run_child(
+                    [os.path.abspath(__file__), f"--child={name},{mesh}"]
+                    + common.flag_args("batch", "image_size", "seq_len", "steps"),
+                    env={"TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"},
+                )
+            rows.append(row)
+            print(
+                f"  {name:14s} {mesh:6s} balance {str(tuple(row['balance'])):12s} "
+                f"build+first {row['build_first_s']:6.1f} s (Keras {row['keras_first_s']:5.1f} s,"
+                f" {row['build_over_keras_first']:.2f}x)  step {row['step_ms']:7.1f} ms "
+                f"(Keras {row['keras_step_ms']:7.1f} ms, speedup {row['speedup']:.2f})"
+            )
+    common.write_json("zoo", {"environment": env, "rows": rows})
+    common.write_csv("zoo", rows)
+    print(f"  wrote {plot(rows)}")
+    worst = max(rows, key=lambda r: r["build_over_keras_first"])
+    print(
+        "SUMMARY zoo "
+        + " ".join(f"{r['model']}@{r['mesh']}={r['speedup']:.2f}" for r in rows)
+        + f" worst_build_over_keras={worst['build_over_keras_first']:.2f}"
+        f"({worst['model']}@{worst['mesh']})"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
