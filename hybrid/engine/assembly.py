@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import tensorflow as tf
 from hybrid.core import partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
-from hybrid.engine import batch_norm, keras_private, layer_costs
+from hybrid.engine import batch_norm, keras_private, layer_costs, synced_norm
 from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.losses import per_element
 from hybrid.engine.objective import Objective
@@ -178,6 +179,7 @@ def place(
     for k in range(K):
         d = schedule.device_of(k)
         devices = [mesh.device(d, r) for r in range(mesh.num_replicas)]
+        synced = _synced_group(layout.segments[k], k, devices, logical, defer, jit_compile)
         where = contextlib.nullcontext() if logical is None else logical.scope(d)
         with where:
             row = [
@@ -192,8 +194,10 @@ def place(
                     layout.variables[k],
                     layout.masked,
                     inline=logical is not None,
+                    synced=synced,
+                    replica=r,
                 )
-                for device in (devices if logical is None else [logical.names[d]])
+                for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]
         for copy in row:
             copy.owned = layout.placement.owned(k)
@@ -210,6 +214,48 @@ def place(
     return stages
 
 
+def _synced_group(
+    segment: Segment,
+    k: int,
+    devices: Sequence[str],
+    logical: LogicalDevices | None,
+    defer: bool,
+    jit_compile: bool,
+) -> synced_norm.NormGroup | None:
+    """The group that all-reduces stage k's ``BatchNormalization(synchronized=True)``
+    moments over its replicas (``synced_norm``): None with one replica or none of them.
+
+    Raises:
+      NotImplementedError: with a ``tf.distribute`` strategy's replicas, or deferred weight
+        gradients.
+    """
+    calls = [layer for layer, _ in batch_norm.norms_of(segment) if batch_norm.synchronized(layer)]
+    if not calls or (logical is None and len(devices) == 1):
+        return None
+    names = sorted({layer.name for layer in calls})
+    if logical is not None:
+        raise NotImplementedError(
+            f"BatchNormalization layers {names} are synchronized=True; StrategyPipeline does "
+            "not synchronize them across its strategy's replicas yet: use Pipeline on a "
+            "DeviceMesh, or synchronized=False"
+        )
+    if defer:
+        raise NotImplementedError(
+            f"BatchNormalization layers {names} are synchronized=True, whose moments are "
+            "all-reduced in every micro-batch's backward; deferred weight gradients cannot "
+            "run those: use defer_weight_gradients=False"
+        )
+    if jit_compile:
+        warnings.warn(
+            f"stage {k} all-reduces the moments of its synchronized BatchNormalization layers "
+            f"{names} over its {len(devices)} replicas inside its programs, which XLA cannot "
+            "compile (XLA on CPU has no collectives): that stage runs without XLA "
+            "(jit_compile=False for it)",
+            stacklevel=4,
+        )
+    return synced_norm.NormGroup(devices, len(calls))
+
+
 def split_batch(
     stages: list[list[StageReplica]], replicas: int, micro_batches: int, defer: bool = False
 ) -> None:
@@ -219,6 +265,7 @@ def split_batch(
     for row in stages:
         for copy in row:
             copy.activity_scale = 1.0 / (replicas * micro_batches)
+            copy.micro_batches = micro_batches
             copy.accumulates = micro_batches > 1
             copy.defers = defer and micro_batches > 1
 

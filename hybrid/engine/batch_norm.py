@@ -29,9 +29,21 @@ import tensorflow as tf
 from hybrid.engine import keras_private
 from hybrid.engine.graph import Segment
 
-__all__ = ["Norm", "norms_of", "statistics", "update_moving", "warn_micro_batches"]
+__all__ = [
+    "Norm",
+    "norms_of",
+    "statistics",
+    "synchronized",
+    "update_moving",
+    "warn_micro_batches",
+]
 
 Norm = tuple[keras.layers.BatchNormalization, int]  # a BN layer and the key of its input
+
+
+def synchronized(layer: Any) -> bool:
+    """Whether ``layer`` is a ``BatchNormalization(synchronized=True)``."""
+    return isinstance(layer, keras.layers.BatchNormalization) and bool(layer.synchronized)
 
 
 def norms_of(segment: Segment) -> list[Norm]:
@@ -43,10 +55,24 @@ def norms_of(segment: Segment) -> list[Norm]:
     ]
 
 
-def statistics(norms: Sequence[Norm], values: dict[int, Any]) -> tf.Tensor:
-    """One micro-batch's ``[mean, var, mean²]`` of every BN input, concatenated (float32)."""
+def statistics(
+    norms: Sequence[Norm],
+    values: dict[int, Any],
+    synced: Sequence[tuple[tf.Tensor, tf.Tensor]] | None = None,
+) -> tf.Tensor:
+    """One micro-batch's ``[mean, var, mean²]`` of every BN input, concatenated (float32).
+
+    Args:
+      synced: the moments each synchronized BN call normalized with (all-reduced over the
+        stage's replicas, ``synced_norm``), in call order; None: no call is synchronized.
+    """
     parts = []
+    found = iter(synced or [])
     for layer, key in norms:
+        if synced is not None and synchronized(layer):
+            mean, variance = next(found)
+            parts += [tf.reshape(mean, [-1]), tf.reshape(variance, [-1]), tf.reshape(mean * mean, [-1])]
+            continue
         x = tf.cast(values[key], tf.float32)  # Keras upcasts before its moments too
         mean, variance = keras_private.batch_norm_moments(layer, x)
         parts += [tf.reshape(mean, [-1]), tf.reshape(variance, [-1]), tf.reshape(mean * mean, [-1])]
@@ -54,24 +80,34 @@ def statistics(norms: Sequence[Norm], values: dict[int, Any]) -> tf.Tensor:
 
 
 def update_moving(
-    norms: Sequence[Norm], state: dict[int, Any], summed: tf.Tensor, count: int
+    norms: Sequence[Norm],
+    state: dict[int, Any],
+    summed: tf.Tensor,
+    replicas: int,
+    micro_batches: int,
+    own: tf.Tensor | None = None,
 ) -> list[Any]:
-    """Assigns every BN's moving statistics from ``summed`` (the sum of
-    :func:`statistics` over ``count`` micro-batches); returns the assignments.
+    """Assigns every BN's moving statistics; returns the assignments.
 
     Args:
       state: id(template variable) -> this copy's variable.
+      summed: the sum of :func:`statistics` over every replica's micro-batches.
+      own: the sum over this replica's micro-batches alone, when synchronized BN calls
+        (whose statistics every replica shares) take theirs from it; None: none do.
     """
-    average = summed / count
     updates, start = [], 0
     for layer, _ in norms:
         size = int(layer.moving_mean.shape.num_elements())
+        mine = own is not None and synchronized(layer)
+        count = micro_batches if mine else replicas * micro_batches
+        average = (own if mine else summed)[start : start + 3 * size] / count
         mean, var, square = (
-            tf.reshape(average[start + i * size : start + (i + 1) * size], layer.moving_mean.shape)
+            tf.reshape(average[i * size : (i + 1) * size], layer.moving_mean.shape)
             for i in range(3)
         )
         start += 3 * size
-        variance = var + square - mean * mean
+        # One set of moments is Keras's own: taken as they are.
+        variance = var if count == 1 else var + square - mean * mean
         momentum = layer.momentum
         for template, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
             copy = state[id(template)]

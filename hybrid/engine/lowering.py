@@ -174,7 +174,7 @@ class _TrainingLowering:
 
     def fused(self, k: int, m: int, x: list[tf.Tensor], labels: Labels, seed: tf.Tensor) -> Outputs:
         out, dx, dw, activity, stats = self.stages[k].forward_backward(
-            x, labels, seed, self.loss_scale, self.needs_dx(k), self.grads[k]
+            x, labels, seed, self.loss_scale, self.needs_dx(k), self.grads[k], microbatch=m
         )
         self.stats[k] += stats
         self.activity += activity
@@ -194,7 +194,9 @@ class _TrainingLowering:
         seed: tf.Tensor,
         remat: bool,
     ) -> Outputs:
-        record = self.stages[k].forward(x, labels, seed, remat, self.split, self.needs_dx(k))
+        record = self.stages[k].forward(
+            x, labels, seed, remat, self.split, self.needs_dx(k), microbatch=m
+        )
         self.saved[(k, m)] = record
         self.stats[k] += record.stats
         self.activity += record.activity

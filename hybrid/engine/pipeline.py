@@ -334,13 +334,12 @@ class Pipeline(Workflow):
         optimizer asks) with its copy of the optimizer and updates its BatchNormalization
         moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
         reduction.whole_model(grads, self._stages, self._optimizers)
-        parts = self.config.replicas * self.micro_batches
         for k, row in enumerate(self._stages):
             for r, stage in enumerate(row):
                 with tf.device(stage.device):
                     stage.apply_gradients(grads[k][r])
                     if stats[k]:
-                        stage.update_norms(stats[k][r][0], parts)
+                        stage.update_norms(stats[k][r], self.config.replicas)
         with tf.control_dependencies([g for row in grads for per in row for g in per]):
             self._step.assign_add(1)
 
