@@ -7,14 +7,22 @@ everything equals ``compile`` + ``train_on_batch``; with more, the moving statis
 whose input does not depend on another BN still equal Keras's after a step (the second BN's
 input differs, since the first normalized micro-batches), every replica holds the same ones,
 and a warning says so when the pipeline is built.
+
+``BatchNormalization(synchronized=True)`` (``hybrid/engine/synced_norm.py``) normalizes each
+micro-batch over the R replicas' micro-batches together: with M = 1 the step is Keras's under
+``MirroredStrategy`` over R devices (losses, every weight and moving statistic, optimizer
+slots, the all-reduce's gradient included); with M > 1 it is plain Keras normalizing each
+group of R micro-batches alone, gradients summed over the groups.
 """
 
+import contextlib
 import sys
 import warnings
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import hybrid
 
@@ -24,15 +32,15 @@ import runner
 BATCH = 16
 
 
-def model(seed=0):
+def model(seed=0, synchronized=False):
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((ref.IN_FEATURES,)),
             keras.layers.Dense(16),
-            keras.layers.BatchNormalization(momentum=0.8, name="first"),
+            keras.layers.BatchNormalization(momentum=0.8, name="first", synchronized=synchronized),
             keras.layers.Dense(16, activation="relu"),
-            keras.layers.BatchNormalization(momentum=0.8, name="second"),
+            keras.layers.BatchNormalization(momentum=0.8, name="second", synchronized=synchronized),
             keras.layers.Dense(ref.CLASSES),
         ]
     )
@@ -42,22 +50,28 @@ def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def pair(stages, replicas, micro_batches, **kwargs):
-    """The Keras model (compiled) and a pipeline of its twin with the same weights."""
-    keras_model = model()
-    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss())
-    template = model(seed=1)
+def pair(stages, replicas, micro_batches, synchronized=False, strategy=None, **kwargs):
+    """The Keras model (compiled; built under ``strategy`` when given) and a pipeline of its
+    twin with the same weights."""
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        keras_model = model(synchronized=synchronized)
+        keras_model.compile(optimizer=sgd(), loss=loss(), jit_compile=False)
+    template = model(seed=1, synchronized=synchronized)
     template.set_weights(keras_model.get_weights())
+    kwargs.setdefault("jit_compile", False)
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
         loss=loss(),
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        optimizer=sgd(),
         micro_batches=micro_batches,
-        jit_compile=False,
         **kwargs,
     )
     return keras_model, pipe
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
 def moving(weights, keras_model, name):
@@ -88,7 +102,7 @@ def test_one_micro_batch_per_step_is_exactly_keras(schedule):
 )
 def test_moving_statistics_come_from_the_whole_batch(stages, replicas, micro_batches, remat):
     keras_model, _ = pair(1, 1, 1)
-    with pytest.warns(UserWarning, match=r"normalize each micro-batch .* 1/\d+ of it"):
+    with pytest.warns(UserWarning, match=r"micro-batch alone in training: 4 examples \(the glo"):
         _, pipe = pair(stages, replicas, micro_batches, schedule="1f1b", remat=remat)
         x, y = ref.batch(BATCH, seed=1)
         pipe.train_step(x, y)
@@ -106,6 +120,115 @@ def test_no_warning_with_one_micro_batch_per_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pair(2, 1, 1)[1].build((None, ref.IN_FEATURES))
+
+
+def momenta(optimizers):
+    """Every momentum slot, in the order of the model's variables."""
+    return [v.numpy() for o in optimizers for v in o.variables if "momentum" in v.name]
+
+
+@pytest.mark.parametrize(
+    "stages,schedule,remat,jit",
+    [(2, "1f1b", "never", False), (2, "gpipe", "always", False), (1, "1f1b", "never", True)],
+)
+def test_synchronized_with_one_micro_batch_is_keras_under_mirrored_strategy(
+    stages, schedule, remat, jit
+):
+    """2 replicas, M = 1: each step normalizes over the whole global batch, as Keras's
+    synchronized BN does under a MirroredStrategy over 2 devices (a stage holding one runs
+    without XLA, warned; the others compile)."""
+    strategy = ref.mirrored_strategy()
+    kwargs = dict(schedule=schedule, remat=remat, jit_compile=jit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        keras_model, pipe = pair(stages, 2, 1, True, strategy, **kwargs)
+        for step in range(2):
+            x, y = ref.batch(BATCH, seed=step + 1)
+            want = keras_model.train_on_batch(x, y)
+            np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-6)
+    assert [str(w.message).split(" all-reduces")[0] for w in caught] == ["stage 0"] * jit
+    for r in range(2):  # every weight, the moving statistics with them, on each replica
+        ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights(), 1e-6, 1e-6)
+    want = momenta([keras_model.optimizer])  # the gradients, the all-reduce's included
+    got = momenta([copy.optimizer for row in pipe.stages for copy in row[:1]])
+    ref.assert_weights_close(got, want, 1e-6, 1e-6)
+    x, y = ref.batch(BATCH, seed=9)
+    np.testing.assert_allclose(  # inference: the moving statistics, no all-reduce
+        pipe.evaluate(x, y, verbose=0), keras_model.evaluate(x, y, verbose=0), rtol=1e-6
+    )
+
+
+def micro_batch_step(keras_model, optimizer, x, y, groups):
+    """Plain Keras's step on the batch whose BatchNormalizations normalize each group of
+    examples alone: the loss of the whole batch, its gradients applied by ``optimizer``, the
+    moving statistics updated once from every group's moments (``batch_norm.py``)."""
+    norms = [n for n in keras_model.layers if isinstance(n, keras.layers.BatchNormalization)]
+    layers = keras_model.layers
+    probe = keras.Model(layers[0].input, [n.input for n in norms] + [layers[-1].output])
+    moving = [[n.moving_mean.numpy(), n.moving_variance.numpy()] for n in norms]
+    moments = []
+    with tf.GradientTape() as tape:
+        total = 0.0
+        for group in groups:
+            *inputs, logits = probe(x[group], training=True)
+            total += tf.reduce_sum(
+                keras.losses.sparse_categorical_crossentropy(y[group], logits, from_logits=True)
+            )
+            moments.append([tf.nn.moments(t, [0]) for t in inputs])
+        batch_loss = total / len(x)
+    variables = keras_model.trainable_variables
+    optimizer.apply(tape.gradient(batch_loss, variables), variables)
+    for j, norm in enumerate(norms):
+        means = np.stack([m[j][0] for m in moments])
+        variances = np.stack([m[j][1] for m in moments])
+        mean = means.mean(0)
+        variance = variances.mean(0) + (means**2).mean(0) - mean**2
+        for variable, old, new in zip(
+            (norm.moving_mean, norm.moving_variance), moving[j], (mean, variance), strict=True
+        ):
+            variable.assign(old * norm.momentum + new * (1 - norm.momentum))
+    return float(batch_loss)
+
+
+@pytest.mark.parametrize(
+    "schedule,remat", [("1f1b", "never"), ("1f1b", "always"), ("gpipe", "except_last"), ("zb-h1", "never")]
+)
+def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together(schedule, remat):
+    """2×2, M = 2: micro-batch m is normalized over replica 0's and replica 1's micro-batch m
+    together (8 examples), which is plain Keras normalizing those groups alone."""
+    R, M = 2, 2
+    keras_model, pipe = pair(2, R, M, True, schedule=schedule, remat=remat)
+    optimizer = sgd()
+    n = BATCH // (R * M)  # replica r's micro-batch m: rows r·B/R + m·n ... + n
+    groups = [
+        np.concatenate([np.arange(r * BATCH // R + m * n, r * BATCH // R + (m + 1) * n) for r in range(R)])
+        for m in range(M)
+    ]
+    with pytest.warns(UserWarning, match=r"2 replicas together: 8 examples \(the global b"):
+        pipe.build((BATCH, ref.IN_FEATURES))
+    for step in range(2):
+        x, y = ref.batch(BATCH, seed=step + 1)
+        want = micro_batch_step(keras_model, optimizer, x, y, groups)
+        np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-6)
+    for r in range(R):
+        ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights(), 1e-6, 1e-6)
+    x, _ = ref.batch(BATCH, seed=9)
+    np.testing.assert_allclose(pipe.predict(x, verbose=0), keras_model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_synchronized_with_deferred_weight_gradients_is_the_undeferred_step(schedule):
+    """The deferral proof refuses a BatchNormalization stage: its W runs per micro-batch at
+    the end (all-reduces in the same order on every replica), as the undeferred step's."""
+    _, plain = pair(2, 2, 2, True, schedule=schedule, remat="never")
+    _, deferred = pair(2, 2, 2, True, schedule=schedule, remat="never", defer_weight_gradients=True)
+    for step in range(2):
+        x, y = ref.batch(BATCH, seed=step + 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (micro-batches; W per micro-batch)
+            assert deferred.train_step(x, y)["loss"] == plain.train_step(x, y)["loss"]
+    ref.assert_weights_close(deferred.get_weights(), plain.get_weights(), 0, 0)
+    assert all(isinstance(copy.deferral, str) for row in deferred.stages for copy in row)
 
 
 if __name__ == "__main__":

@@ -172,14 +172,13 @@ def place(
     ``logical``, ``stages[k] == [copy]``: one copy on row ``device_of(k)``'s logical device
     (its ops inline in the replicated program), which the strategy replicates.
 
-    Warns when BatchNormalization or ``add_loss`` layers see micro-batches (R·M > 1).
     """
     K = schedule.num_model_stages
     stages = []
     for k in range(K):
         d = schedule.device_of(k)
         devices = [mesh.device(d, r) for r in range(mesh.num_replicas)]
-        synced = _synced_group(layout.segments[k], k, devices, logical, defer, jit_compile)
+        synced = _synced_group(layout.segments[k], k, devices, logical, jit_compile)
         where = contextlib.nullcontext() if logical is None else logical.scope(d)
         with where:
             row = [
@@ -210,7 +209,6 @@ def place(
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
     split_batch(stages, mesh.num_replicas, schedule.num_microbatches, defer)
-    warn_parts(stages, mesh.num_replicas * schedule.num_microbatches)
     return stages
 
 
@@ -219,15 +217,13 @@ def _synced_group(
     k: int,
     devices: Sequence[str],
     logical: LogicalDevices | None,
-    defer: bool,
     jit_compile: bool,
 ) -> synced_norm.NormGroup | None:
     """The group that all-reduces stage k's ``BatchNormalization(synchronized=True)``
     moments over its replicas (``synced_norm``): None with one replica or none of them.
 
     Raises:
-      NotImplementedError: with a ``tf.distribute`` strategy's replicas, or deferred weight
-        gradients.
+      NotImplementedError: with a ``tf.distribute`` strategy's replicas.
     """
     calls = [layer for layer, _ in batch_norm.norms_of(segment) if batch_norm.synchronized(layer)]
     if not calls or (logical is None and len(devices) == 1):
@@ -238,12 +234,6 @@ def _synced_group(
             f"BatchNormalization layers {names} are synchronized=True; StrategyPipeline does "
             "not synchronize them across its strategy's replicas yet: use Pipeline on a "
             "DeviceMesh, or synchronized=False"
-        )
-    if defer:
-        raise NotImplementedError(
-            f"BatchNormalization layers {names} are synchronized=True, whose moments are "
-            "all-reduced in every micro-batch's backward; deferred weight gradients cannot "
-            "run those: use defer_weight_gradients=False"
         )
     if jit_compile:
         warnings.warn(
@@ -270,12 +260,15 @@ def split_batch(
             copy.defers = defer and micro_batches > 1
 
 
-def warn_parts(stages: list[list[StageReplica]], parts: int) -> None:
-    """Warns when BatchNormalization or ``add_loss`` layers see 1/``parts`` of the global
-    batch (``parts`` = R·M > 1)."""
-    norms = [layer for row in stages for layer, _ in row[0].norms]
+def warn_parts(
+    stages: list[list[StageReplica]], replicas: int, micro_batches: int, batch: int | None = None
+) -> None:
+    """Warns when BatchNormalization or ``add_loss`` layers see part of the global batch of
+    ``batch`` examples (None: unknown): 1/(R·M) of it, a synchronized BN 1/M."""
+    norms = list({id(n): n for row in stages for n, _ in row[0].norms}.values())
     added = [layer for row in stages for layer in row[0].regularized if adds_loss(layer)]
-    if norms and parts > 1:
-        batch_norm.warn_micro_batches(norms, parts)
+    parts = replicas * micro_batches
+    if norms:
+        batch_norm.warn_micro_batches(norms, replicas, micro_batches, batch)
     if added and parts > 1:
         warn_added_losses(added, parts)

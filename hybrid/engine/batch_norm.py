@@ -26,6 +26,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from hybrid.core.config import BATCH_NORM_MIN_EXAMPLES
 from hybrid.engine import keras_private
 from hybrid.engine.graph import Segment
 
@@ -115,13 +116,44 @@ def update_moving(
     return updates
 
 
-def warn_micro_batches(layers: Sequence[keras.layers.Layer], parts: int) -> None:
-    """Warns that training-mode BatchNormalization sees 1/``parts`` of the global batch."""
-    names = [layer.name for layer in layers]
+def warn_micro_batches(
+    layers: Sequence[keras.layers.Layer], replicas: int, micro_batches: int, batch: int | None
+) -> None:
+    """Warns that training-mode BatchNormalization normalizes over part of the global batch
+    of ``batch`` examples (None: not known yet), with the examples it sees and the remedies:
+    each micro-batch alone (B / (R·M) examples), or a synchronized one the R replicas'
+    micro-batches together (B / M); silent where that is the whole batch."""
+    alone = [n.name for n in layers if not synchronized(n)] if replicas * micro_batches > 1 else []
+    together = [n.name for n in layers if synchronized(n)] if micro_batches > 1 else []
+    if not (alone or together):
+        return
+
+    def share(parts: int, how: str) -> str:
+        if batch is None:
+            return f"1/{parts} of the global batch (1 / {how})"
+        return f"{-(-batch // parts)} examples (the global batch of {batch} / {how})"
+
+    said = []
+    if alone:
+        said.append(
+            f"BatchNormalization layers {alone} normalize each micro-batch alone in training: "
+            + share(replicas * micro_batches, f"(replicas {replicas} × micro_batches {micro_batches})")
+        )
+    if together:
+        said.append(
+            f"synchronized BatchNormalization layers {together} normalize each micro-batch of "
+            f"the {replicas} replicas together: "
+            + share(micro_batches, f"micro_batches {micro_batches}")
+        )
+    remedies = "a larger micro-batch (a larger batch or fewer micro_batches; at least "
+    remedies += f"{BATCH_NORM_MIN_EXAMPLES} examples)"
+    if alone and replicas > 1:
+        remedies += ", BatchNormalization(synchronized=True) (all-reduced over the replicas)"
     warnings.warn(
-        f"BatchNormalization layers {names} normalize each micro-batch (the global batch / "
-        f"replicas × micro_batches = 1/{parts} of it) with its own statistics in training, "
-        "not the whole batch as Keras on one device does; their moving statistics are "
-        "updated from the whole global batch. See the README's 'BatchNormalization' notes",
+        "; ".join(said) + ", where Keras on one device normalizes over the whole batch; "
+        "their moving statistics come from the whole global batch. Few examples make the "
+        "statistics noisy (Keras Applications CNNs diverged at 4). Remedies: "
+        f"{remedies}, or GroupNormalization / LayerNormalization, which do not depend on "
+        "the batch. See the README's 'BatchNormalization' notes",
         stacklevel=3,
     )

@@ -194,9 +194,14 @@ class Pipeline(Workflow):
         """
         if self.built:
             return
-        self._build(batches.input_specs(input_shape, dtype))
+        specs = batches.input_specs(input_shape, dtype)
+        several = isinstance(input_shape[0], list | tuple)  # a shape per input
+        batch = (input_shape[0] if several else input_shape)[0]
+        self._build(specs, batch if isinstance(batch, int) else None)
 
-    def _build(self, specs: Sequence[TensorSpec]) -> None:
+    def _build(self, specs: Sequence[TensorSpec], batch: int | None = None) -> None:
+        """Builds on inputs of ``specs``; ``batch``: the global batch size, when known (for
+        the BatchNormalization warning)."""
         if len(specs) != len(self._graph.inputs) or any(None in s.shape for s in specs):
             raise ValueError(
                 f"the model takes {len(self._graph.inputs)} input(s), got the input shapes "
@@ -218,6 +223,7 @@ class Pipeline(Workflow):
         masked = [k in layout.masked for k in self._graph.outputs]
         self._loss = self._loss.bind(layout.output_shapes, masked)
         self._stages = self._place(layout)
+        assembly.warn_parts(self._stages, self.config.replicas, self.micro_batches, batch)
         self._ties = layout.placement.ties()
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
         if self._metrics.needs_predictions:
@@ -283,7 +289,7 @@ class Pipeline(Workflow):
         xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
         shapes = [tuple(t.shape[1:]) for t in xs]
         if not self.built:
-            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs])
+            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs], int(xs[0].shape[0]))
         elif shapes != self._shapes:
             raise ValueError(
                 f"the pipeline was built for inputs of shapes {self._shapes} (without the "

@@ -13,6 +13,7 @@ from typing import Any
 
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import (
+    BATCH_NORM_MIN_EXAMPLES,
     REMAT_MODES,
     ConfigError,
     RunConfig,
@@ -25,11 +26,6 @@ from hybrid.planning.hardware import Hardware
 from hybrid.planning.report import Plan, Rejection, format_bytes
 
 __all__ = ["BATCH_NORM_MIN_EXAMPLES", "candidates", "choose_mesh", "plan"]
-
-# A model with BatchNormalization ranks first the candidates whose BN normalizes over at
-# least this many examples (``CostProfile.batch_norm_examples``): Keras Applications CNNs
-# diverged at 4 examples per micro-batch (2×2, M=2, batch 16).
-BATCH_NORM_MIN_EXAMPLES = 16
 
 
 def _divisors(n: int) -> list[int]:
