@@ -191,7 +191,8 @@ def micro_batch_step(keras_model, optimizer, x, y, groups):
 
 
 @pytest.mark.parametrize(
-    "schedule,remat", [("1f1b", "never"), ("1f1b", "always"), ("gpipe", "except_last"), ("zb-h1", "never")]
+    "schedule,remat",
+    [("1f1b", "never"), ("1f1b", "always"), ("gpipe", "except_last"), ("zb-h1", "never")],
 )
 def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together(schedule, remat):
     """2×2, M = 2: micro-batch m is normalized over replica 0's and replica 1's micro-batch m
@@ -200,10 +201,8 @@ def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together
     keras_model, pipe = pair(2, R, M, True, schedule=schedule, remat=remat)
     optimizer = sgd()
     n = BATCH // (R * M)  # replica r's micro-batch m: rows r·B/R + m·n ... + n
-    groups = [
-        np.concatenate([np.arange(r * BATCH // R + m * n, r * BATCH // R + (m + 1) * n) for r in range(R)])
-        for m in range(M)
-    ]
+    rows = np.arange(BATCH).reshape(R, M, n)
+    groups = [rows[:, m].reshape(-1) for m in range(M)]  # micro-batch m of every replica
     with pytest.warns(UserWarning, match=r"2 replicas together: 8 examples \(the global b"):
         pipe.build((BATCH, ref.IN_FEATURES))
     for step in range(2):

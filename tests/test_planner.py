@@ -607,5 +607,6 @@ def test_a_model_with_batch_norm_prefers_enough_examples_per_normalization(kind,
     assert with_bn.batch_norm_examples(64, c.replicas, c.micro_batches) == 16
     assert search.BATCH_NORM_MIN_EXAMPLES == 16
 
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -167,10 +167,14 @@ def place(
     jit_compile: bool,
     logical: LogicalDevices | None = None,
     defer: bool = False,
+    batch: int | None = None,
 ) -> list[list[StageReplica]]:
     """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row; with
     ``logical``, ``stages[k] == [copy]``: one copy on row ``device_of(k)``'s logical device
     (its ops inline in the replicated program), which the strategy replicates.
+
+    Warns when BatchNormalization or ``add_loss`` layers see part of the global batch (of
+    ``batch`` examples, when known).
 
     """
     K = schedule.num_model_stages
@@ -178,7 +182,7 @@ def place(
     for k in range(K):
         d = schedule.device_of(k)
         devices = [mesh.device(d, r) for r in range(mesh.num_replicas)]
-        synced = _synced_group(layout.segments[k], k, devices, logical, jit_compile)
+        group = _synced_group(layout.segments[k], k, devices, logical, jit_compile)
         where = contextlib.nullcontext() if logical is None else logical.scope(d)
         with where:
             row = [
@@ -189,12 +193,11 @@ def place(
                     layout.input_specs[k],
                     optimizers,
                     loss if k == K - 1 else None,
-                    jit_compile,
+                    jit_compile and group is None,
                     layout.variables[k],
                     layout.masked,
                     inline=logical is not None,
-                    synced=synced,
-                    replica=r,
+                    synced=group and synced_norm.Member(group, r),
                 )
                 for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]
@@ -209,6 +212,7 @@ def place(
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
     split_batch(stages, mesh.num_replicas, schedule.num_microbatches, defer)
+    warn_parts(stages, mesh.num_replicas, schedule.num_microbatches, batch)
     return stages
 
 
@@ -243,7 +247,7 @@ def _synced_group(
             "(jit_compile=False for it)",
             stacklevel=4,
         )
-    return synced_norm.NormGroup(devices, len(calls))
+    return synced_norm.NormGroup(devices, calls)
 
 
 def split_batch(
@@ -255,7 +259,6 @@ def split_batch(
     for row in stages:
         for copy in row:
             copy.activity_scale = 1.0 / (replicas * micro_batches)
-            copy.micro_batches = micro_batches
             copy.accumulates = micro_batches > 1
             copy.defers = defer and micro_batches > 1
 

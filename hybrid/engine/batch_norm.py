@@ -35,6 +35,7 @@ __all__ = [
     "norms_of",
     "statistics",
     "synchronized",
+    "update_copy",
     "update_moving",
     "warn_micro_batches",
 ]
@@ -72,10 +73,9 @@ def statistics(
     for layer, key in norms:
         if synced is not None and synchronized(layer):
             mean, variance = next(found)
-            parts += [tf.reshape(mean, [-1]), tf.reshape(variance, [-1]), tf.reshape(mean * mean, [-1])]
-            continue
-        x = tf.cast(values[key], tf.float32)  # Keras upcasts before its moments too
-        mean, variance = keras_private.batch_norm_moments(layer, x)
+        else:
+            x = tf.cast(values[key], tf.float32)  # Keras upcasts before its moments too
+            mean, variance = keras_private.batch_norm_moments(layer, x)
         parts += [tf.reshape(mean, [-1]), tf.reshape(variance, [-1]), tf.reshape(mean * mean, [-1])]
     return tf.concat(parts, axis=0)
 
@@ -84,36 +84,50 @@ def update_moving(
     norms: Sequence[Norm],
     state: dict[int, Any],
     summed: tf.Tensor,
-    replicas: int,
-    micro_batches: int,
+    count: int,
     own: tf.Tensor | None = None,
+    own_count: int = 1,
 ) -> list[Any]:
     """Assigns every BN's moving statistics; returns the assignments.
 
     Args:
       state: id(template variable) -> this copy's variable.
-      summed: the sum of :func:`statistics` over every replica's micro-batches.
-      own: the sum over this replica's micro-batches alone, when synchronized BN calls
-        (whose statistics every replica shares) take theirs from it; None: none do.
+      summed: the sum of :func:`statistics` over ``count`` micro-batches (every replica's).
+      own: the sum over this replica's ``own_count`` micro-batches alone, from which the
+        synchronized BN calls (whose statistics every replica shares) take theirs; None:
+        every call takes its statistics from ``summed``.
     """
     updates, start = [], 0
     for layer, _ in norms:
         size = int(layer.moving_mean.shape.num_elements())
         mine = own is not None and synchronized(layer)
-        count = micro_batches if mine else replicas * micro_batches
-        average = (own if mine else summed)[start : start + 3 * size] / count
+        parts = own_count if mine else count
+        average = (own if mine else summed)[start : start + 3 * size] / parts
         mean, var, square = (
             tf.reshape(average[i * size : (i + 1) * size], layer.moving_mean.shape)
             for i in range(3)
         )
         start += 3 * size
         # One set of moments is Keras's own: taken as they are.
-        variance = var if count == 1 else var + square - mean * mean
+        variance = var if parts == 1 else var + square - mean * mean
         momentum = layer.momentum
         for template, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
             copy = state[id(template)]
             updates.append(copy.assign(copy * momentum + value * (1.0 - momentum)))
     return updates
+
+
+def update_copy(copy: Any, summed: Any, count: int) -> list[Any]:
+    """Updates a stage copy's (a ``StageReplica``'s) moving statistics once for the step,
+    from its :func:`statistics` summed over the step's ``count`` micro-batches of every
+    replica; when its synchronized BN calls all-reduce (``copy.synced``), ``summed`` is
+    that sum and the sum over the copy's own micro-batches, from which they take theirs."""
+    state = dict(zip(map(id, copy.templates), copy.variables, strict=True))
+    if not copy.synced:
+        return update_moving(copy.norms, state, summed, count)
+    group, own = summed
+    micro_batches = count // copy.synced.group.size
+    return update_moving(copy.norms, state, group, count, own, micro_batches)
 
 
 def warn_micro_batches(
@@ -123,8 +137,9 @@ def warn_micro_batches(
     of ``batch`` examples (None: not known yet), with the examples it sees and the remedies:
     each micro-batch alone (B / (R·M) examples), or a synchronized one the R replicas'
     micro-batches together (B / M); silent where that is the whole batch."""
-    alone = [n.name for n in layers if not synchronized(n)] if replicas * micro_batches > 1 else []
-    together = [n.name for n in layers if synchronized(n)] if micro_batches > 1 else []
+    M = micro_batches
+    alone = [n.name for n in layers if not synchronized(n) and replicas * M > 1]
+    together = [n.name for n in layers if synchronized(n) and micro_batches > 1]
     if not (alone or together):
         return
 
@@ -137,7 +152,7 @@ def warn_micro_batches(
     if alone:
         said.append(
             f"BatchNormalization layers {alone} normalize each micro-batch alone in training: "
-            + share(replicas * micro_batches, f"(replicas {replicas} × micro_batches {micro_batches})")
+            + share(replicas * micro_batches, f"(replicas {replicas} × micro_batches {M})")
         )
     if together:
         said.append(

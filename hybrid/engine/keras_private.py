@@ -111,17 +111,24 @@ def batch_norm_moments(layer: keras.layers.BatchNormalization, x: Any) -> tuple[
 
 @contextlib.contextmanager
 def batch_norm_moments_from(
-    layers: Sequence[keras.layers.BatchNormalization], moments: Callable[[Any, Any, Any], Any]
+    layers: Sequence[keras.layers.BatchNormalization], moments: Callable[[Any, Any], Any]
 ) -> Iterator[None]:
-    """Inside: a training call of each of ``layers`` normalizes with
-    ``moments(layer, inputs, mask)`` (a ``(mean, variance)`` pair) instead of its own."""
+    """Inside: a training call of each of ``layers`` (on a tensor without a mask)
+    normalizes with ``moments(inputs, axes)``, a ``(mean, variance)`` pair over the layer's
+    reduction ``axes``, instead of its own."""
     for layer in layers:
-        object.__setattr__(layer, "_moments", functools.partial(moments, layer))
+        object.__setattr__(layer, "_moments", functools.partial(_given, moments, layer))
     try:
         yield
     finally:
         for layer in layers:
             object.__delattr__(layer, "_moments")
+
+
+def _given(moments: Callable[[Any, Any], Any], layer: Any, inputs: Any, mask: Any) -> Any:
+    if mask is not None:
+        raise NotImplementedError(f"{layer.name}: the moments of a masked tensor are its own")
+    return moments(inputs, layer._reduction_axes)
 
 
 def set_variable_path(variable: Any, path: str) -> None:

@@ -245,10 +245,7 @@ def split(
         ):
             recompute.add(t.op)
             del residuals[name]
-    # (not past a backward node: a stateful one, an all-reduce, is a control input of the
-    # joint function's outputs, which must not pull it into the forward)
-    forward_part = _ancestors(f_outputs + list(residuals.values()), stop=backward_ops.__contains__)
-    f_nodes = {op.name for op in forward_part}
+    f_nodes = {o.name for o in _ancestors(f_outputs + [*residuals.values()]) - backward_ops}
     graph_def = graph.as_graph_def()
     f_def = _subgraph(graph_def, f_nodes)
     f_names = [op.name for op in f_inputs]

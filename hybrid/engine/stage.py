@@ -30,7 +30,6 @@ recomputation draws the same numbers.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,10 +78,7 @@ class StageReplica:
         come after them (in key order), and the outputs' masks after the outputs.
       inline: the programs are not functions of their own: their ops go into the caller's
         program (a TPU step, which XLA compiles whole), under the caller's device scope.
-      synced: the replica group whose copies of this stage all-reduce the moments of its
-        ``BatchNormalization(synchronized=True)`` calls (``synced_norm``), or None; its
-        programs then take a third ``seed`` element, the call's key, and are not compiled.
-      replica: this copy's position in ``synced``.
+      synced: this copy's ``synced_norm.Member`` (BN moments all-reduced), or None.
     """
 
     def __init__(
@@ -97,12 +93,9 @@ class StageReplica:
         variables: Sequence[Any] | None = None,
         masked: frozenset[int] = frozenset(),
         inline: bool = False,
-        synced: synced_norm.NormGroup | None = None,
-        replica: int = 0,
+        synced: synced_norm.Member | None = None,
     ) -> None:
-        self.index = index
-        self.synced, self.replica = synced, replica
-        jit_compile = jit_compile and synced is None
+        self.index, self.synced = index, synced
         self.inline = inline
         self.device = device
         self.loss = loss
@@ -135,8 +128,6 @@ class StageReplica:
         self._seeds = [(g.state, int(g.state.numpy()[0])) for g in seed_generators(self.layers)]
         # BatchNormalization calls: each training forward also returns their statistics.
         self.norms = batch_norm.norms_of(self.segment)
-        synced_layers = [layer for layer, _ in self.norms if batch_norm.synchronized(layer)]
-        self._synced_layers = list({id(n): n for n in synced_layers}.values()) if synced else []
         self._in_masks = [i for i, k in enumerate(self.segment.inputs) if k in masked]
         self._out_masks = [k for k in self.segment.outputs if k in masked and loss is None]
         self._outputs = len(self.segment.outputs) + len(self._out_masks)
@@ -152,7 +143,6 @@ class StageReplica:
         ]
         self.activity_scale = 1.0
         self.accumulates = True  # a step has several micro-batches whose gradients are summed
-        self.micro_batches = 1  # M: the micro-batches of a step (the keys of ``synced``)
         # Whether its weight gradients are deferred; how the last deferral ran (a
         # deferral.Plan), or why it did not.
         self.defers: bool = False
@@ -221,59 +211,21 @@ class StageReplica:
         for i, mask in zip(self._in_masks, xs[len(self.segment.inputs) :], strict=True):
             inputs[i] = tf.identity(inputs[i])  # a tensor of this program, to carry the mask
             keras_private.set_mask(inputs[i], mask)
-        moments: list[tuple[tf.Tensor, tf.Tensor]] = []  # each synchronized BN call's
-        with (
-            keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope,
-            self._synchronized(training, seed, moments),
-        ):
-            values = self.segment.trace(inputs, training)
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with synced_norm.bound(self.synced, training, seed) as sync:  # BN moments
+                values = self.segment.trace(inputs, training)
         ys = [values[key] for key in self.segment.outputs]
         ys += [keras_private.output_mask(values[key]) for key in self._out_masks]
         activity = []
         if self.regularized:
             penalties = [tf.cast(p, tf.float32) for p in scope.losses]
             activity = [tf.add_n([tf.constant(0.0)] + penalties)]
-        stats = []
-        if training and self.norms:
-            stats = [batch_norm.statistics(self.norms, values, moments if self.synced else None)]
+        stats = [batch_norm.statistics(self.norms, values, sync)] if training and self.norms else []
         if labels is not None:
             assert self.loss is not None
             y_true, sample_weight, valid = labels
             ys = [self.loss.terms(y_true, ys, sample_weight, valid)] + (ys if self.predicts else [])
         return ys + activity + stats
-
-    def _synchronized(
-        self, training: bool, seed: tf.Tensor, moments: list[tuple[tf.Tensor, tf.Tensor]]
-    ) -> Any:
-        """The context in which this copy's synchronized BN calls take their moments from
-        the group's all-reduce (``synced_norm``), appending them to ``moments``; the n-th
-        call all-reduces under keys ``seed[2] + 4n`` (forward) and ``+ 1`` (its gradient)."""
-        if not (training and self._synced_layers):
-            return contextlib.nullcontext()
-        group = self.synced
-        assert group is not None
-
-        def synced(layer: Any, x: tf.Tensor, mask: Any) -> tuple[tf.Tensor, tf.Tensor]:
-            key = seed[2] + synced_norm.KEYS_PER_CALL * len(moments)
-            moments.append(group.moments(self.replica, x, layer._reduction_axes, key))
-            return moments[-1]
-
-        return keras_private.batch_norm_moments_from(self._synced_layers, synced)
-
-    def keyed(self, seed: tf.Tensor, microbatch: int) -> tf.Tensor:
-        """``seed`` with the key of micro-batch ``microbatch``'s forward appended when this
-        stage all-reduces BatchNormalization moments (``synced_norm``); else ``seed``."""
-        if self.synced is None or not self._synced_layers:
-            return seed
-        key = self.synced.key(microbatch, self.micro_batches)
-        return tf.concat([seed, tf.constant([key], seed.dtype)], axis=0)
-
-    def _recomputing(self, seed: tf.Tensor) -> tf.Tensor:
-        """The seed of a recomputation of the forward that ran with ``seed``: the same
-        random draws, its own all-reduce keys."""
-        if self.synced is None or not self._synced_layers:
-            return seed
-        return seed + tf.constant([0, 0, synced_norm.RECOMPUTE], seed.dtype)
 
     def _split(self, out: Tensors, labels: bool = True) -> tuple[Tensors, Tensors, Tensors]:
         """A program's outputs as (stage outputs, activity penalty, BN statistics); the
@@ -312,7 +264,7 @@ class StageReplica:
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
-            out = self._run(xs, labels, seed, weights)
+            out = self._run(xs, labels, synced_norm.with_backward(self.synced, seed), weights)
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity)
         dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
@@ -371,17 +323,14 @@ class StageReplica:
         remat: bool,
         split: bool,
         need_dx: bool = True,
-        microbatch: int = 0,
     ) -> Saved:
         """Runs the forward program; keeps activations for the backward unless ``remat``.
 
         Args:
           split: the backward will come as two calls (B then W): cut into two programs.
           need_dx: the backward will be asked for the input gradients.
-          microbatch: which micro-batch of the step (the all-reduce keys of ``synced``).
         """
         weights = self._read_weights()
-        seed = self.keyed(seed, microbatch)
         if remat:
             ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
             return Saved(xs, ys, labels, seed, stats=stats, activity=activity)
@@ -428,8 +377,7 @@ class StageReplica:
             return kept.backward(more, wanted, need_dx, need_dw)
         if saved.tape is None:
             sums = self._sums(acc) if need_dw else None
-            seed = self._recomputing(saved.seed)
-            args = (saved.inputs, dys, saved.labels, seed, need_dx, need_dw, sums)
+            args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
             _, dx, dw = self._forward_backward(*args)
             return dx, dw
         ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
@@ -444,12 +392,10 @@ class StageReplica:
         dys: list[tf.Tensor | None],
         need_dx: bool,
         acc: list[tf.Tensor] | None = None,
-        microbatch: int = 0,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor], Tensors, Tensors]:
         """F immediately followed by its whole backward, as one program (the last stage,
         whose output gradient is known, when its B follows its F): its outputs, dx, dW (plus
         ``acc`` when given, added in the program), its activity penalty and BN statistics."""
-        seed = self.keyed(seed, microbatch)
         out, dx, dw = self._forward_backward(xs, dys, labels, seed, need_dx, True, self._sums(acc))
         ys, activity, stats = self._split(out)
         return ys, dx, dw, activity, stats
@@ -465,15 +411,9 @@ class StageReplica:
         """Updates this copy's variables with its own optimizer."""
         self._apply(grads)
 
-    def update_norms(self, stats: Sequence[tf.Tensor], replicas: int) -> None:
-        """Updates this copy's BatchNormalization moving statistics once for the step, from
-        their statistics summed over the step's micro-batches: ``stats[0]`` over every
-        replica's, ``stats[1]`` (with ``synced``) over this copy's own (``batch_norm``)."""
-        copies = dict(zip(map(id, self.templates), self.variables, strict=True))
-        own = stats[1] if self.synced is not None else None
-        batch_norm.update_moving(
-            self.norms, copies, stats[0], replicas, self.micro_batches, own
-        )
+    def update_norms(self, summed: Any, count: int) -> None:
+        """Updates this copy's BatchNormalization moving statistics (``batch_norm.update_copy``)."""
+        batch_norm.update_copy(self, summed, count)
 
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization and its gradients (``gradients``), or None."""

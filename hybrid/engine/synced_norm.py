@@ -26,19 +26,22 @@ device's in the order of its ordering token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import keras
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
+from hybrid.engine import keras_private
 from hybrid.engine.collectives import new_collective_key, new_collective_keys
 
-__all__ = ["KEYS_PER_CALL", "RECOMPUTE", "NormGroup"]
+__all__ = ["KEYS_PER_CALL", "RECOMPUTE", "Member", "NormGroup", "bound", "keyed", "with_backward"]
 
 # Instance keys of one program call per synchronized BN call j, from the call's key c:
-# c + 4j: the forward's all-reduce, c + 4j + 1: its gradient's. A recomputation (remat)
-# runs with c + RECOMPUTE: c + 4j + 2 and c + 4j + 3.
+# c + 4j: the forward's all-reduce, c + 4j + 1: its gradient's. A forward traced with its
+# backward runs with c + RECOMPUTE: c + 4j + 2 and c + 4j + 3 (``with_backward``).
 KEYS_PER_CALL = 4
 RECOMPUTE = 2
 
@@ -48,12 +51,16 @@ class NormGroup:
 
     Args:
       devices: the stage's device on every replica, in replica order.
-      calls: how many synchronized BN calls one forward of the stage makes.
+      calls: the layer of each synchronized BatchNormalization call one forward of the stage
+        makes, in call order.
     """
 
-    def __init__(self, devices: Sequence[str], calls: int) -> None:
+    def __init__(
+        self, devices: Sequence[str], calls: Sequence[keras.layers.BatchNormalization]
+    ) -> None:
         self.devices = tuple(devices)
-        self.calls = calls
+        self.calls = len(calls)
+        self.layers = list({id(layer): layer for layer in calls}.values())
         self.group_key = new_collective_key()
         self._tokens = []
         for device in self.devices:  # see collectives.py: one ordering token per device
@@ -115,3 +122,51 @@ class NormGroup:
             final_op="Id",
             ordering_token=self._tokens[replica].handle,
         )
+
+
+class Member:
+    """One stage copy's place in its :class:`NormGroup`: the group, and the copy's position
+    in it (its replica)."""
+
+    def __init__(self, group: NormGroup, replica: int) -> None:
+        self.group, self.replica = group, replica
+
+
+def keyed(member: Member | None, seed: tf.Tensor, microbatch: int, micro_batches: int) -> tf.Tensor:
+    """The seed of micro-batch ``microbatch``'s forward on a stage copy: ``seed`` and, when
+    it all-reduces (``member``), the call's key."""
+    if member is None:
+        return seed
+    key = member.group.key(microbatch, micro_batches)
+    return tf.concat([seed, tf.constant([key], seed.dtype)], axis=0)
+
+
+def with_backward(member: Member | None, seed: tf.Tensor) -> tf.Tensor:
+    """The seed of a forward traced with its backward (a recomputation under remat, a fused
+    or a cut program): the same random draws; its all-reduces take the call's keys +
+    :data:`RECOMPUTE`, so a forward alone (remat) and its recomputation never share keys."""
+    if member is None:
+        return seed
+    return seed + tf.constant([0, 0, RECOMPUTE], seed.dtype)
+
+
+@contextlib.contextmanager
+def bound(
+    member: Member | None, training: bool, seed: tf.Tensor
+) -> Iterator[list[tuple[tf.Tensor, tf.Tensor]] | None]:
+    """Inside (while a stage program is traced): the synchronized BN calls of ``member``'s
+    copy normalize with the group's moments, the n-th under keys ``seed[2] + 4n`` (its
+    gradient's ``+ 1``). Yields the list their moments are appended to, in call order
+    (None when nothing all-reduces)."""
+    if member is None or not training:
+        yield None
+        return
+    moments: list[tuple[tf.Tensor, tf.Tensor]] = []
+
+    def synced(x: tf.Tensor, axes: Sequence[int]) -> tuple[tf.Tensor, tf.Tensor]:
+        key = seed[2] + KEYS_PER_CALL * len(moments)
+        moments.append(member.group.moments(member.replica, x, axes, key))
+        return moments[-1]
+
+    with keras_private.batch_norm_moments_from(member.group.layers, synced):
+        yield moments
