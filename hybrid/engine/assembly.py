@@ -197,7 +197,7 @@ def place(
                     layout.variables[k],
                     layout.masked,
                     inline=logical is not None,
-                    synced=group and synced_norm.Member(group, r),
+                    synced=None if group is None else synced_norm.Member(group, r),
                 )
                 for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]

@@ -14,7 +14,10 @@ the layer's inputs over the whole global batch, combined from every micro-batch 
 For a BN whose input does not itself depend on another BN in training mode, these are the
 moving statistics Keras computes on the whole batch; every replica holds the same ones; with
 R·M = 1 the whole step is exactly Keras's. The layer's own assignments inside the stage
-program (per micro-batch) are discarded.
+program (per micro-batch) are discarded. A ``synchronized=True`` layer on R > 1 replicas
+normalizes each micro-batch over the R replicas' together (``synced_norm``); its moments
+are the same on every replica, so each combines its own M micro-batches' (used as they are
+when M = 1: Keras's under ``MirroredStrategy``).
 """
 
 from __future__ import annotations
@@ -100,9 +103,10 @@ def update_moving(
     updates, start = [], 0
     for layer, _ in norms:
         size = int(layer.moving_mean.shape.num_elements())
-        mine = own is not None and synchronized(layer)
-        parts = own_count if mine else count
-        average = (own if mine else summed)[start : start + 3 * size] / parts
+        source, parts = summed, count
+        if own is not None and synchronized(layer):  # the same on every replica: its own
+            source, parts = own, own_count
+        average = source[start : start + 3 * size] / parts
         mean, var, square = (
             tf.reshape(average[i * size : (i + 1) * size], layer.moving_mean.shape)
             for i in range(3)

@@ -21,7 +21,8 @@ collectives): such a stage's programs are plain ``tf.function``s. Each call of a
 gets its own block of instance keys (``seed[2]``, the call's key), the same on every replica
 of the stage: a forward, its recomputation (remat) and their backwards all-reduce under
 different keys, and every replica issues them in the same order (its schedule's), each
-device's in the order of its ordering token.
+device's in the order of its ordering token. The moving statistics are updated once per step
+from the replica's own micro-batches' synchronized moments (``batch_norm.update_copy``).
 """
 
 from __future__ import annotations
