@@ -230,5 +230,23 @@ def test_synchronized_with_deferred_weight_gradients_is_the_undeferred_step(sche
     assert all(isinstance(copy.deferral, str) for row in deferred.stages for copy in row)
 
 
+def test_synchronized_in_a_strategy_program_is_the_meshs():
+    """StrategyPipeline (MirroredStrategy over 2 devices): Keras's own synchronized moments
+    all-reduce through the replica context, with the same step as on the 2×2 mesh."""
+    keras_model, mesh = pair(2, 2, 2, True, remat="never")
+    template = model(seed=1, synchronized=True)
+    template.set_weights(keras_model.get_weights())
+    program = hybrid.StrategyPipeline(
+        template, hybrid.DeviceMesh.create(2, 2), loss=loss(), optimizer=sgd(),
+        strategy=ref.mirrored_strategy(), micro_batches=2, remat="never", jit_compile=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (micro-batches)
+        for step in range(2):
+            x, y = ref.batch(BATCH, seed=step + 1)
+            want = mesh.train_step(x, y)["loss"]
+            np.testing.assert_allclose(program.train_step(x, y)["loss"], want, rtol=1e-6)
+    ref.assert_weights_close(program.get_weights(), mesh.get_weights(), 1e-6, 1e-6)
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -224,21 +224,13 @@ def _synced_group(
     jit_compile: bool,
 ) -> synced_norm.NormGroup | None:
     """The group that all-reduces stage k's ``BatchNormalization(synchronized=True)``
-    moments over its replicas (``synced_norm``): None with one replica or none of them.
-
-    Raises:
-      NotImplementedError: with a ``tf.distribute`` strategy's replicas.
-    """
+    moments over its replicas (``synced_norm``): None with one replica or none of them, or
+    in a program a ``tf.distribute`` strategy replicates (``logical``), where Keras's own
+    synchronized moments all-reduce through the strategy's replica context."""
     calls = [layer for layer, _ in batch_norm.norms_of(segment) if batch_norm.synchronized(layer)]
-    if not calls or (logical is None and len(devices) == 1):
+    if not calls or logical is not None or len(devices) == 1:
         return None
     names = sorted({layer.name for layer in calls})
-    if logical is not None:
-        raise NotImplementedError(
-            f"BatchNormalization layers {names} are synchronized=True; StrategyPipeline does "
-            "not synchronize them across its strategy's replicas yet: use Pipeline on a "
-            "DeviceMesh, or synchronized=False"
-        )
     if jit_compile:
         warnings.warn(
             f"stage {k} all-reduces the moments of its synchronized BatchNormalization layers "
