@@ -191,19 +191,27 @@ def micro_batch_step(keras_model, optimizer, x, y, groups):
 
 
 @pytest.mark.parametrize(
-    "schedule,remat",
-    [("1f1b", "never"), ("1f1b", "always"), ("gpipe", "except_last"), ("zb-h1", "never")],
+    "stages,replicas,schedule,remat",
+    [
+        (2, 2, "1f1b", "never"),
+        (2, 2, "1f1b", "always"),
+        (2, 2, "gpipe", "except_last"),
+        (2, 2, "zb-h1", "never"),
+        (1, 4, "1f1b", "never"),
+    ],
 )
-def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together(schedule, remat):
-    """2×2, M = 2: micro-batch m is normalized over replica 0's and replica 1's micro-batch m
-    together (8 examples), which is plain Keras normalizing those groups alone."""
-    R, M = 2, 2
-    keras_model, pipe = pair(2, R, M, True, schedule=schedule, remat=remat)
+def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together(
+    stages, replicas, schedule, remat
+):
+    """M = 2: micro-batch m is normalized over every replica's micro-batch m together (8
+    examples), which is plain Keras normalizing those groups alone."""
+    R, M = replicas, 2
+    keras_model, pipe = pair(stages, R, M, True, schedule=schedule, remat=remat)
     optimizer = sgd()
     n = BATCH // (R * M)  # replica r's micro-batch m: rows r·B/R + m·n ... + n
     rows = np.arange(BATCH).reshape(R, M, n)
     groups = [rows[:, m].reshape(-1) for m in range(M)]  # micro-batch m of every replica
-    with pytest.warns(UserWarning, match=r"2 replicas together: 8 examples \(the global b"):
+    with pytest.warns(UserWarning, match=rf"{R} replicas together: 8 examples \(the global b"):
         pipe.build((BATCH, ref.IN_FEATURES))
     for step in range(2):
         x, y = ref.batch(BATCH, seed=step + 1)
