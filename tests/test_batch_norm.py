@@ -128,17 +128,18 @@ def momenta(optimizers):
 
 
 @pytest.mark.parametrize(
-    "stages,schedule,remat,jit",
-    [(2, "1f1b", "never", False), (2, "gpipe", "always", False), (1, "1f1b", "never", True)],
+    "stages,schedule,remat,balance",
+    [(2, "1f1b", "never", None), (2, "gpipe", "always", None), (2, "1f1b", "never", [4, 1])],
 )
 def test_synchronized_with_one_micro_batch_is_keras_under_mirrored_strategy(
-    stages, schedule, remat, jit
+    stages, schedule, remat, balance
 ):
     """2 replicas, M = 1: each step normalizes over the whole global batch, as Keras's
-    synchronized BN does under a MirroredStrategy over 2 devices (a stage holding one runs
-    without XLA, warned; the others compile)."""
+    synchronized BN does under a MirroredStrategy over 2 devices (with jit_compile, a stage
+    holding one runs without XLA, warned; the last, without BN, compiles)."""
     strategy = ref.mirrored_strategy()
-    kwargs = dict(schedule=schedule, remat=remat, jit_compile=jit)
+    jit = balance is not None
+    kwargs = dict(schedule=schedule, remat=remat, jit_compile=jit, balance=balance)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         keras_model, pipe = pair(stages, 2, 1, True, strategy, **kwargs)
@@ -147,6 +148,7 @@ def test_synchronized_with_one_micro_batch_is_keras_under_mirrored_strategy(
             want = keras_model.train_on_batch(x, y)
             np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-6)
     assert [str(w.message).split(" all-reduces")[0] for w in caught] == ["stage 0"] * jit
+    assert [row[0].jit_compile for row in pipe.stages] == [False, jit]
     for r in range(2):  # every weight, the moving statistics with them, on each replica
         ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights(), 1e-6, 1e-6)
     want = momenta([keras_model.optimizer])  # the gradients, the all-reduce's included
