@@ -23,11 +23,12 @@ import tensorflow as tf
 from hybrid.core import partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
-from hybrid.engine import batch_norm, keras_private, layer_costs, synced_norm
+from hybrid.engine import batch_norm, keras_private, layer_costs
 from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.losses import per_element
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.synced_norm import Member, NormGroup
 from hybrid.engine.template import OptimizerCopies, adds_loss, check_layer, warn_added_losses
 from hybrid.engine.variables import Placement
 
@@ -196,8 +197,8 @@ def place(
                     jit_compile and group is None,
                     layout.variables[k],
                     layout.masked,
+                    synced=None if group is None else Member(group, r),
                     inline=logical is not None,
-                    synced=None if group is None else synced_norm.Member(group, r),
                 )
                 for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]
@@ -222,7 +223,7 @@ def _synced_group(
     devices: Sequence[str],
     logical: LogicalDevices | None,
     jit_compile: bool,
-) -> synced_norm.NormGroup | None:
+) -> NormGroup | None:
     """The group that all-reduces stage k's ``BatchNormalization(synchronized=True)``
     moments over its replicas (``synced_norm``): None with one replica or none of them, or
     in a program a ``tf.distribute`` strategy replicates (``logical``), where Keras's own
@@ -239,7 +240,7 @@ def _synced_group(
             "(jit_compile=False for it)",
             stacklevel=4,
         )
-    return synced_norm.NormGroup(devices, calls)
+    return NormGroup(devices, calls)
 
 
 def split_batch(

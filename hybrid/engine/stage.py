@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine import batch_norm, keras_private, split_programs, synced_norm
+from hybrid.engine import batch_norm, keras_private, split_programs
 from hybrid.engine.gradients import (
     Grads,
     accumulated,
@@ -48,6 +48,7 @@ from hybrid.engine.gradients import (
 from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.records import Kept, Labels, Saved, TensorSpec
+from hybrid.engine.synced_norm import Member, bound, with_backward
 from hybrid.engine.template import adds_loss, seed_generators
 from hybrid.engine.variables import device_copy
 
@@ -76,9 +77,9 @@ class StageReplica:
         its layers' weights in call order).
       masked: keys of the tensors that carry a Keras mask: the masks of the stage's inputs
         come after them (in key order), and the outputs' masks after the outputs.
+      synced: this copy's ``synced_norm.Member`` (BN moments all-reduced), or None.
       inline: the programs are not functions of their own: their ops go into the caller's
         program (a TPU step, which XLA compiles whole), under the caller's device scope.
-      synced: this copy's ``synced_norm.Member`` (BN moments all-reduced), or None.
     """
 
     def __init__(
@@ -92,12 +93,12 @@ class StageReplica:
         jit_compile: bool = True,
         variables: Sequence[Any] | None = None,
         masked: frozenset[int] = frozenset(),
+        synced: Member | None = None,
         inline: bool = False,
-        synced: synced_norm.Member | None = None,
     ) -> None:
-        self.index, self.synced = index, synced
+        self.index = index
         self.inline = inline
-        self.device = device
+        self.device, self.synced = device, synced
         self.loss = loss
         self.segment = segment if isinstance(segment, Segment) else Segment.chain(segment)
         if variables is None:
@@ -212,7 +213,7 @@ class StageReplica:
             inputs[i] = tf.identity(inputs[i])  # a tensor of this program, to carry the mask
             keras_private.set_mask(inputs[i], mask)
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            with synced_norm.bound(self.synced, training, seed) as sync:  # BN moments
+            with bound(self.synced, training, seed) as sync:  # synchronized BN moments
                 values = self.segment.trace(inputs, training)
         ys = [values[key] for key in self.segment.outputs]
         ys += [keras_private.output_mask(values[key]) for key in self._out_masks]
@@ -264,7 +265,7 @@ class StageReplica:
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
-            out = self._run(xs, labels, synced_norm.with_backward(self.synced, seed), weights)
+            out = self._run(xs, labels, with_backward(self.synced, seed), weights)
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity)
         dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw)
