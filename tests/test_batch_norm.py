@@ -192,23 +192,28 @@ def micro_batch_step(keras_model, optimizer, x, y, groups):
     return float(batch_loss)
 
 
+INTERLEAVED = dict(virtual_stages=2, balance=[2, 1, 1, 1])  # both BNs' stages on device 0
+
+
 @pytest.mark.parametrize(
-    "stages,replicas,schedule,remat",
+    "stages,replicas,schedule,remat,more",
     [
-        (2, 2, "1f1b", "never"),
-        (2, 2, "1f1b", "always"),
-        (2, 2, "gpipe", "except_last"),
-        (2, 2, "zb-h1", "never"),
-        (1, 4, "1f1b", "never"),
+        (2, 2, "1f1b", "never", {}),
+        (2, 2, "1f1b", "always", {}),
+        (2, 2, "gpipe", "except_last", {}),
+        (2, 2, "zb-h1", "never", {}),
+        (2, 2, "interleaved", "never", INTERLEAVED),
+        (1, 4, "1f1b", "never", {}),
     ],
 )
 def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together(
-    stages, replicas, schedule, remat
+    stages, replicas, schedule, remat, more
 ):
     """M = 2: micro-batch m is normalized over every replica's micro-batch m together (8
-    examples), which is plain Keras normalizing those groups alone."""
+    examples), which is plain Keras normalizing those groups alone (interleaved: two groups
+    on the same devices, their all-reduces interleaved)."""
     R, M = replicas, 2
-    keras_model, pipe = pair(stages, R, M, True, schedule=schedule, remat=remat)
+    keras_model, pipe = pair(stages, R, M, True, schedule=schedule, remat=remat, **more)
     optimizer = sgd()
     n = BATCH // (R * M)  # replica r's micro-batch m: rows r·B/R + m·n ... + n
     rows = np.arange(BATCH).reshape(R, M, n)
@@ -221,6 +226,8 @@ def test_synchronized_micro_batch_normalizes_the_replicas_micro_batches_together
         np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-6)
     for r in range(R):
         ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights(), 1e-6, 1e-6)
+    synced = [row[0].synced is not None for row in pipe.stages]  # the all-reducing stages
+    assert synced == ([True, False, True, False] if more else [True] * stages)
     x, _ = ref.batch(BATCH, seed=9)
     np.testing.assert_allclose(pipe.predict(x, verbose=0), keras_model(x), rtol=1e-5, atol=1e-6)
 
