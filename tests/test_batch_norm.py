@@ -32,13 +32,18 @@ import runner
 BATCH = 16
 
 
-def model(seed=0, synchronized=False):
+def model(seed=0, synchronized=False, conv=False):
+    """Dense (or a 2×2 Conv2D: BN over 3 axes) -> BN -> Dense -> BN -> Dense."""
     keras.utils.set_random_seed(seed)
+    first = [keras.layers.Dense(16)]
+    if conv:
+        first = [keras.layers.Reshape((2, 2, 2)), keras.layers.Conv2D(4, 2, padding="same")]
     return keras.Sequential(
         [
             keras.Input((ref.IN_FEATURES,)),
-            keras.layers.Dense(16),
+            *first,
             keras.layers.BatchNormalization(momentum=0.8, name="first", synchronized=synchronized),
+            *[keras.layers.Flatten()] * conv,
             keras.layers.Dense(16, activation="relu"),
             keras.layers.BatchNormalization(momentum=0.8, name="second", synchronized=synchronized),
             keras.layers.Dense(ref.CLASSES),
@@ -50,13 +55,13 @@ def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def pair(stages, replicas, micro_batches, synchronized=False, strategy=None, **kwargs):
+def pair(stages, replicas, micro_batches, synchronized=False, strategy=None, conv=False, **kwargs):
     """The Keras model (compiled; built under ``strategy`` when given) and a pipeline of its
     twin with the same weights."""
     with strategy.scope() if strategy else contextlib.nullcontext():
-        keras_model = model(synchronized=synchronized)
+        keras_model = model(synchronized=synchronized, conv=conv)
         keras_model.compile(optimizer=sgd(), loss=loss(), jit_compile=False)
-    template = model(seed=1, synchronized=synchronized)
+    template = model(seed=1, synchronized=synchronized, conv=conv)
     template.set_weights(keras_model.get_weights())
     kwargs.setdefault("jit_compile", False)
     pipe = hybrid.Pipeline(
@@ -128,18 +133,22 @@ def momenta(optimizers):
 
 
 @pytest.mark.parametrize(
-    "stages,schedule,remat,balance",
-    [(2, "1f1b", "never", None), (2, "gpipe", "always", None), (2, "1f1b", "never", [4, 1])],
+    "stages,schedule,remat,balance,conv",
+    [
+        (2, "1f1b", "never", None, False),
+        (2, "gpipe", "always", None, True),
+        (2, "1f1b", "never", [4, 1], False),
+    ],
 )
 def test_synchronized_with_one_micro_batch_is_keras_under_mirrored_strategy(
-    stages, schedule, remat, balance
+    stages, schedule, remat, balance, conv
 ):
     """2 replicas, M = 1: each step normalizes over the whole global batch, as Keras's
     synchronized BN does under a MirroredStrategy over 2 devices (with jit_compile, a stage
     holding one runs without XLA, warned; the last, without BN, compiles)."""
     strategy = ref.mirrored_strategy()
     jit = balance is not None
-    kwargs = dict(schedule=schedule, remat=remat, jit_compile=jit, balance=balance)
+    kwargs = dict(schedule=schedule, remat=remat, jit_compile=jit, balance=balance, conv=conv)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         keras_model, pipe = pair(stages, 2, 1, True, strategy, **kwargs)
