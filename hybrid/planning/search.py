@@ -13,6 +13,7 @@ from typing import Any
 
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import (
+    BATCH_NORM_MIN_EXAMPLES,
     REMAT_MODES,
     ConfigError,
     RunConfig,
@@ -24,7 +25,7 @@ from hybrid.planning.costs import CostProfile, profile_model
 from hybrid.planning.hardware import Hardware
 from hybrid.planning.report import Plan, Rejection, format_bytes
 
-__all__ = ["candidates", "choose_mesh", "plan"]
+__all__ = ["BATCH_NORM_MIN_EXAMPLES", "candidates", "choose_mesh", "plan"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -96,7 +97,10 @@ def plan(
 
     Candidates: see :func:`candidates`. Each runs through :func:`evaluate`; a candidate
     :func:`hybrid.core.config.validate_run` refuses, or one that needs more than
-    ``memory_per_device``, is rejected with the reason.
+    ``memory_per_device``, is rejected with the reason. The rest are ranked by predicted
+    step time, except that with BatchNormalization in the model (``CostProfile.batch_norm``)
+    every candidate whose BN normalizes over at least :data:`BATCH_NORM_MIN_EXAMPLES`
+    examples ranks before those that normalize over fewer.
 
     Args:
       model: a list of Keras layers (profiled on one device first, see
@@ -149,7 +153,7 @@ def plan(
             rejected.append(outcome)
         else:
             ranked.append(outcome)
-    ranked.sort(key=_rank_key)
+    ranked.sort(key=lambda p: (_small_norm(profile, p), *_rank_key(p)))
     return Plan(devices, global_batch, hardware, tuple(ranked), tuple(rejected))
 
 
@@ -199,6 +203,14 @@ def _judge(
         reason = f"out of memory: needs {needs} per device, has {has}"
         return Rejection(prediction.config, "out of memory", reason, prediction)
     return prediction
+
+
+def _small_norm(profile: CostProfile, p: Prediction) -> bool:
+    """Whether the model's BatchNormalization normalizes over fewer than
+    :data:`BATCH_NORM_MIN_EXAMPLES` examples in ``p`` (such candidates rank after the rest)."""
+    c = p.config
+    examples = profile.batch_norm_examples(p.global_batch, c.replicas, c.micro_batches)
+    return bool(profile.batch_norm) and examples < BATCH_NORM_MIN_EXAMPLES
 
 
 def _rank_key(p: Prediction) -> tuple[float, float, int, int, str, str]:
