@@ -242,5 +242,27 @@ def test_kerashub_bert_classifier_applies_sparse_embedding_gradients_as_keras():
     assert any(any(row[0].sparse) for row in pipe.stages)
 
 
+def llama_lm() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64,
+        num_layers=4,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def test_kerashub_llama_untied_embedding_is_sparse_on_both_stages():
+    """Llama's token embedding layer is called on both stages (lookup, then its untied
+    reverse projection): its lookup table's slices are joined over the stages, and Adam
+    gives Keras's weights (densified, they were 0.66 of Keras's update away)."""
+    x, y = token_batch(16, 8, 64)
+    pipe = fit_both(llama_lm, x, y, 2, 2, 2)
+    assert [any(row[0].sparse) for row in pipe.stages] == [True, True]
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -110,7 +110,6 @@ def lay_out(
         held.append(tuple(v for v in variables if id(v) in reads))
     with tf.device(device):
         slices = sparse.sparse_variables(graph, zeros, variables)
-    _refuse_tied_slices([v for v in variables if id(v) in slices], held)
     return Layout(
         tuple(balance),
         tuple(segments),
@@ -121,21 +120,6 @@ def lay_out(
         _masked(graph, values),
         frozenset(slices),
     )
-
-
-def _refuse_tied_slices(variables: Sequence[Any], held: Sequence[Sequence[Any]]) -> None:
-    """Refuses a variable whose gradient is IndexedSlices held by several stages (an
-    Embedding called on two stages): Keras concatenates the slices of every use, which the
-    pipeline does not do across stages yet."""
-    for v in variables:
-        stages = [k for k, vs in enumerate(held) if any(u is v for u in vs)]
-        if len(stages) > 1:
-            raise NotImplementedError(
-                f"variable {v.path!r} is read by gathers (an Embedding's lookup) on stages "
-                f"{stages}; Keras applies its gradient as the IndexedSlices of every lookup, "
-                "which the pipeline does not combine across stages yet: put the layer calls "
-                "that read it on one stage (balance=[...]), or read it densely in one of them"
-            )
 
 
 def _masked(graph: Graph, values: dict[int, Any]) -> frozenset[int]:
