@@ -4,9 +4,9 @@ init, small inputs and configs), per model × mesh against plain Keras on one de
 Each (model, mesh) runs in its own process with 4 simulated CPU devices (1 intra-op thread
 each) and a fresh XLA cache. Measured there, side by side:
 
-    keras_first_s     model.compile(jit_compile=True) + the first train_on_batch (trace+compile)
+    keras_first_s     the model made, compile(jit_compile=True), the first train_on_batch
     keras_step_ms     the next steps (median)
-    build_first_s     Pipeline(...) + the first train_step (layers, cut, stage programs)
+    build_first_s     the model made, Pipeline(...), the first train_step (cut, stage programs)
     step_ms           the pipeline's next steps (median), XLA stage programs
     examples_per_s    batch / step time, and its ratio to Keras's (speedup)
 
@@ -116,40 +116,50 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
     def loss() -> Any:
         return keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
 
-    model, x, y = build(name)
-    start = time.perf_counter()
-    model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=True)
-    model.train_on_batch(x, y)
-    keras_first = time.perf_counter() - start
-    keras_steps = []
-    for _ in range(FLAGS.steps):
+    def timed(setup: Any) -> tuple[float, float]:
+        """Seconds of ``setup()`` (which returns the step) and the first step, then the
+        median milliseconds of --steps more steps."""
         start = time.perf_counter()
-        model.train_on_batch(x, y)
-        keras_steps.append(time.perf_counter() - start)
-    model, x, y = build(name)
-    start = time.perf_counter()
-    pipe = hybrid.Pipeline(
-        model,
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-3),
-        micro_batches=int(micro),
-        schedule="1f1b",
-        remat="never",
-    )
-    pipe.train_step(x, y)
-    build_first = time.perf_counter() - start
-    steps = []
-    for _ in range(FLAGS.steps):
-        start = time.perf_counter()
-        pipe.train_step(x, y)
-        steps.append(time.perf_counter() - start)
-    keras_ms, step_ms = 1e3 * float(np.median(keras_steps)), 1e3 * float(np.median(steps))
+        step = setup()
+        step()
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(FLAGS.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return first, 1e3 * float(np.median(times))
+
+    def keras_step() -> Any:
+        model, x, y = build(name)
+        model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=True)
+        return lambda: model.train_on_batch(x, y)
+
+    pipes = []
+
+    def pipeline_step() -> Any:
+        model, x, y = build(name)
+        pipes.append(
+            hybrid.Pipeline(
+                model,
+                mesh=hybrid.DeviceMesh.create(stages, replicas),
+                loss=loss(),
+                optimizer=keras.optimizers.Adam(1e-3),
+                micro_batches=int(micro),
+                schedule="1f1b",
+                remat="never",
+            )
+        )
+        return lambda: pipes[0].train_step(x, y)
+
+    keras_first, keras_ms = timed(keras_step)
+    build_first, step_ms = timed(pipeline_step)
+    pipe = pipes[0]
     return {
         "model": name,
         "mesh": mesh,
         "balance": list(pipe.balance),
-        "parameters": int(sum(np.prod(w.shape) for w in model.weights)),
+        "parameters": int(sum(w.size for w in pipe.get_weights())),
         "keras_first_s": keras_first,
         "keras_step_ms": keras_ms,
         "build_first_s": build_first,
