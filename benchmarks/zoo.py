@@ -4,7 +4,7 @@ init, small inputs and configs), per model × mesh against plain Keras on one de
 Each (model, mesh) runs in its own process with 4 simulated CPU devices (1 intra-op thread
 each) and a fresh XLA cache. Measured there, side by side:
 
-    keras_first_s     the model made, compile(jit_compile=True), the first train_on_batch
+    keras_first_s     the model made, compile(jit_compile=...), the first train_on_batch
     keras_step_ms     the next steps (median)
     build_first_s     the model made, Pipeline(...), the first train_step (cut, stage programs)
     step_ms           the pipeline's next steps (median), XLA stage programs
@@ -45,6 +45,12 @@ flags.DEFINE_integer("batch", 16, "Global batch.")
 flags.DEFINE_integer("image_size", 32, "CNN input height and width.")
 flags.DEFINE_integer("seq_len", 32, "KerasHub models: tokens per example.")
 flags.DEFINE_integer("steps", 5, "Timed steps after the first.")
+flags.DEFINE_bool(
+    "jit_compile",
+    True,
+    "XLA for both Keras's step and the stage programs (on a CPU, convolutions with few "
+    "examples run several times faster without: MobileNetV2's Keras step 324 vs 57 ms).",
+)
 flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
 FLAGS = flags.FLAGS
 
@@ -132,7 +138,7 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
 
     def keras_step() -> Any:
         model, x, y = build(name)
-        model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=True)
+        model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=FLAGS.jit_compile)
         return lambda: model.train_on_batch(x, y)
 
     pipes = []
@@ -148,6 +154,7 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
                 micro_batches=int(micro),
                 schedule="1f1b",
                 remat="never",
+                jit_compile=FLAGS.jit_compile,
             )
         )
         return lambda: pipes[0].train_step(x, y)
@@ -205,9 +212,10 @@ def plot(rows: list[dict[str, Any]]) -> str:
         ax.set_xticks([i + width * len(meshes) / 2 for i in range(len(models))], models)
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Model zoo, batch {FLAGS.batch}: plain Keras on one device vs the pipeline")
+    xla = "XLA" if FLAGS.jit_compile else "no XLA"
+    fig.suptitle(f"Model zoo, batch {FLAGS.batch}, {xla}: plain Keras on one device vs the pipeline")
     fig.tight_layout()
-    path = os.path.join(common.RESULTS, "zoo.png")
+    path = os.path.join(common.RESULTS, "zoo.png" if FLAGS.jit_compile else "zoo_no_xla.png")
     os.makedirs(common.RESULTS, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -229,7 +237,7 @@ def main(argv: list[str]) -> None:
             with tempfile.TemporaryDirectory() as cache:
                 (row,) = common.run_child(
                     [os.path.abspath(__file__), f"--child={name},{mesh}"]
-                    + common.flag_args("batch", "image_size", "seq_len", "steps"),
+                    + common.flag_args("batch", "image_size", "seq_len", "steps", "jit_compile"),
                     env={"TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"},
                 )
             rows.append(row)
@@ -239,8 +247,9 @@ def main(argv: list[str]) -> None:
                 f" {row['build_over_keras_first']:.2f}x)  step {row['step_ms']:7.1f} ms "
                 f"(Keras {row['keras_step_ms']:7.1f} ms, speedup {row['speedup']:.2f})"
             )
-    common.write_json("zoo", {"environment": env, "rows": rows})
-    common.write_csv("zoo", rows)
+    name = "zoo" if FLAGS.jit_compile else "zoo_no_xla"
+    common.write_json(name, {"environment": env, "jit_compile": FLAGS.jit_compile, "rows": rows})
+    common.write_csv(name, rows)
     print(f"  wrote {plot(rows)}")
     worst = max(rows, key=lambda r: r["build_over_keras_first"])
     print(
