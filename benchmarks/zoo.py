@@ -213,7 +213,7 @@ def plot(rows: list[dict[str, Any]]) -> str:
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
     xla = "XLA" if FLAGS.jit_compile else "no XLA"
-    fig.suptitle(f"Model zoo, batch {FLAGS.batch}, {xla}: plain Keras on one device vs the pipeline")
+    fig.suptitle(f"Model zoo, batch {FLAGS.batch}, {xla}: plain Keras (one device) vs pipeline")
     fig.tight_layout()
     path = os.path.join(common.RESULTS, "zoo.png" if FLAGS.jit_compile else "zoo_no_xla.png")
     os.makedirs(common.RESULTS, exist_ok=True)
