@@ -277,7 +277,7 @@ def test_padding_warns_when_a_layer_sees_the_whole_batch():
     )
     x, y = data(16)
     pipe.train_step(x, y)  # splits evenly: no padding
-    with pytest.warns(UserWarning, match=r"padded with zero examples.*\['bn'\]"):
+    with pytest.warns(UserWarning, match=r"padded with copies of its first example.*\['bn'\]"):
         pipe.train_step(*data(13))
 
 

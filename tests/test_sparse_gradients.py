@@ -255,6 +255,58 @@ def test_an_embedding_looked_up_on_two_stages_joins_both_stages_slices():
         np.testing.assert_allclose(g, w, atol=2e-6)
 
 
+class GatherInTraining(keras.layers.Layer):
+    """A lookup by gather in training and by a one-hot product in inference (one value)."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=(VOCAB, 12), initializer="uniform")
+
+    def call(self, ids, training=None):
+        if training:
+            return keras.ops.take(self.table, ids, axis=0)
+        return keras.ops.matmul(keras.ops.one_hot(ids, VOCAB), self.table)
+
+
+class PenalizedEmbedding(keras.layers.Embedding):
+    """An embedding that adds a dense penalty of its table with add_loss."""
+
+    def call(self, ids):
+        self.add_loss(1e-2 * keras.ops.sum(keras.ops.square(self.embeddings)))
+        return super().call(ids)
+
+
+@pytest.mark.parametrize("layer", [GatherInTraining, PenalizedEmbedding])
+def test_the_probe_sees_the_training_step_and_its_added_losses(layer):
+    """Sparse in training only: slices, as Keras's training step has them; an add_loss that
+    reads the table densely: dense. Both against Keras (review findings: the first was
+    densified, the second crashed)."""
+
+    def build():
+        keras.utils.set_random_seed(3)
+        ids = keras.Input((SEQ,), dtype="int32")
+        h = layer(VOCAB, 12) if layer is PenalizedEmbedding else layer()
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(8)(h(ids)))
+        return keras.Model(ids, keras.layers.Dense(CLASSES)(h))
+
+    want = build()
+    want.compile(keras.optimizers.Adam(1e-2), loss())
+    pipe = hybrid.Pipeline(
+        build(),
+        mesh=hybrid.DeviceMesh.create(2, 2),
+        loss=loss(),
+        optimizer=keras.optimizers.Adam(1e-2),
+        balance=[1, 3],
+        jit_compile=False,
+    )
+    for step in range(2):
+        np.testing.assert_allclose(
+            pipe.train_step(*tokens(step))["loss"], want.train_on_batch(*tokens(step)), rtol=1e-5
+        )
+    assert pipe.stages[0][0].sparse == [layer is GatherInTraining]
+    for g, w in zip(pipe.get_weights(), want.get_weights(), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-6)
+
+
 class TiedHead(keras.layers.Layer):
     """Logits from an embedding's matrix: a dense use of its variable."""
 

@@ -25,6 +25,7 @@ from hybrid.core import partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
 from hybrid.engine import batch_norm, keras_private, layer_costs, sparse
+from hybrid.engine.devices import host_cpu
 from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.losses import per_element
 from hybrid.engine.objective import Objective
@@ -89,6 +90,10 @@ def lay_out(
     """
     with tf.device(device):
         zeros = [tf.convert_to_tensor(s.zeros()) for s in input_specs]
+        graph.trace(zeros)  # builds the layers
+    with tf.device(host_cpu(device)):
+        slices = sparse.sparse_variables(graph, zeros, graph.variables())
+    with tf.device(device):  # after the probe: the layers' losses of this call are kept
         values = graph.trace(zeros)
         arguments = []
         for call in graph.calls:
@@ -108,8 +113,6 @@ def lay_out(
     for segment in segments:
         reads = {id(v) for layer in segment.layers for v in layer.weights}
         held.append(tuple(v for v in variables if id(v) in reads))
-    with tf.device(device):
-        slices = sparse.sparse_variables(graph, zeros, variables)
     return Layout(
         tuple(balance),
         tuple(segments),

@@ -12,8 +12,9 @@ a list); the engine handles them flat, in ``keras.tree.flatten`` order (``model.
 
 Labels travel with their sample weights as ``(y, sample_weight, valid)`` to the last stage.
 A batch that does not split into R·M equal parts (the last batch of a dataset) is padded with
-zero examples, and ``valid`` (1 per real example, 0 per padding one) keeps the padding out of
-the loss, its gradient and the metrics: the step is that of the real examples alone.
+copies of its first example, and ``valid`` (1 per real example, 0 per padding one) keeps the
+padding out of the loss, its gradient and the metrics: the step is that of the real examples
+alone.
 """
 
 from __future__ import annotations
@@ -135,8 +136,10 @@ def pad(
     ws: list[tf.Tensor] | None,
     to: int | None = None,
 ) -> tuple[list[tf.Tensor], list[tf.Tensor] | None, list[tf.Tensor] | None, tf.Tensor | None]:
-    """The batch padded with zero examples to ``to`` examples (default: the next multiple
-    of R·M; a batch of that size is left as it is) and ``valid`` (None when not padded).
+    """The batch padded to ``to`` examples (default: the next multiple of R·M; a batch of
+    that size is left as it is) with copies of its first example, and ``valid`` (None when
+    not padded). Copies, not zeros: an all-zero example can make a loss 0/0 (token ids 0
+    that a mask hides entirely), and 0 · NaN is NaN even where ``valid`` is 0.
 
     Raises:
       ValueError: ``to`` is smaller than the batch or not a multiple of R·M.
@@ -154,7 +157,7 @@ def pad(
         t = tf.convert_to_tensor(t)
         if t.shape.rank == 0 or int(t.shape[0]) != n:
             return t  # the shape check in prepare() names it
-        return tf.concat([t, tf.zeros([target - n, *t.shape[1:]], t.dtype)], axis=0)
+        return tf.concat([t, tf.repeat(t[:1], target - n, axis=0)], axis=0)
 
     valid = tf.concat([tf.ones([n]), tf.zeros([target - n])], axis=0)
     return (
@@ -173,7 +176,8 @@ def warn_padding(stages: Sequence[StageReplica]) -> None:
     layers += [layer.name for stage in stages for layer in stage.regularized]
     if layers:
         warnings.warn(
-            f"a partial batch is padded with zero examples to split into equal micro-batches; "
+            f"a partial batch is padded with copies of its first example to split into equal "
+            "micro-batches; "
             f"layers {sorted(set(layers))} see them (BatchNormalization statistics, activity "
             "regularizers, add_loss), so this step differs from Keras's on the partial batch: "
             "use a batch size that divides the data (or drop_remainder) to avoid it",

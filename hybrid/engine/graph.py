@@ -290,14 +290,32 @@ def _nested(node: Any) -> keras.Model | None:
     kwargs.pop("training", None)
     if inner is None or len(args) != 1 or kwargs:
         return None
-    flat = keras.tree.flatten(args[0])
     inputs, outputs = _flat_inputs(inner), _flat_outputs(inner)
-    if len(flat) != len(inputs) or len(node.outputs) != len(outputs):
+    if not _passed_as_is(args[0], keras_private.input_structure(inner)):
+        return None  # Keras would rearrange or convert the inputs at the boundary
+    if len(node.outputs) != len(outputs):
         return None
     passed = {id(t) for t in inputs}
     if any(id(t) in passed for t in outputs) or len({id(t) for t in outputs}) < len(outputs):
         return None  # an input returned as it is, or one tensor returned twice
     return inner
+
+
+def _passed_as_is(given: Any, declared: Any) -> bool:
+    """Whether a functional model called on ``given`` would take each tensor as the input
+    in its place of ``declared`` unchanged: the same structure (a dict with the same keys, a
+    list of the same length; Keras maps a dict onto a list of inputs by name), and each
+    tensor of the input's dtype and rank (Keras converts and reshapes otherwise)."""
+    try:
+        keras.tree.assert_same_structure(given, declared)
+    except (TypeError, ValueError):
+        return False
+    pairs = zip(keras.tree.flatten(given), keras.tree.flatten(declared), strict=True)
+    return all(
+        keras.backend.standardize_dtype(a.dtype) == keras.backend.standardize_dtype(b.dtype)
+        and len(a.shape) == len(b.shape)
+        for a, b in pairs
+    )
 
 
 def _flat_inputs(model: keras.Model) -> list[Any]:

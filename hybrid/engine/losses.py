@@ -100,18 +100,21 @@ def loss_terms(
     values = keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
     weights = None if mask is None else tf.cast(mask, values.dtype)
     weighted = mask is not None or sample_weight is not None
-    for given in (sample_weight, valid):
-        if given is not None:
-            given = tf.cast(given, values.dtype)
-            if weights is not None:
-                weights, given = keras_private.same_rank(weights, given)
-            weights = given if weights is None else weights * given
+    if sample_weight is not None:
+        given = tf.cast(sample_weight, values.dtype)
+        if weights is not None:
+            weights, given = keras_private.same_rank(weights, given)
+        weights = given if weights is None else weights * given
     if weights is not None:
         values, weights = keras_private.same_rank(values, weights)
         values = values * weights
+    if valid is not None:  # per example, whatever the rank of the values (tokens)
+        values = values * _per_example(valid, values)
     numerator = tf.reduce_sum(values)
     if loss.reduction == "mean_with_sample_weight" and weighted:
-        denominator = tf.reduce_sum(weights)
+        assert weights is not None
+        real = weights if valid is None else weights * _per_example(valid, weights)
+        denominator = tf.reduce_sum(real)
     elif mask is not None and not per_element(loss):  # the unmasked elements
         denominator = _count(values, tf.cast(mask, values.dtype), valid)
     else:
@@ -123,8 +126,14 @@ def _count(values: tf.Tensor, counted: tf.Tensor, valid: Any) -> tf.Tensor:
     """How many elements of ``values`` are ``counted`` (1) among the real examples."""
     if valid is None:
         return tf.reduce_sum(counted)
-    counted, real = keras_private.same_rank(counted, tf.cast(valid, values.dtype))
-    return tf.reduce_sum(tf.broadcast_to(counted * real, tf.shape(values)))
+    return tf.reduce_sum(tf.broadcast_to(counted * _per_example(valid, counted), tf.shape(values)))
+
+
+def _per_example(valid: Any, like: tf.Tensor) -> tf.Tensor:
+    """The per-example flags ``valid`` ([batch]) shaped to multiply ``like`` along its
+    batch axis ([batch, 1, ...]): a token's value counts when its example is real."""
+    flags = tf.cast(valid, like.dtype)
+    return tf.reshape(flags, [-1] + [1] * (like.shape.rank - 1))
 
 
 def divisor(loss: keras.losses.Loss, denominators: tf.Tensor) -> tf.Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 __all__ = [
@@ -47,22 +48,23 @@ Gradient = Any  # a dense tf.Tensor or a tf.IndexedSlices
 def sparse_variables(graph: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> set[int]:
     """The ids of the trainable ``variables`` whose gradient Keras's one-device training step
     would hand its optimizer as ``IndexedSlices``: the model (``graph``, a
-    ``hybrid.engine.graph.Graph``) runs once eagerly on the zero ``inputs`` in inference mode
-    (nothing it holds changes: no moving statistics, no random draws) under a tape, and the
-    gradient of its float outputs' sum is taken with respect to every variable, aggregated
-    over all its uses as Keras's tape aggregates it (0.3–0.6 s for MobileNetV2 or a small
-    GPT-2; tracing a function of it instead took 3 s). A regularized variable is dense
-    (Keras adds its penalty's dense gradient)."""
+    ``hybrid.engine.graph.Graph``) runs once eagerly in training mode on the zero ``inputs``
+    under a tape, inside a ``keras.StatelessScope`` (so nothing it holds changes: moving
+    statistics and random states are written to the scope, not to the variables), and the
+    gradient of its float outputs' sum plus the losses its layers add (``add_loss``, activity
+    regularizers) is taken with respect to every variable, aggregated over all its uses as
+    Keras's tape aggregates it (0.2–0.6 s for MobileNetV2 or a small GPT-2; tracing a
+    function of it took 3 s). A regularized variable is dense (Keras adds its penalty's
+    dense gradient). Run it on the host's CPU: it holds every variable's gradient at once."""
     trainable = [v for v in variables if v.trainable and not getattr(v, "regularizer", None)]
     if not trainable:
         return set()
-    with tf.GradientTape() as tape:
-        values = graph.trace([tf.zeros_like(t) for t in inputs], training=False)
+    with tf.GradientTape() as tape, keras.StatelessScope(collect_losses=True) as scope:
+        values = graph.trace([tf.zeros_like(t) for t in inputs], training=True)
         outputs = [values[k] for k in graph.outputs]
-        total = tf.add_n(
-            [tf.reduce_sum(tf.cast(y, tf.float32)) for y in outputs if y.dtype.is_floating]
-            + [tf.constant(0.0)]
-        )
+        terms = [tf.reduce_sum(tf.cast(y, tf.float32)) for y in outputs if y.dtype.is_floating]
+        terms += [tf.reduce_sum(tf.cast(loss, tf.float32)) for loss in scope.losses]
+        total = tf.add_n(terms + [tf.constant(0.0)])
     grads = tape.gradient(total, [v.value for v in trainable])
     return {id(v) for v, g in zip(trainable, grads, strict=True) if isinstance(g, tf.IndexedSlices)}
 
