@@ -1,9 +1,9 @@
 """Trains a reference model with hybrid on a device mesh.
 
     hybrid-train                                   # Transformer on text, 2×2 CPU mesh
-    hybrid-train --mesh="stage:4;replica:2" --schedule=1f1b --micro_batches=8 \\
+    hybrid-train --mesh=stage:4,replica:2 --schedule=1f1b --micro_batches=8 \\
         --model_dir=/tmp/run --checkpoint_every=50           # killed? the same command resumes
-    hybrid-train --platform=gpu --mesh="stage:2;replica:4" ...
+    hybrid-train --platform=gpu --mesh=stage:2,replica:4 ...
     hybrid-train --platform=tpu --tpu=my-node --tpu_zone=us-central2-b \\
         --gcp_project=my-project --model_dir=gs://bucket/run ...
 
@@ -122,7 +122,7 @@ def _planned(config: Any, devices: int) -> Any:
     run = choice.config
     assert isinstance(run.balance, tuple)  # the plan's layer counts per stage
     print(
-        f"planned: --mesh={run.mesh_spec} --micro_batches={run.micro_batches} "
+        f"planned: --mesh={run.mesh_spec.replace(';', ',')} --micro_batches={run.micro_batches} "
         f"--schedule={run.schedule} --remat={run.remat} --virtual_stages="
         f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} "
         f"--defer_weight_gradients={run.defer_weight_gradients} (predicted "

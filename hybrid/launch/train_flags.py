@@ -36,7 +36,8 @@ def _define_mesh_flags() -> None:
     flags.DEFINE_string(
         "mesh",
         "stage:2;replica:2",
-        "Mesh spec 'stage:S;replica:R', or 'auto': the planner profiles the model and picks the "
+        "Mesh spec 'stage:S,replica:R' (';' also separates, but must be quoted in a shell), or "
+        "'auto': the planner profiles the model and picks the "
         "fastest mesh, micro-batches, schedule and remat that fit (--simulated_devices or the "
         "local GPUs give the device count; flags given explicitly stay fixed).",
     )
