@@ -30,9 +30,14 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # A byte-level Transformer LM on the Python manual (ships with CPython), 2×2 simulated mesh.
+# One directory, reused: an interrupted demo resumes, a finished one says so; `make demo
+# FRESH=1` starts again (the old checkpoints are moved aside, never deleted).
+DEMO_DIR ?= /tmp/hybrid-demo
+DEMO_STEPS ?= 60
+FRESH ?=
 demo: install
-	$(PY) -m hybrid.launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=60 \
-		--progress_bar --model_dir=/tmp/hybrid-demo-$$$$
+	$(PY) -m hybrid.launch.train --mesh=stage:2,replica:2 --micro_batches=4 \
+		--train_steps=$(DEMO_STEPS) --progress_bar --model_dir=$(DEMO_DIR) $(if $(FRESH),--fresh_start)
 
 lint: install
 	$(PY) -m ruff check hybrid tests benchmarks tools

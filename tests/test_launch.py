@@ -98,7 +98,7 @@ signature = tf.saved_model.load(path + "/export").signatures["serving_default"]
 (name,) = signature.structured_input_signature[1]
 want = next(iter(signature(**{name: tf.constant(tokens)}).values())).numpy()
 assert want.shape == (4, 32, 256)
-pipelined = serving.load(path + "/export/stages").predict(tokens, micro_batches=2)
+pipelined = serving.load(path + "/export").predict(tokens, micro_batches=2)  # finds stages/
 np.testing.assert_allclose(pipelined, want, atol=1e-4)
 """
 
@@ -138,10 +138,11 @@ def test_micro_batches_auto_times_every_m_at_the_first_step():
 
 def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_path):
     run = launch(
-        "--model=user_model:model", "--data=user_model:data", "--mesh=stage:2;replica:1",
+        "--model=user_model:model", "--data=user_model:data", "--mesh=stage:2,replica:1",
         "--micro_batches=2", "--global_batch_size=32", "--train_steps=30", "--log_every=30",
         "--optimizer=adamw", '--optimizer_config={"weight_decay": 0.001}',
         "--learning_rate=0.01", "--precision=mixed_bfloat16", f"--keras_file={tmp_path}/m.keras",
+        "--validation_data=user_model:data", "--validation_steps=2", f"--model_dir={tmp_path}/run",
         env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -149,6 +150,24 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
     assert last < 0.8 * first, done
     trained = keras.saving.load_model(tmp_path / "m.keras")
     assert trained.layers[1].dtype_policy.name == "mixed_bfloat16"
+    # What it is doing: the compile announced and timed, your metrics, validation, outputs.
+    lines = run.stdout.splitlines()
+    assert "compiling 2 stage programs (the first step)..." in lines, run.stdout[-3000:]
+    assert any(line.startswith("compiled and ran step 1 in ") for line in lines)
+    (step,) = [line for line in lines if line.startswith("step ")]
+    assert "  accuracy 0." in step, step  # the model function's metrics=["accuracy"]
+    (validation,) = [line for line in lines if line.startswith("validation after step 30: ")]
+    assert "val_accuracy" in validation and "val_loss" in validation
+    assert f"  tensorboard --logdir {tmp_path}/run" in lines
+    assert f"  keras_file  {tmp_path}/m.keras (keras.saving.load_model)" in lines
+    assert "Sharding callback" not in run.stderr and "I1" not in run.stderr, run.stderr[-2000:]
+    tags = set()
+    import tensorflow as tf
+
+    for name in os.listdir(tmp_path / "run" / "train"):
+        for event in tf.compat.v1.train.summary_iterator(str(tmp_path / "run" / "train" / name)):
+            tags.update(value.tag for value in event.summary.value)
+    assert {"loss", "accuracy", "val_accuracy", "val_loss"} <= tags, tags
 
 
 def write_records(directory, files=2, per_file=96):
@@ -272,6 +291,11 @@ def test_trains_on_tfrecord_files(tmp_path):
             "--defer_weight_gradients needs stage programs of their own",
         ),
         (["stray"], "unexpected arguments: ['stray']"),
+        (["--validation_steps=2"], "--validation_steps=2 needs --validation_data"),
+        (
+            ["--validation_data=text:python-docs"],
+            "--validation_data=text:python-docs needs --validation_steps=N",
+        ),
     ],
 )
 def test_bad_flags_fail_before_training(flags, message):

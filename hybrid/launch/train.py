@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+from absl import app, flags
 
-from typing import Any  # noqa: E402
+from hybrid.core.quiet import quiet_cpp_info
 
-from absl import app, flags  # noqa: E402
+quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
 from hybrid.launch import cloud_tpu, show_in_help  # noqa: E402
 from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
@@ -334,7 +334,32 @@ def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
             f"{result.examples_per_second:.1f} examples/s"
         )
     else:
-        print(f"done: already trained to step {config.train_steps} ({result.checkpoint})")
+        print(
+            f"done: already trained to step {config.train_steps} ({result.checkpoint}); "
+            "--train_steps higher to go on, or --fresh_start to train again"
+        )
+    for line in outputs(config):
+        print(line)
+
+
+def outputs(config: Any) -> list[str]:
+    """Where the run's outputs are, one line each, and the command that shows its curves."""
+    lines = []
+    if config.model_dir:
+        lines.append(
+            f"  model_dir   {config.model_dir} (checkpoints ckpt-<step>, run_config.json; "
+            "TensorBoard events in train/)"
+        )
+    if config.export_dir:
+        lines.append(
+            f"  export_dir  {config.export_dir} (SavedModel; per stage: "
+            f"{os.path.join(config.export_dir, 'stages')}, hybrid.serving.load)"
+        )
+    if config.keras_file:
+        lines.append(f"  keras_file  {config.keras_file} (keras.saving.load_model)")
+    if config.model_dir:
+        lines.append(f"  tensorboard --logdir {config.model_dir}")
+    return ["outputs:", *lines] if lines else ["outputs: none (give --model_dir to keep the run)"]
 
 
 def main(argv: list[str]) -> None:
@@ -343,6 +368,10 @@ def main(argv: list[str]) -> None:
     import logging
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
+    if not FLAGS["verbosity"].present:  # absl INFO of TensorFlow's saving code: not asked for
+        from hybrid.core.quiet import hide_library_info
+
+        hide_library_info()
     interrupts = Interrupts()
     try:
         with interrupts.installed():
