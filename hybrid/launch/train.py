@@ -291,6 +291,11 @@ def report_error(err: BaseException) -> int:
     so for an internal bug (exit code 2)."""
     import traceback
 
+    from hybrid.core.lazy import missing_dependency
+
+    if isinstance(err, ModuleNotFoundError) and missing_dependency("", err) is not None:
+        print(f"error: {missing_dependency('hybrid-train', err)}", file=sys.stderr)
+        return 1
     from hybrid.checkpoint import CheckpointError, error_line
     from hybrid.run_lock import RunLockError
     from hybrid.trainer import NonFiniteLossError
