@@ -145,7 +145,6 @@ class Steps(keras.callbacks.Callback):
             self.interrupted_at = step
             self.pipe.stop_training = True
 
-
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         """Keeps the validation figures (``val_*``) of ``fit``'s end: logged and written."""
         self.validation = {k: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
