@@ -45,6 +45,8 @@ __all__ = [
     "NonFiniteLossError",
     "TrainConfig",
     "TrainResult",
+    "mesh_for",
+    "pipeline_for",
     "train",
 ]
 
@@ -165,14 +167,16 @@ class TrainResult:
     interrupted_at: int | None = None
 
 
-def _mesh(config: TrainConfig, devices: Sequence[str] | None) -> DeviceMesh:
+def mesh_for(config: TrainConfig, devices: Sequence[str] | None = None) -> DeviceMesh:
+    """The config's mesh on ``devices`` (stage-major), or on the local ``config.platform``
+    devices."""
     stages, replicas = parse_spec(config.mesh)
     if devices is not None:
         return DeviceMesh.from_devices(devices, stages, replicas)
     return DeviceMesh.create(stages, replicas, config.platform.upper())
 
 
-def _pipeline(
+def pipeline_for(
     config: TrainConfig, mesh: DeviceMesh, strategy: Any = None
 ) -> tuple[Pipeline, Any, tuple[list[str], str]]:
     """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
@@ -253,7 +257,7 @@ def _train(
     strategy: Any,
     stop: threading.Event | None,
 ) -> TrainResult:
-    pipe, input_shape, summary = _pipeline(config, _mesh(config, devices), strategy)
+    pipe, input_shape, summary = pipeline_for(config, mesh_for(config, devices), strategy)
     saver = (
         Checkpointer(
             pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device

@@ -170,6 +170,24 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
     assert {"loss", "accuracy", "val_accuracy", "val_loss"} <= tags, tags
 
 
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
+    run = launch(
+        "--dry_run", "--model=mlp", "--data=synthetic", "--width=8", "--depth=1",
+        "--mesh=stage:2,replica:1", "--micro_batches=2", "--global_batch_size=8",
+        f"--model_dir={tmp_path}/run",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert "Pipeline: mesh stage:2;replica:1, M=2, gpipe, remat=except_last, balance (1, 3)" in (
+        lines
+    ), run.stdout[-3000:]
+    assert any(line.startswith("    1  device:CPU:1 ") for line in lines)
+    (predicted,) = [line for line in lines if line.startswith("predicted (profiled at 4 rows")]
+    assert " per step, bubble " in predicted and "device 0 " in predicted, predicted
+    assert lines[-1] == "dry run: nothing trained (drop --dry_run to train)"
+    assert "step " not in run.stdout and not os.path.exists(tmp_path / "run")
+
+
 def write_records(directory, files=2, per_file=96):
     """The user_model task as tf.train.Example files: x (12 floats) and its label."""
     import tensorflow as tf

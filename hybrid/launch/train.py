@@ -240,6 +240,23 @@ def _check_gpus(config: Any) -> None:
         )
 
 
+def _dry_run(config: Any) -> None:
+    """``--dry_run``: the plan of the run on this host's devices, then nothing."""
+    import hybrid
+    from hybrid.core.mesh import parse_spec
+    from hybrid.dry_run import dry_run
+
+    if FLAGS.cluster is not None or config.platform == "tpu":
+        raise ValueError(
+            "--dry_run plans on this host's devices; drop --cluster and --platform=tpu for "
+            "it (the stages table and the prediction do not depend on where the devices are)"
+        )
+    if config.platform == "cpu":
+        stages, replicas = parse_spec(config.mesh)
+        hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
+    dry_run(config)
+
+
 def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     """Trains where the flags say: a cluster, a Cloud TPU, or this host's devices."""
     import hybrid
@@ -252,6 +269,8 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
         if config.platform == "cpu":
             hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
         config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
+    if FLAGS.dry_run:
+        return config, _dry_run(config)
     if FLAGS.cluster is not None:
         return config, _run_on_cluster(config, step_callback, stop)
     if config.platform == "tpu":
@@ -394,6 +413,9 @@ def main(argv: list[str]) -> None:
         sys.exit(exit_code(interrupts.received or signal.SIGINT))
     except Exception as err:  # noqa: BLE001 - every error ends here, as one line or a bug report
         sys.exit(report_error(err))
+    if FLAGS.dry_run:
+        print("dry run: nothing trained (drop --dry_run to train)")
+        return
     _finish(config, result, interrupts)
 
 
