@@ -249,7 +249,7 @@ def _report_timeline(
                 f"{name} {value / d.step:.0%}" for name, value in zip(NAMES, parts, strict=True)
             )
         )
-    log(f"timeline step {step}: " + "; ".join(shares))
+    log(f"timeline step {step}: " + "; ".join(shares) + f" (idle {view.idle_fraction:.0%} mean)")
     warning = view.warning()
     if warning:
         log(f"WARNING {warning}")
@@ -263,12 +263,13 @@ def _report_timeline(
                 tf.summary.scalar(f"{prefix}/idle_fraction", d.idle / d.step)
                 tf.summary.scalar(f"{prefix}/communication_share", d.communication_share)
             tf.summary.scalar("timeline/communication_share", view.communication_share)
+            tf.summary.scalar("timeline/idle_fraction", view.idle_fraction)
     if config.model_dir:
-        os.makedirs(os.path.join(config.model_dir, "timeline"), exist_ok=True)
-        measured = [(e.action, e.start, e.end) for e in view.actions if e.action is not None]
-        title = f"step {step}, replica 0 (communication {view.communication_share:.0%})"
-        path = os.path.join(config.model_dir, "timeline", f"step_{step}.png")
-        timeline.plot_timelines([(title, pipe.schedule, measured)], path)
+        folder = os.path.join(config.model_dir, "timeline")
+        os.makedirs(folder, exist_ok=True)
+        base = os.path.join(folder, f"step_{step}")
+        timeline.plot_step(view, pipe.schedule, f"step {step}, replica 0", base + ".png")
+        timeline.chrome_trace(view, pipe.schedule, base + ".trace.json", pipe.mesh.pipeline(0))
 
 
 def _profile(config: TrainConfig, step: int, when: str) -> None:

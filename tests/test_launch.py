@@ -56,7 +56,8 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     # steps 10, 20 and 30 ran timed: a line each, and their Gantt charts
     assert run.stdout.count("timeline step ") == 3, run.stdout[-3000:]
     assert "device 1 compute" in run.stdout and "all-reduce" in run.stdout
-    assert sorted(os.listdir(tmp_path / "timeline")) == [f"step_{n}.png" for n in (10, 20, 30)]
+    written = sorted(os.listdir(tmp_path / "timeline"))
+    assert written == sorted(f"step_{n}.{e}" for n in (10, 20, 30) for e in ("png", "trace.json"))
     assert "mesh stage:2;replica:2" in run.stdout
     assert "examples/s" in run.stdout and "eta 0:00:00" in run.stdout
     first, last, done = first_and_last_loss(run)
