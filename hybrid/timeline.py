@@ -103,7 +103,7 @@ def _figure(
     fig, axes = plt.subplots(
         len(panels),
         1,
-        figsize=(12, 1.2 + 0.6 * max(p[1].num_stages for p in panels) * len(panels)),
+        figsize=(12, 1.6 + 0.6 * max(p[1].num_stages for p in panels) * len(panels)),
         squeeze=False,
     )
     shown: set[str] = set()
@@ -114,8 +114,8 @@ def _figure(
         ax.set_title(title, fontsize=10)
     axes[-1, 0].set_xlabel(xlabel)
     handles = [Patch(color=c, label=name) for name, c in COLORS.items() if name in shown]
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # the legend below the time axis, clear of titles
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
