@@ -270,7 +270,8 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
             hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
         config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
     if FLAGS.dry_run:
-        return config, _dry_run(config)
+        _dry_run(config)
+        return config, None
     if FLAGS.cluster is not None:
         return config, _run_on_cluster(config, step_callback, stop)
     if config.platform == "tpu":
