@@ -29,7 +29,8 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.
     of its step time, bubble and memory per device; returns the prediction (None when the
     model is yours)."""
     pipe, _, _ = pipeline_for(config, mesh_for(config))
-    log(f"dry run of --mesh={config.mesh}: nothing is compiled, trained or written")
+    spec = config.mesh.replace(";", ",")
+    log(f"dry run of --mesh={spec}: nothing is compiled, trained or written")
     pipe.summary(print_fn=log)
     if is_function_spec(config.model):
         log(

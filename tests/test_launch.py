@@ -71,12 +71,14 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     # a finished run: converts its last checkpoint to a .keras file and SavedModels
     again = launch(
         *SMALL_TRANSFORMER,
+        "--mesh=stage:2,replica:2",  # the same mesh in the comma form: no change to report
         "--tie_embeddings",
         f"--model_dir={tmp_path}",
         f"--export_dir={tmp_path}/export",
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained to step 30" in again.stdout
+    assert "--mesh:" not in again.stdout + again.stderr, again.stdout[-2000:]
     check = subprocess.run(
         [sys.executable, "-c", EXPORTS_AGREE, str(tmp_path)],
         capture_output=True,

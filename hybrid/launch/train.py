@@ -139,6 +139,11 @@ def config_from_flags() -> Any:
     from hybrid.trainer import TrainConfig
 
     values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)}
+    if values["mesh"] != "auto":  # one spelling, so a resumed run sees no change of form
+        from hybrid.core.mesh import parse_spec
+
+        stages, replicas = parse_spec(values["mesh"])
+        values["mesh"] = f"stage:{stages};replica:{replicas}"
     values["balance"] = parse_balance(FLAGS.balance)
     values["micro_batches"] = parse_micro_batches(FLAGS.micro_batches)
     values["profile_steps"] = parse_profile_steps(FLAGS.profile_steps)
