@@ -4,9 +4,9 @@ init, small inputs and configs), per model × mesh against plain Keras on one de
 Each (model, mesh) runs in its own process with 4 simulated CPU devices (1 intra-op thread
 each) and a fresh XLA cache. Measured there, side by side:
 
-    keras_first_s     model.compile(jit_compile=True) + the first train_on_batch (trace+compile)
+    keras_first_s     the model made, compile(jit_compile=...), the first train_on_batch
     keras_step_ms     the next steps (median)
-    build_first_s     Pipeline(...) + the first train_step (layers, cut, stage programs)
+    build_first_s     the model made, Pipeline(...), the first train_step (cut, stage programs)
     step_ms           the pipeline's next steps (median), XLA stage programs
     examples_per_s    batch / step time, and its ratio to Keras's (speedup)
 
@@ -45,6 +45,12 @@ flags.DEFINE_integer("batch", 16, "Global batch.")
 flags.DEFINE_integer("image_size", 32, "CNN input height and width.")
 flags.DEFINE_integer("seq_len", 32, "KerasHub models: tokens per example.")
 flags.DEFINE_integer("steps", 5, "Timed steps after the first.")
+flags.DEFINE_bool(
+    "jit_compile",
+    True,
+    "XLA for both Keras's step and the stage programs (on a CPU, convolutions with few "
+    "examples run several times faster without: MobileNetV2's Keras step 324 vs 57 ms).",
+)
 flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
 FLAGS = flags.FLAGS
 
@@ -116,40 +122,51 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
     def loss() -> Any:
         return keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
 
-    model, x, y = build(name)
-    start = time.perf_counter()
-    model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=True)
-    model.train_on_batch(x, y)
-    keras_first = time.perf_counter() - start
-    keras_steps = []
-    for _ in range(FLAGS.steps):
+    def timed(setup: Any) -> tuple[float, float]:
+        """Seconds of ``setup()`` (which returns the step) and the first step, then the
+        median milliseconds of --steps more steps."""
         start = time.perf_counter()
-        model.train_on_batch(x, y)
-        keras_steps.append(time.perf_counter() - start)
-    model, x, y = build(name)
-    start = time.perf_counter()
-    pipe = hybrid.Pipeline(
-        model,
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-3),
-        micro_batches=int(micro),
-        schedule="1f1b",
-        remat="never",
-    )
-    pipe.train_step(x, y)
-    build_first = time.perf_counter() - start
-    steps = []
-    for _ in range(FLAGS.steps):
-        start = time.perf_counter()
-        pipe.train_step(x, y)
-        steps.append(time.perf_counter() - start)
-    keras_ms, step_ms = 1e3 * float(np.median(keras_steps)), 1e3 * float(np.median(steps))
+        step = setup()
+        step()
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(FLAGS.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return first, 1e3 * float(np.median(times))
+
+    def keras_step() -> Any:
+        model, x, y = build(name)
+        model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=FLAGS.jit_compile)
+        return lambda: model.train_on_batch(x, y)
+
+    pipes = []
+
+    def pipeline_step() -> Any:
+        model, x, y = build(name)
+        pipes.append(
+            hybrid.Pipeline(
+                model,
+                mesh=hybrid.DeviceMesh.create(stages, replicas),
+                loss=loss(),
+                optimizer=keras.optimizers.Adam(1e-3),
+                micro_batches=int(micro),
+                schedule="1f1b",
+                remat="never",
+                jit_compile=FLAGS.jit_compile,
+            )
+        )
+        return lambda: pipes[0].train_step(x, y)
+
+    keras_first, keras_ms = timed(keras_step)
+    build_first, step_ms = timed(pipeline_step)
+    pipe = pipes[0]
     return {
         "model": name,
         "mesh": mesh,
         "balance": list(pipe.balance),
-        "parameters": int(sum(np.prod(w.shape) for w in model.weights)),
+        "parameters": int(sum(w.size for w in pipe.get_weights())),
         "keras_first_s": keras_first,
         "keras_step_ms": keras_ms,
         "build_first_s": build_first,
@@ -195,9 +212,10 @@ def plot(rows: list[dict[str, Any]]) -> str:
         ax.set_xticks([i + width * len(meshes) / 2 for i in range(len(models))], models)
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Model zoo, batch {FLAGS.batch}: plain Keras on one device vs the pipeline")
+    xla = "XLA" if FLAGS.jit_compile else "no XLA"
+    fig.suptitle(f"Model zoo, batch {FLAGS.batch}, {xla}: plain Keras (one device) vs pipeline")
     fig.tight_layout()
-    path = os.path.join(common.RESULTS, "zoo.png")
+    path = os.path.join(common.RESULTS, "zoo.png" if FLAGS.jit_compile else "zoo_no_xla.png")
     os.makedirs(common.RESULTS, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -219,7 +237,7 @@ def main(argv: list[str]) -> None:
             with tempfile.TemporaryDirectory() as cache:
                 (row,) = common.run_child(
                     [os.path.abspath(__file__), f"--child={name},{mesh}"]
-                    + common.flag_args("batch", "image_size", "seq_len", "steps"),
+                    + common.flag_args("batch", "image_size", "seq_len", "steps", "jit_compile"),
                     env={"TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"},
                 )
             rows.append(row)
@@ -229,8 +247,9 @@ def main(argv: list[str]) -> None:
                 f" {row['build_over_keras_first']:.2f}x)  step {row['step_ms']:7.1f} ms "
                 f"(Keras {row['keras_step_ms']:7.1f} ms, speedup {row['speedup']:.2f})"
             )
-    common.write_json("zoo", {"environment": env, "rows": rows})
-    common.write_csv("zoo", rows)
+    name = "zoo" if FLAGS.jit_compile else "zoo_no_xla"
+    common.write_json(name, {"environment": env, "jit_compile": FLAGS.jit_compile, "rows": rows})
+    common.write_csv(name, rows)
     print(f"  wrote {plot(rows)}")
     worst = max(rows, key=lambda r: r["build_over_keras_first"])
     print(

@@ -67,6 +67,30 @@ def test_output_mask_is_the_mask_a_layer_attaches():
     assert keras_private.output_mask(keras.layers.Dense(2)(x)) is None
 
 
+def test_a_batch_norm_training_call_normalizes_with_the_moments_it_is_given():
+    """Inside ``batch_norm_moments_from`` a training call normalizes with (and updates its
+    moving statistics from) the given moments; outside, with its own again."""
+    norm = keras.layers.BatchNormalization(synchronized=True, momentum=0.5, epsilon=0.0)
+    x = tf.constant([[1.0, 2.0], [3.0, 6.0]])
+    norm.build(x.shape)
+    given = (tf.constant([0.0, 2.0]), tf.constant([4.0, 16.0]))
+    seen = []
+
+    def moments(inputs, axes):
+        seen.append((inputs.dtype, list(axes)))
+        return given
+
+    with keras_private.batch_norm_moments_from([norm], moments):
+        y = norm(x, training=True)
+    np.testing.assert_allclose(y, (x - given[0]) / tf.sqrt(given[1]), rtol=1e-6)
+    np.testing.assert_allclose(norm.moving_mean, 0.5 * given[0], rtol=1e-6)
+    np.testing.assert_allclose(norm.moving_variance, 0.5 + 0.5 * given[1], rtol=1e-6)
+    assert seen == [(tf.float32, [0])]
+    own = norm(x, training=True)  # its own moments (no replica context: this batch's)
+    np.testing.assert_allclose(own, [[-1.0, -1.0], [1.0, 1.0]], rtol=1e-5)
+    assert "_moments" not in vars(norm)
+
+
 def test_weight_decay_exclusions_carry_over_to_copies_of_the_variables():
     def dense_pair():
         layers = [keras.layers.Dense(3, name="a"), keras.layers.LayerNormalization(name="n")]

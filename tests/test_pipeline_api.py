@@ -255,7 +255,7 @@ def test_micro_batches_auto_candidates_and_refusals(monkeypatch):
     monkeypatch.setattr(micro_batching, "candidates", lambda config, examples: [2])
     norm = [keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(10)]
     pipe = make(stages=1, micro_batches="auto", layers=norm)
-    with pytest.warns(UserWarning, match=r"normalize each micro-batch .* = 1/2 of it"):
+    with pytest.warns(UserWarning, match=r"normalize each micro-batch alone in training: 2 ex"):
         pipe.train_step(*ref.batch(4))
     assert pipe.micro_batches == 2
 

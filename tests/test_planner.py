@@ -603,5 +603,19 @@ def test_profile_a_tiny_model_and_choose_a_mesh():
     assert sum(run.balance) == 3 and len(run.balance) == run.stages
 
 
+@pytest.mark.parametrize("kind,micro_batches", [("micro-batch", 2), ("synchronized", 4)])
+def test_a_model_with_batch_norm_prefers_enough_examples_per_normalization(kind, micro_batches):
+    # 2 stages × 2 replicas, batch 64: the fastest M is the largest (the least bubble)
+    args = dict(devices=4, global_batch=64, schedules=["1f1b"], stages=[2], remats=["never"])
+    profile = uniform(8)
+    assert planner.plan(profile, **args).best.config.micro_batches == 32
+    # BN over >= 16 examples: B / (R·M) per micro-batch, B / M when synchronized
+    with_bn = dataclasses.replace(profile, batch_norm=kind)
+    c = planner.plan(with_bn, **args).best.config
+    assert c.micro_batches == micro_batches
+    assert with_bn.batch_norm_examples(64, c.replicas, c.micro_batches) == 16
+    assert search.BATCH_NORM_MIN_EXAMPLES == 16
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -218,27 +218,41 @@ def test_the_strategy_executor_gathers_slices_as_mirrored_strategy_does():
     assert_as_keras((losses, pipe.get_weights()), keras_run("adam"))
 
 
-def test_an_embedding_looked_up_on_two_stages_is_refused_naming_it():
+def two_lookups_model() -> keras.Model:
+    """One Embedding looked up on two inputs, the lookups on two stages."""
     keras.utils.set_random_seed(0)
     a, b = keras.Input((SEQ,), dtype="int32"), keras.Input((SEQ,), dtype="int32")
     shared = keras.layers.Embedding(VOCAB, 4, name="shared")
     h = keras.layers.Dense(4)(shared(a))
     h = keras.layers.Add()([h, shared(b)])
-    model = keras.Model([a, b], keras.layers.Dense(CLASSES)(keras.layers.Flatten()(h)))
+    return keras.Model([a, b], keras.layers.Dense(CLASSES)(keras.layers.Flatten()(h)))
+
+
+def test_an_embedding_looked_up_on_two_stages_joins_both_stages_slices():
+    """Keras joins the slices of both lookups; the tie group concatenates the stages'."""
+    x, y = tokens(0)
+    xs = [x, x[::-1].copy()]
+    want = two_lookups_model()
+    start = want.get_weights()
+    want.compile(keras.optimizers.Adam(1e-2), loss())
+    for _ in range(2):
+        want.train_on_batch(xs, y)
+    model = two_lookups_model()
+    model.set_weights(start)
     pipe = hybrid.Pipeline(
         model,
-        mesh=hybrid.DeviceMesh.create(2, 1),
+        mesh=hybrid.DeviceMesh.create(2, 2),
         loss=loss(),
-        optimizer="adam",
+        optimizer=keras.optimizers.Adam(1e-2),
+        micro_batches=2,
         balance=[2, 4],
         jit_compile=False,
     )
-    with pytest.raises(
-        NotImplementedError,
-        match=r"'shared/embeddings' is read by gathers .* "
-        r"on stages \[0, 1\]",
-    ):
-        pipe.build([(None, SEQ), (None, SEQ)], "int32")
+    for _ in range(2):
+        pipe.train_step(xs, y)
+    assert [row[0].sparse[0] for row in pipe.stages] == [True, True]  # held by both
+    for g, w in zip(pipe.get_weights(), want.get_weights(), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-6)
 
 
 class TiedHead(keras.layers.Layer):

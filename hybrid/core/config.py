@@ -22,6 +22,7 @@ from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.core.partition import check_balance
 
 __all__ = [
+    "BATCH_NORM_MIN_EXAMPLES",
     "BOUNDARY_DTYPES",
     "BALANCE_MODES",
     "REMAT_MODES",
@@ -40,6 +41,11 @@ REMAT_MODES = ("never", "except_last", "always")
 # What crosses a stage boundary in training (hybrid.engine.compression); float32: as it is.
 BOUNDARY_DTYPES = ("float32", "bfloat16", "int8")
 BALANCE_MODES = ("params", "time")
+# The fewest examples a training-mode BatchNormalization should normalize over: Keras
+# Applications CNNs (ResNet50, DenseNet121, EfficientNetB0) diverged to non-finite outputs
+# in two steps at 4 examples per micro-batch. The planner ranks candidates below it last;
+# the engine's warning recommends it.
+BATCH_NORM_MIN_EXAMPLES = 16
 
 Balance = str | tuple[int, ...] | None
 

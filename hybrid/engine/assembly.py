@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from hybrid.engine.graph import Graph, Segment
 from hybrid.engine.losses import per_element
 from hybrid.engine.objective import Objective
 from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.synced_norm import Member, NormGroup
 from hybrid.engine.template import OptimizerCopies, adds_loss, check_layer, warn_added_losses
 from hybrid.engine.variables import Placement
 
@@ -108,7 +110,6 @@ def lay_out(
         held.append(tuple(v for v in variables if id(v) in reads))
     with tf.device(device):
         slices = sparse.sparse_variables(graph, zeros, variables)
-    _refuse_tied_slices([v for v in variables if id(v) in slices], held)
     return Layout(
         tuple(balance),
         tuple(segments),
@@ -119,21 +120,6 @@ def lay_out(
         _masked(graph, values),
         frozenset(slices),
     )
-
-
-def _refuse_tied_slices(variables: Sequence[Any], held: Sequence[Sequence[Any]]) -> None:
-    """Refuses a variable whose gradient is IndexedSlices held by several stages (an
-    Embedding called on two stages): Keras concatenates the slices of every use, which the
-    pipeline does not do across stages yet."""
-    for v in variables:
-        stages = [k for k, vs in enumerate(held) if any(u is v for u in vs)]
-        if len(stages) > 1:
-            raise NotImplementedError(
-                f"variable {v.path!r} is read by gathers (an Embedding's lookup) on stages "
-                f"{stages}; Keras applies its gradient as the IndexedSlices of every lookup, "
-                "which the pipeline does not combine across stages yet: put the layer calls "
-                "that read it on one stage (balance=[...]), or read it densely in one of them"
-            )
 
 
 def _masked(graph: Graph, values: dict[int, Any]) -> frozenset[int]:
@@ -189,18 +175,22 @@ def place(
     jit_compile: bool,
     logical: LogicalDevices | None = None,
     defer: bool = False,
+    batch: int | None = None,
 ) -> list[list[StageReplica]]:
     """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row; with
     ``logical``, ``stages[k] == [copy]``: one copy on row ``device_of(k)``'s logical device
     (its ops inline in the replicated program), which the strategy replicates.
 
-    Warns when BatchNormalization or ``add_loss`` layers see micro-batches (R·M > 1).
+    Warns when BatchNormalization or ``add_loss`` layers see part of the global batch (of
+    ``batch`` examples, when known).
+
     """
     K = schedule.num_model_stages
     stages = []
     for k in range(K):
         d = schedule.device_of(k)
         devices = [mesh.device(d, r) for r in range(mesh.num_replicas)]
+        group = _synced_group(layout.segments[k], k, devices, logical, jit_compile)
         where = contextlib.nullcontext() if logical is None else logical.scope(d)
         with where:
             row = [
@@ -211,13 +201,14 @@ def place(
                     layout.input_specs[k],
                     optimizers,
                     loss if k == K - 1 else None,
-                    jit_compile,
+                    jit_compile and group is None,
                     layout.variables[k],
                     layout.masked,
+                    synced=None if group is None else Member(group, r),
                     inline=logical is not None,
                     sparse=layout.sparse,
                 )
-                for device in (devices if logical is None else [logical.names[d]])
+                for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]
         for copy in row:
             copy.owned = layout.placement.owned(k)
@@ -230,8 +221,34 @@ def place(
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
     split_batch(stages, mesh.num_replicas, schedule.num_microbatches, defer)
-    warn_parts(stages, mesh.num_replicas * schedule.num_microbatches)
+    warn_parts(stages, mesh.num_replicas, schedule.num_microbatches, batch)
     return stages
+
+
+def _synced_group(
+    segment: Segment,
+    k: int,
+    devices: Sequence[str],
+    logical: LogicalDevices | None,
+    jit_compile: bool,
+) -> NormGroup | None:
+    """The group that all-reduces stage k's ``BatchNormalization(synchronized=True)``
+    moments over its replicas (``synced_norm``): None with one replica or none of them, or
+    in a program a ``tf.distribute`` strategy replicates (``logical``), where Keras's own
+    synchronized moments all-reduce through the strategy's replica context."""
+    calls = [layer for layer, _ in batch_norm.norms_of(segment) if batch_norm.synchronized(layer)]
+    if not calls or logical is not None or len(devices) == 1:
+        return None
+    names = sorted({layer.name for layer in calls})
+    if jit_compile:
+        warnings.warn(
+            f"stage {k} all-reduces the moments of its synchronized BatchNormalization layers "
+            f"{names} over its {len(devices)} replicas inside its programs, which XLA cannot "
+            "compile (XLA on CPU has no collectives): that stage runs without XLA "
+            "(jit_compile=False for it)",
+            stacklevel=4,
+        )
+    return NormGroup(devices, calls)
 
 
 def split_batch(
@@ -247,12 +264,15 @@ def split_batch(
             copy.defers = defer and micro_batches > 1
 
 
-def warn_parts(stages: list[list[StageReplica]], parts: int) -> None:
-    """Warns when BatchNormalization or ``add_loss`` layers see 1/``parts`` of the global
-    batch (``parts`` = R·M > 1)."""
-    norms = [layer for row in stages for layer, _ in row[0].norms]
+def warn_parts(
+    stages: list[list[StageReplica]], replicas: int, micro_batches: int, batch: int | None = None
+) -> None:
+    """Warns when BatchNormalization or ``add_loss`` layers see part of the global batch of
+    ``batch`` examples (None: unknown): 1/(R·M) of it, a synchronized BN 1/M."""
+    norms = list({id(n): n for row in stages for n, _ in row[0].norms}.values())
     added = [layer for row in stages for layer in row[0].regularized if adds_loss(layer)]
-    if norms and parts > 1:
-        batch_norm.warn_micro_batches(norms, parts)
+    parts = replicas * micro_batches
+    if norms:
+        batch_norm.warn_micro_batches(norms, replicas, micro_batches, batch)
     if added and parts > 1:
         warn_added_losses(added, parts)

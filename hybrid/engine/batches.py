@@ -30,6 +30,7 @@ from hybrid.engine.stage import Labels, StageReplica, TensorSpec
 
 __all__ = [
     "Shard",
+    "batch_of",
     "examples",
     "flat",
     "flat_batch",
@@ -59,6 +60,13 @@ def input_specs(input_shape: Any, dtype: Any) -> list[TensorSpec]:
         TensorSpec(tuple(shape[1:]), tf.as_dtype(d).name)
         for shape, d in zip(shapes, dtypes, strict=True)
     ]
+
+
+def batch_of(input_shape: Any) -> int | None:
+    """The batch size an input shape (or a list of them, one per input) gives, or None."""
+    several = isinstance(input_shape[0], (list, tuple))
+    batch = (input_shape[0] if several else input_shape)[0]
+    return batch if isinstance(batch, int) else None
 
 
 def flat_batch(

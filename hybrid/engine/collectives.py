@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-__all__ = ["METHODS", "ReplicaGroup", "method_for", "new_collective_key"]
+__all__ = ["METHODS", "ReplicaGroup", "method_for", "new_collective_key", "new_collective_keys"]
 
 METHODS = ("sum", "collective", "cross_replica")
 
@@ -53,6 +53,14 @@ _KEYS = itertools.count(1)
 def new_collective_key() -> int:
     """A collective group or instance key not used before in this process."""
     return next(_KEYS)
+
+
+def new_collective_keys(count: int) -> int:
+    """The first of ``count`` consecutive keys not used before in this process."""
+    first = next(_KEYS)
+    for _ in range(count - 1):
+        next(_KEYS)
+    return first
 
 
 def method_for(devices: Sequence[str]) -> str:

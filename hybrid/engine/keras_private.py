@@ -15,6 +15,10 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   and output structures (``_inputs_struct``, ``_outputs_struct``, which
   ``keras.tree.flatten`` orders as ``model.inputs`` and ``model.outputs``).
 - ``batch_norm_moments``: the moments BatchNormalization normalizes with (``_moments``).
+- ``batch_norm_moments_from``: a training-mode BatchNormalization call takes its mean and
+  variance from ``_moments(inputs, mask)`` and nothing else (the moving-statistics update
+  and the normalization read them): a synchronized BatchNormalization's moments are computed
+  by the engine's all-reduce inside the stage's program while the layer's own call runs.
 - ``set_variable_path``: a variable made outside a layer gets the path of the template
   variable it copies (``_path``), so an optimizer names its slots as for the original.
 - ``copy_weight_decay_exclusions``: ``Optimizer.exclude_from_weight_decay`` keeps the
@@ -39,7 +43,9 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -58,6 +64,7 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 
 __all__ = [
     "batch_norm_moments",
+    "batch_norm_moments_from",
     "compile_metrics",
     "epoch_iterator",
     "train_validation_split",
@@ -100,6 +107,28 @@ def output_structure(model: keras.Model) -> Any:
 def batch_norm_moments(layer: keras.layers.BatchNormalization, x: Any) -> tuple[Any, Any]:
     """The mean and (biased) variance a training-mode BatchNormalization call takes of ``x``."""
     return layer._moments(x, None)
+
+
+@contextlib.contextmanager
+def batch_norm_moments_from(
+    layers: Sequence[keras.layers.BatchNormalization], moments: Callable[[Any, Any], Any]
+) -> Iterator[None]:
+    """Inside: a training call of each of ``layers`` (on a tensor without a mask)
+    normalizes with ``moments(inputs, axes)``, a ``(mean, variance)`` pair over the layer's
+    reduction ``axes``, instead of its own."""
+    for layer in layers:
+        object.__setattr__(layer, "_moments", functools.partial(_given, moments, layer))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "_moments")
+
+
+def _given(moments: Callable[[Any, Any], Any], layer: Any, inputs: Any, mask: Any) -> Any:
+    if mask is not None:
+        raise NotImplementedError(f"{layer.name}: the moments of a masked tensor are its own")
+    return moments(inputs, layer._reduction_axes)
 
 
 def set_variable_path(variable: Any, path: str) -> None:

@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from hybrid.core.schedule import Action, Op, Schedule
-from hybrid.engine import deferral
+from hybrid.engine import deferral, synced_norm
 from hybrid.engine.compression import Codec
 from hybrid.engine.sparse import flat_tensors
 from hybrid.engine.stage import Labels, Saved, StageReplica
@@ -293,6 +293,8 @@ def lower_training(
                 x = list(xs[m]) if k == 0 else state.receive(state.outputs.pop((k - 1, m)))
                 x = _after(x, state.tails[d]) if order_by_data else x
                 inputs = list(x)
+                # the micro-batch's seed, and the keys of a stage's all-reduced BN moments
+                unit = synced_norm.keyed(stages[k].synced, seed(m), m, schedule.num_microbatches)
             else:
                 dy = state.output_gradient(k, m, keep=action.op is Op.B or state.defer)
                 dy = _after(dy, state.tails[d]) if order_by_data else dy
@@ -301,9 +303,9 @@ def lower_training(
             with tf.control_dependencies(state.tails[d] + start):
                 if action in fused:
                     assert labels is not None  # only the last stage's forwards fuse
-                    direct, done = state.fused(k, m, x, labels, seed(m))
+                    direct, done = state.fused(k, m, x, labels, unit)
                 elif action.op is Op.F:
-                    direct, done = state.forward(k, m, x, labels, seed(m), remat(m))
+                    direct, done = state.forward(k, m, x, labels, unit, remat(m))
                 elif action.op is Op.B:
                     direct, done = state.backward(k, m, dy)
                 else:

@@ -136,7 +136,7 @@ def choose_micro_batches(pipe: Pipeline, xs: Any, ys: Any, ws: Any) -> dict[int,
     use_micro_batches(pipe, best)
     placeholder = least_micro_batches(pipe.config.schedule, pipe.mesh.num_stages)
     if pipe.config.replicas * placeholder == 1:  # else the build warned of R·M > 1 already
-        assembly.warn_parts(pipe.stages, pipe.config.replicas * best)
+        assembly.warn_parts(pipe.stages, pipe.config.replicas, best, int(xs[0].shape[0]))
     timings = ", ".join(f"M={m} {1e3 * s:.1f} ms" for m, s in seconds.items())
     logging.info("micro_batches='auto' chose M=%d (gradient step: %s)", best, timings)
     return seconds

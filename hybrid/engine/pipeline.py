@@ -195,9 +195,9 @@ class Pipeline(Workflow):
         """
         if self.built:
             return
-        self._build(batches.input_specs(input_shape, dtype))
+        self._build(batches.input_specs(input_shape, dtype), batches.batch_of(input_shape))
 
-    def _build(self, specs: Sequence[TensorSpec]) -> None:
+    def _build(self, specs: Sequence[TensorSpec], batch: int | None = None) -> None:
         if len(specs) != len(self._graph.inputs) or any(None in s.shape for s in specs):
             raise ValueError(
                 f"the model takes {len(self._graph.inputs)} input(s), got the input shapes "
@@ -218,7 +218,7 @@ class Pipeline(Workflow):
         self._balance, self._placement = layout.balance, layout.placement
         masked = [k in layout.masked for k in self._graph.outputs]
         self._loss = self._loss.bind(layout.output_shapes, masked)
-        self._stages = self._place(layout)
+        self._stages = self._place(layout, batch)
         self._ties = layout.placement.ties()
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
         if self._metrics.needs_predictions:
@@ -230,12 +230,12 @@ class Pipeline(Workflow):
             for copy in self._stages[-1]:
                 copy.predicts = True
 
-    def _place(self, layout: assembly.Layout) -> list[list[StageReplica]]:
-        """Every stage's copies (``stages[k][r]``), and each stage's replica group."""
+    def _place(self, layout: assembly.Layout, batch: int | None = None) -> list[list[StageReplica]]:
+        """Every stage's copies (``stages[k][r]``) and replica groups (``batch``: see place)."""
         rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
         self._groups = [ReplicaGroup(self.mesh.replica_group(d)) for d in rows]
         args = (layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile)
-        return assembly.place(*args, defer=self._defer)
+        return assembly.place(*args, defer=self._defer, batch=batch)
 
     # -- public steps ----------------------------------------------------------------------
 
@@ -284,7 +284,7 @@ class Pipeline(Workflow):
         xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
         shapes = [tuple(t.shape[1:]) for t in xs]
         if not self.built:
-            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs])
+            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs], len(xs[0]))
         elif shapes != self._shapes:
             raise ValueError(
                 f"the pipeline was built for inputs of shapes {self._shapes} (without the "

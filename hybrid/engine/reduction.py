@@ -149,6 +149,8 @@ def all_stages(
             summed = groups[k].all_reduce_sum([step.grads[k] for step in steps])
             norms = [[tf.add_n(step.stats[k])] for step in steps if step.stats[k]]
             stats.append(groups[k].all_reduce_sum(norms) if norms else [])
+            if norms and row[0].synced:  # and each replica's own sum (batch_norm.update_copy)
+                stats[-1] = [[(g[0], o[0])] for g, o in zip(stats[-1], norms, strict=True)]
         stage_grads, penalty = stage_gradients(row, summed, scale, loss_scale)
         grads.append(stage_grads)
         penalties += [penalty] if penalty is not None else []

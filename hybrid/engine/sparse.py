@@ -47,29 +47,24 @@ Gradient = Any  # a dense tf.Tensor or a tf.IndexedSlices
 def sparse_variables(graph: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> set[int]:
     """The ids of the trainable ``variables`` whose gradient Keras's one-device training step
     would hand its optimizer as ``IndexedSlices``: the model (``graph``, a
-    ``hybrid.engine.graph.Graph``) is traced once, in training mode, on the zero ``inputs``
-    (a function trace: nothing runs), and the gradient of its float outputs' sum taken with
-    respect to every variable, aggregated over all its uses as Keras's tape aggregates it. A
-    regularized variable is dense (Keras adds its penalty's dense gradient)."""
+    ``hybrid.engine.graph.Graph``) runs once eagerly on the zero ``inputs`` in inference mode
+    (nothing it holds changes: no moving statistics, no random draws) under a tape, and the
+    gradient of its float outputs' sum is taken with respect to every variable, aggregated
+    over all its uses as Keras's tape aggregates it (0.3–0.6 s for MobileNetV2 or a small
+    GPT-2; tracing a function of it instead took 3 s). A regularized variable is dense
+    (Keras adds its penalty's dense gradient)."""
     trainable = [v for v in variables if v.trainable and not getattr(v, "regularizer", None)]
     if not trainable:
         return set()
-    found: list[bool] = []
-
-    def probe() -> tf.Tensor:
-        with tf.GradientTape() as tape:
-            values = graph.trace([tf.zeros_like(t) for t in inputs], training=True)
-            outputs = [values[k] for k in graph.outputs]
-            total = tf.add_n(
-                [tf.reduce_sum(tf.cast(y, tf.float32)) for y in outputs if y.dtype.is_floating]
-                + [tf.constant(0.0)]
-            )
-        grads = tape.gradient(total, [v.value for v in trainable])
-        found.extend(isinstance(g, tf.IndexedSlices) for g in grads)
-        return total
-
-    tf.function(probe, autograph=False).get_concrete_function()
-    return {id(v) for v, sparse in zip(trainable, found, strict=True) if sparse}
+    with tf.GradientTape() as tape:
+        values = graph.trace([tf.zeros_like(t) for t in inputs], training=False)
+        outputs = [values[k] for k in graph.outputs]
+        total = tf.add_n(
+            [tf.reduce_sum(tf.cast(y, tf.float32)) for y in outputs if y.dtype.is_floating]
+            + [tf.constant(0.0)]
+        )
+    grads = tape.gradient(total, [v.value for v in trainable])
+    return {id(v) for v, g in zip(trainable, grads, strict=True) if isinstance(g, tf.IndexedSlices)}
 
 
 def empty(variable: Any) -> tf.IndexedSlices:

@@ -245,7 +245,7 @@ def split(
         ):
             recompute.add(t.op)
             del residuals[name]
-    f_nodes = {op.name for op in _ancestors(f_outputs + list(residuals.values()))}
+    f_nodes = {o.name for o in _ancestors(f_outputs + [*residuals.values()]) - backward_ops}
     graph_def = graph.as_graph_def()
     f_def = _subgraph(graph_def, f_nodes)
     f_names = [op.name for op in f_inputs]

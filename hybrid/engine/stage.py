@@ -48,6 +48,7 @@ from hybrid.engine.gradients import (
 from hybrid.engine.graph import Segment
 from hybrid.engine.objective import Objective
 from hybrid.engine.records import Kept, Labels, Saved, TensorSpec
+from hybrid.engine.synced_norm import Member, bound, with_backward
 from hybrid.engine.template import adds_loss, seed_generators
 from hybrid.engine.variables import device_copy
 
@@ -76,6 +77,7 @@ class StageReplica:
         its layers' weights in call order).
       masked: keys of the tensors that carry a Keras mask: the masks of the stage's inputs
         come after them (in key order), and the outputs' masks after the outputs.
+      synced: this copy's ``synced_norm.Member`` (BN moments all-reduced), or None.
       inline: the programs are not functions of their own: their ops go into the caller's
         program (a TPU step, which XLA compiles whole), under the caller's device scope.
       sparse: ids of the template variables whose gradient Keras hands its optimizer as
@@ -93,12 +95,13 @@ class StageReplica:
         jit_compile: bool = True,
         variables: Sequence[Any] | None = None,
         masked: frozenset[int] = frozenset(),
+        synced: Member | None = None,
         inline: bool = False,
         sparse: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.inline = inline
-        self.device = device
+        self.device, self.synced = device, synced
         self.loss = loss
         self.segment = segment if isinstance(segment, Segment) else Segment.chain(segment)
         if variables is None:
@@ -220,14 +223,15 @@ class StageReplica:
             inputs[i] = tf.identity(inputs[i])  # a tensor of this program, to carry the mask
             keras_private.set_mask(inputs[i], mask)
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            values = self.segment.trace(inputs, training)
+            with bound(self.synced, training, seed) as sync:  # synchronized BN moments
+                values = self.segment.trace(inputs, training)
         ys = [values[key] for key in self.segment.outputs]
         ys += [keras_private.output_mask(values[key]) for key in self._out_masks]
         activity = []
         if self.regularized:
             penalties = [tf.cast(p, tf.float32) for p in scope.losses]
             activity = [tf.add_n([tf.constant(0.0)] + penalties)]
-        stats = [batch_norm.statistics(self.norms, values)] if training and self.norms else []
+        stats = [batch_norm.statistics(self.norms, values, sync)] if training and self.norms else []
         if labels is not None:
             assert self.loss is not None
             y_true, sample_weight, valid = labels
@@ -271,7 +275,7 @@ class StageReplica:
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
-            out = self._run(xs, labels, seed, weights)
+            out = self._run(xs, labels, with_backward(self.synced, seed), weights)
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity)
         dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw, self.sparse)
@@ -456,11 +460,9 @@ class StageReplica:
         """Updates this copy's variables with its own optimizer."""
         self._apply(grads)
 
-    def update_norms(self, summed: tf.Tensor, count: int) -> None:
-        """Updates this copy's BatchNormalization moving statistics once for the step, from
-        their statistics summed over the step's ``count`` micro-batches (``batch_norm``)."""
-        copies = dict(zip(map(id, self.templates), self.variables, strict=True))
-        batch_norm.update_moving(self.norms, copies, summed, count)
+    def update_norms(self, summed: Any, count: int) -> None:
+        """Updates this copy's BatchNormalization moving statistics (``batch_norm.update_copy``)."""
+        batch_norm.update_copy(self, summed, count)
 
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization and its gradients (``gradients``), or None."""

@@ -144,7 +144,7 @@ class StrategyPipeline(Pipeline):
                 0, dtype=tf.int64, trainable=False, name="step", aggregation=aggregation
             )
 
-    def _place(self, layout: assembly.Layout) -> list[list[StageReplica]]:
+    def _place(self, layout: assembly.Layout, batch: int | None = None) -> list[list[StageReplica]]:
         """One copy per stage on its logical device, replicated by the strategy; each
         stage's group is the replica context's all-reduce on that device."""
         rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
@@ -158,6 +158,7 @@ class StrategyPipeline(Pipeline):
                 self._loss,
                 self.jit_compile,
                 self._logical,
+                batch=batch,
             )
         for row in stages:
             if row[0].optimizer is not None:  # the step hands it reduced gradients

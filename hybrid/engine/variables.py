@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from hybrid.engine import keras_private
+from hybrid.engine.sparse import concat
 
 __all__ = ["Placement", "device_copy", "sum_tied"]
 
@@ -112,7 +113,9 @@ class Placement:
 def sum_tied(
     grads: list[list[tf.Tensor]], devices: Sequence[str], ties: Sequence[tuple[Location, ...]]
 ) -> None:
-    """Replaces each tied variable's gradient on every holder by the sum over its holders.
+    """Replaces each tied variable's gradient on every holder by the sum over its holders
+    (sparse gradients: their slices concatenated in stage order, as Keras's tape joins the
+    slices of several lookups).
 
     Args:
       grads: ``grads[k]``: stage k's gradients on one replica (changed in place).
@@ -121,8 +124,9 @@ def sum_tied(
     """
     for group in ties:
         (owner, _), *_ = group
+        parts = [grads[k][j] for k, j in group]
         with tf.device(devices[owner]):
-            total = tf.add_n([grads[k][j] for k, j in group])
+            total = concat(parts) if isinstance(parts[0], tf.IndexedSlices) else tf.add_n(parts)
         for k, j in group:
             grads[k][j] = total
 

@@ -84,6 +84,9 @@ class CostProfile:
       input_bytes: bytes of one example of the model input.
       input_is_float: whether the model input has a gradient (token ids do not).
       source: where the figures come from, for reports.
+      batch_norm: the model's training-mode BatchNormalization: "" (none), "micro-batch"
+        (some normalize each micro-batch alone) or "synchronized" (all are
+        ``synchronized=True``: the R replicas' micro-batches together).
     """
 
     layers: tuple[LayerCost, ...]
@@ -91,6 +94,7 @@ class CostProfile:
     input_bytes: float
     input_is_float: bool = True
     source: str = ""
+    batch_norm: str = ""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -111,6 +115,14 @@ class CostProfile:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def batch_norm_examples(self, global_batch: int, replicas: int, micro_batches: int) -> int:
+        """The examples a BatchNormalization normalizes over in training: B / (R·M), or
+        B / M when all are synchronized (0 without BatchNormalization)."""
+        if not self.batch_norm:
+            return 0
+        together = 1 if self.batch_norm == "synchronized" else replicas
+        return global_batch // (together * micro_batches)
 
     def value(self, layer: int, name: str, batch: float) -> float:
         """Per-batch figure ``name`` of layer ``layer`` at a micro-batch of ``batch``."""
@@ -261,6 +273,22 @@ def profile_model(
         repeats=repeats,
         verbose=verbose,
     )
-    return CostProfile.from_measurement(
+    profile = CostProfile.from_measurement(
         measurement, input_is_float=tf.as_dtype(input_dtype).is_floating
     )
+    return dataclasses.replace(profile, batch_norm=_batch_norm_kind(layers))
+
+
+def _batch_norm_kind(layers: Sequence[Any]) -> str:
+    """``CostProfile.batch_norm`` of ``layers`` (and the layers of models among them)."""
+    import keras
+
+    norms, todo = [], list(layers)
+    while todo:
+        layer = todo.pop()
+        todo += list(getattr(layer, "layers", []))
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            norms.append(layer)
+    if not norms:
+        return ""
+    return "synchronized" if all(n.synchronized for n in norms) else "micro-batch"

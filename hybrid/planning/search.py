@@ -14,6 +14,7 @@ from typing import Any
 
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import (
+    BATCH_NORM_MIN_EXAMPLES,
     REMAT_MODES,
     ConfigError,
     RunConfig,
@@ -25,7 +26,7 @@ from hybrid.planning.costs import CostProfile, profile_model
 from hybrid.planning.hardware import Hardware
 from hybrid.planning.report import Plan, Rejection, format_bytes
 
-__all__ = ["candidates", "choose_mesh", "plan"]
+__all__ = ["BATCH_NORM_MIN_EXAMPLES", "candidates", "choose_mesh", "plan"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -98,7 +99,10 @@ def plan(
 
     Candidates: see :func:`candidates`. Each runs through :func:`evaluate`; a candidate
     :func:`hybrid.core.config.validate_run` refuses, or one that needs more than
-    ``memory_per_device``, is rejected with the reason. On a 1-stage mesh the schedules
+    ``memory_per_device``, is rejected with the reason. The rest are ranked by predicted
+    step time, except that with BatchNormalization in the model (``CostProfile.batch_norm``)
+    every candidate whose BN normalizes over at least :data:`BATCH_NORM_MIN_EXAMPLES`
+    examples ranks before those that normalize over fewer. On a 1-stage mesh the schedules
     coincide: a candidate there whose prediction equals one already ranked but for the
     schedule is left out of the ranking and counted in ``Plan.merged``.
 
@@ -165,7 +169,7 @@ def plan(
             ranked.append(outcome)
         if bar is not None:
             bar.add(1)
-    ranked.sort(key=_rank_key)
+    ranked.sort(key=lambda p: (_small_norm(profile, p), *_rank_key(p)))
     seconds = time.perf_counter() - began
     return Plan(devices, global_batch, hardware, tuple(ranked), tuple(rejected), merged, seconds)
 
@@ -243,6 +247,14 @@ def _judge(
         reason = f"out of memory: needs {needs} per device, has {has}"
         return Rejection(prediction.config, "out of memory", reason, prediction)
     return prediction
+
+
+def _small_norm(profile: CostProfile, p: Prediction) -> bool:
+    """Whether the model's BatchNormalization normalizes over fewer than
+    :data:`BATCH_NORM_MIN_EXAMPLES` examples in ``p`` (such candidates rank after the rest)."""
+    c = p.config
+    examples = profile.batch_norm_examples(p.global_batch, c.replicas, c.micro_batches)
+    return bool(profile.batch_norm) and examples < BATCH_NORM_MIN_EXAMPLES
 
 
 def _rank_key(p: Prediction) -> tuple[float, float, int, int, str, str]:
