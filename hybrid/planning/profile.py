@@ -196,7 +196,7 @@ def measure_layers(
             f"profiling {len(layers)} layers at micro-batch sizes {sizes} on {device}: "
             f"compiling each, then {repeats} timing rounds"
         )
-    bar = keras.utils.Progbar(len(layers) * len(sizes) + repeats, verbose=verbose)
+    bar = keras.utils.Progbar(len(layers) * len(sizes) + repeats, verbose=verbose, unit_name="task")
     keys, distinct = _probe_layers(layers, specs, sizes, setup, bar)
     groups = [probes for _, probes in distinct.values()]
     base = _time_rounds(groups, identity, base_args, repeats, bar)
