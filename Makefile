@@ -3,14 +3,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# TF chooses TensorFlow's build (an extra of pyproject.toml): cpu (tensorflow-cpu, the
-# default), cuda (GPU nodes) or tpu-vm (tensorflow-tpu with libtpu, on a Cloud TPU VM):
+# TF chooses TensorFlow's build: cpu (the default: the `tensorflow` dependency of
+# pyproject.toml), cuda (its `cuda` extra: the NVIDIA libraries for GPU nodes) or tpu-vm
+# (tensorflow-tpu with libtpu, on a Cloud TPU VM: hybrid itself --no-deps, the rest from
+# tools/requirements.py, so pip never installs the standard build beside it):
 #   make demo TF=cuda
 #   make install TF=tpu-vm TF_PACKAGE='tensorflow-tpu==2.20.*'
 # TF_PACKAGE: extra pip requirements in the same resolver pass (e.g. a TensorFlow version).
 TF ?= cpu
-EXTRAS ?= $(TF),test,plot,tpu
+OTHER_EXTRAS ?= test,plot,tpu
+EXTRAS ?= $(TF),$(OTHER_EXTRAS)
 TF_PACKAGE ?=
+TPU_BUILD := 'tensorflow-tpu>=2.20,<2.22'
 # KerasHub for the model-zoo tests and benchmark, without its tensorflow-text dependency (which
 # requires the full `tensorflow` package beside tensorflow-cpu); what it imports is in `test`.
 KERAS_HUB ?= keras-hub==0.32.*
@@ -23,16 +27,27 @@ export TF_ENABLE_ONEDNN_OPTS ?= 0
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+ifeq ($(TF),tpu-vm)
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet $(or $(TF_PACKAGE),$(TPU_BUILD)) \
+		$$($(PY) tools/requirements.py $(OTHER_EXTRAS))
+else
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" $(TF_PACKAGE)
+endif
 	$(PY) -m pip install --quiet --no-deps $(KERAS_HUB)
 	touch $@
 
 install: $(VENV)/.installed
 
 # A byte-level Transformer LM on the Python manual (ships with CPython), 2×2 simulated mesh.
+# One directory, reused: an interrupted demo resumes, a finished one says so; `make demo
+# FRESH=1` starts again (the old checkpoints are moved aside, never deleted).
+DEMO_DIR ?= /tmp/hybrid-demo
+DEMO_STEPS ?= 60
+FRESH ?=
 demo: install
-	$(PY) -m hybrid.launch.train --mesh="stage:2;replica:2" --micro_batches=4 --train_steps=60 \
-		--progress_bar --model_dir=/tmp/hybrid-demo-$$$$
+	$(PY) -m hybrid.launch.train --mesh=stage:2,replica:2 --micro_batches=4 \
+		--train_steps=$(DEMO_STEPS) --progress_bar --model_dir=$(DEMO_DIR) $(if $(FRESH),--fresh_start)
 
 lint: install
 	$(PY) -m ruff check hybrid tests benchmarks tools
@@ -75,7 +90,9 @@ tpu-check: export TPU_LOAD_LIBRARY = 0
 tpu-check:
 	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(TPU_VENV)/bin/python -m pip install --quiet -e ".[tpu-vm,test,tpu]" "tensorflow-tpu==2.20.*"
+	$(TPU_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(TPU_VENV)/bin/python -m pip install --quiet "tensorflow-tpu==2.20.*" \
+		$$($(TPU_VENV)/bin/python tools/requirements.py test,tpu)
 	$(TPU_VENV)/bin/python -c "import tensorflow as tf; print('TensorFlow', tf.__version__)"
 	$(TPU_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider \
 		tests/test_tpu_program.py tests/test_tpu_mesh.py

@@ -80,6 +80,7 @@ def compare_timelines(name: str, pipe: Any, x: Any, y: Any) -> dict[str, Any]:
             (f"{name}: measured (one instrumented step)", s, measured),
         ],
         path,
+        seconds=True,  # both in seconds (the simulation's costs are measured ones): ms axis
     )
     return {
         "measured_bubble": measured_bubble,

@@ -17,6 +17,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid.core.lazy import attributes
+from hybrid.core.quiet import quiet_cpp_info
+
+quiet_cpp_info()  # TensorFlow's C++ INFO banners, unless TF_CPP_MIN_LOG_LEVEL says otherwise
 
 if TYPE_CHECKING:
     from hybrid.checkpoint import Checkpointer, CheckpointError

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from hybrid.engine.export import MANIFEST
 
-__all__ = ["PipelinedModel", "load"]
+__all__ = ["PipelinedModel", "load", "manifest_directory"]
 
 
 class PipelinedModel:
@@ -38,6 +38,7 @@ class PipelinedModel:
     """
 
     def __init__(self, path: str, devices: Sequence[str] | None = None) -> None:
+        path = manifest_directory(path)
         with open(os.path.join(path, MANIFEST)) as f:
             self.manifest: dict[str, Any] = json.load(f)
         stages = self.manifest["stages"]
@@ -93,7 +94,27 @@ class PipelinedModel:
         return outputs[0] if len(outputs) == 1 else outputs
 
 
+def manifest_directory(path: str) -> str:
+    """The directory of the per-stage export ``path`` names: ``path`` itself when it holds
+    the manifest, else ``path/stages`` (the launcher's ``--export_dir`` writes the whole model
+    at ``path`` and the per-stage export under ``stages/``).
+
+    Raises:
+      FileNotFoundError: neither holds a manifest; the message names both and the fix.
+    """
+    for candidate in (path, os.path.join(path, "stages")):
+        if os.path.exists(os.path.join(candidate, MANIFEST)):
+            return candidate
+    raise FileNotFoundError(
+        f"{path} is not a per-stage export: neither {os.path.join(path, MANIFEST)} nor "
+        f"{os.path.join(path, 'stages', MANIFEST)} exists; write one with "
+        "pipe.export(path, per_stage=True) or hybrid-train --export_dir (a whole-model "
+        "SavedModel loads with tf.saved_model.load)"
+    )
+
+
 def load(path: str, devices: Sequence[str] | None = None) -> PipelinedModel:
-    """The per-stage export at ``path``, stage i on ``devices[i]`` (default: this process's
-    logical CPU devices in turn)."""
+    """The per-stage export at ``path`` (or at ``path/stages``, where the launcher's
+    ``--export_dir`` puts it), stage i on ``devices[i]`` (default: this process's logical CPU
+    devices in turn)."""
     return PipelinedModel(path, devices)

@@ -67,7 +67,14 @@ class Steps(keras.callbacks.Callback):
     loss, logs and writes TensorBoard scalars, checkpoints, profiles, and calls the
     ``step_callback``; the model's step is ``start`` + the batch's index + 1. Once ``stop``
     is set, the step just run is checkpointed (with a saver) and ``fit`` stops after it
-    (``interrupted_at``)."""
+    (``interrupted_at``).
+
+    The first step of the call traces and compiles every stage program: it is announced
+    before it runs and its time said after. With ``config.progress_bar`` a
+    ``keras.utils.Progbar`` starts after it, so its ETA counts compiled steps only, and it
+    shows the step's own loss (the figure of the log lines and the run's last line) and the
+    model's metrics.
+    """
 
     def __init__(
         self,
@@ -90,8 +97,13 @@ class Steps(keras.callbacks.Callback):
         self.last_checkpoint: str | None = None
         self.began = 0.0
         self.timeline_seen: StepView | None = None
+        self.bar: keras.utils.Progbar | None = None
+        self.compile_seconds: float | None = None
+        self.validation: dict[str, float] = {}
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if batch == 0:
+            self.log(f"compiling {_programs(self.pipe)} stage programs (the first step)...")
         _profile(self.config, self.start + batch + 1, "start")
         self.began = time.perf_counter()
 
@@ -102,9 +114,19 @@ class Steps(keras.callbacks.Callback):
         _profile(config, step, "stop")
         _check_finite(config, step, loss, self.last_checkpoint)
         self.losses.append(loss)
+        metrics = _metrics(logs)
+        if batch == 0:
+            self.compile_seconds = self.progress.last
+            self.log(f"compiled and ran step {step} in {self.progress.last:.1f} s")
+            if config.progress_bar:
+                self.bar = keras.utils.Progbar(
+                    config.train_steps - self.start, stateful_metrics=["loss", *metrics]
+                )
+        if self.bar is not None:
+            self.bar.update(batch + 1, [("loss", loss), *metrics.items()])
         if step % config.log_every == 0 or step == config.train_steps:
             rate = resume.learning_rate(self.pipe)
-            _report(config, step, loss, rate, self.progress, self.log, self.writer)
+            _report(config, step, loss, rate, metrics, self.progress, self.log, self.writer)
         view = self.pipe.last_timeline
         if view is not None and view is not self.timeline_seen:
             self.timeline_seen = view
@@ -122,6 +144,36 @@ class Steps(keras.callbacks.Callback):
                 self.last_checkpoint = self.saver.save(step)
             self.interrupted_at = step
             self.pipe.stop_training = True
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """Keeps the validation figures (``val_*``) of ``fit``'s end: logged and written."""
+        self.validation = {k: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
+        if not self.validation:
+            return
+        step = self.start + len(self.losses)
+        self.log(
+            f"validation after step {step}: "
+            + "  ".join(f"{k} {v:.4f}" for k, v in self.validation.items())
+        )
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for name, value in self.validation.items():
+                    tf.summary.scalar(name, value)
+
+
+def _programs(pipe: Pipeline) -> int:
+    """How many stage programs a step runs: one per model stage per device."""
+    return sum(len(row) for row in pipe.stages)
+
+
+def _metrics(logs: Any) -> dict[str, float]:
+    """The model's compiled metrics among ``fit``'s batch logs (Keras's running values over
+    the epoch, as its progress bar shows them); the loss is reported on its own."""
+    return {
+        k: float(v)
+        for k, v in (logs or {}).items()
+        if k != "loss" and not k.endswith("_loss") and not k.startswith("val_")
+    }
 
 
 def _check_finite(config: TrainConfig, step: int, loss: float, checkpoint: str | None) -> None:
@@ -142,27 +194,37 @@ def _report(
     step: int,
     loss: float,
     rate: float,
+    metrics: dict[str, float],
     progress: _Progress,
     log: Callable[[str], None],
     writer: tf.summary.SummaryWriter | None,
 ) -> None:
     """One progress line (unless the progress bar shows), and the TensorBoard scalars when
-    a writer is open (``rate``: the learning rate the optimizer used)."""
+    a writer is open (``rate``: the learning rate the optimizer used; ``metrics``: the
+    model's compiled metrics)."""
     if not config.progress_bar:
+        shown = "".join(f"  {name} {value:.4f}" for name, value in metrics.items())
         log(
-            f"step {step:6d}/{config.train_steps}  loss {loss:.4f}  "
+            f"step {step:6d}/{config.train_steps}  loss {loss:.4f}{shown}  "
             f"examples/s {progress.examples_per_second:9.1f}  "
             f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
         )
     if writer is not None:
-        _scalars(writer, step, loss, rate, progress)
+        _scalars(writer, step, loss, rate, metrics, progress)
 
 
 def _scalars(
-    writer: tf.summary.SummaryWriter, step: int, loss: float, rate: float, progress: _Progress
+    writer: tf.summary.SummaryWriter,
+    step: int,
+    loss: float,
+    rate: float,
+    metrics: dict[str, float],
+    progress: _Progress,
 ) -> None:
     with writer.as_default(step=step):
         tf.summary.scalar("loss", loss)
+        for name, value in metrics.items():
+            tf.summary.scalar(name, value)
         tf.summary.scalar("learning_rate", rate)
         tf.summary.scalar("examples_per_second", progress.examples_per_second)
         tf.summary.scalar("step_time_ms", progress.last * 1e3)
@@ -187,7 +249,7 @@ def _report_timeline(
                 f"{name} {value / d.step:.0%}" for name, value in zip(NAMES, parts, strict=True)
             )
         )
-    log(f"timeline step {step}: " + "; ".join(shares))
+    log(f"timeline step {step}: " + "; ".join(shares) + f" (idle {view.idle_fraction:.0%} mean)")
     warning = view.warning()
     if warning:
         log(f"WARNING {warning}")
@@ -201,12 +263,13 @@ def _report_timeline(
                 tf.summary.scalar(f"{prefix}/idle_fraction", d.idle / d.step)
                 tf.summary.scalar(f"{prefix}/communication_share", d.communication_share)
             tf.summary.scalar("timeline/communication_share", view.communication_share)
+            tf.summary.scalar("timeline/idle_fraction", view.idle_fraction)
     if config.model_dir:
-        os.makedirs(os.path.join(config.model_dir, "timeline"), exist_ok=True)
-        measured = [(e.action, e.start, e.end) for e in view.actions if e.action is not None]
-        title = f"step {step}, replica 0 (communication {view.communication_share:.0%})"
-        path = os.path.join(config.model_dir, "timeline", f"step_{step}.png")
-        timeline.plot_timelines([(title, pipe.schedule, measured)], path)
+        folder = os.path.join(config.model_dir, "timeline")
+        os.makedirs(folder, exist_ok=True)
+        base = os.path.join(folder, f"step_{step}")
+        timeline.plot_step(view, pipe.schedule, f"step {step}, replica 0", base + ".png")
+        timeline.chrome_trace(view, pipe.schedule, base + ".trace.json", pipe.mesh.pipeline(0))
 
 
 def _profile(config: TrainConfig, step: int, when: str) -> None:

@@ -13,7 +13,7 @@ Conceptually::
         once `stop` is set: checkpoint this step and end])
     checkpoint at the end; export (unless stopped early)
 
-The loop is ``Pipeline.fit``, Keras's own (``--progress_bar`` shows Keras's progress bar),
+The loop is ``Pipeline.fit``, Keras's own (``--progress_bar`` shows ``keras.utils.Progbar``),
 and everything the launcher does per step is a Keras callback (``hybrid.train_steps``).
 
 so a run killed at any point and started again with the same config finishes with exactly
@@ -45,6 +45,8 @@ __all__ = [
     "NonFiniteLossError",
     "TrainConfig",
     "TrainResult",
+    "mesh_for",
+    "pipeline_for",
     "train",
 ]
 
@@ -60,6 +62,9 @@ class TrainConfig:
         (``hybrid.data``).
       tfrecord_features, tfrecord_label: a "tfrecord:PATTERN" source's feature spec (JSON)
         and the name of its label feature.
+      validation_data, validation_steps: data in ``data``'s grammar evaluated at the end of
+        the run (``fit``'s ``validation_data``; a reference source draws with ``seed + 1``),
+        and how many batches of it; None: no validation.
       optimizer, optimizer_config: a Keras optimizer's name and its other arguments (JSON).
       precision: the Keras dtype policy the model is built under.
       mesh: mesh spec, e.g. "stage:2;replica:2".
@@ -102,6 +107,8 @@ class TrainConfig:
     data: str = "text:" + data.BUILTIN_TEXT
     tfrecord_features: str | None = None
     tfrecord_label: str = "label"
+    validation_data: str | None = None
+    validation_steps: int | None = None
     optimizer: str = "adam"
     optimizer_config: str = "{}"
     precision: str = "float32"
@@ -160,14 +167,16 @@ class TrainResult:
     interrupted_at: int | None = None
 
 
-def _mesh(config: TrainConfig, devices: Sequence[str] | None) -> DeviceMesh:
+def mesh_for(config: TrainConfig, devices: Sequence[str] | None = None) -> DeviceMesh:
+    """The config's mesh on ``devices`` (stage-major), or on the local ``config.platform``
+    devices."""
     stages, replicas = parse_spec(config.mesh)
     if devices is not None:
         return DeviceMesh.from_devices(devices, stages, replicas)
     return DeviceMesh.create(stages, replicas, config.platform.upper())
 
 
-def _pipeline(
+def pipeline_for(
     config: TrainConfig, mesh: DeviceMesh, strategy: Any = None
 ) -> tuple[Pipeline, Any, tuple[list[str], str]]:
     """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
@@ -248,7 +257,7 @@ def _train(
     strategy: Any,
     stop: threading.Event | None,
 ) -> TrainResult:
-    pipe, input_shape, summary = _pipeline(config, _mesh(config, devices), strategy)
+    pipe, input_shape, summary = pipeline_for(config, mesh_for(config, devices), strategy)
     saver = (
         Checkpointer(
             pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device
@@ -259,26 +268,12 @@ def _train(
     restored = resume.resume(config, pipe, saver, summary, log)
     start = restored.step if restored else 0
     position = restored.data_position if restored else 0
-    if is_function_spec(config.data):  # yours: the batches after the ones already taken
-        batches = call_user("data", config.data, config.global_batch_size).skip(position)
-    elif config.data.startswith("tfrecord:"):
-        batches = data.tfrecord_dataset(
-            config.data.partition(":")[2],
-            config.tfrecord_features or "",
-            config.tfrecord_label,
-            config.global_batch_size,
-            position,
-        )
-    else:
-        batches = data.dataset(
-            config.data,
-            config.model,
-            config.global_batch_size,
-            config.seed,
-            start_step=position,
-            seq_len=config.seq_len,
-            input_shape=input_shape,
-        )
+    batches = _batches(config, config.data, config.seed, position, input_shape)
+    validation = (
+        _batches(config, config.validation_data, config.seed + 1, 0, input_shape)
+        if config.validation_data
+        else None
+    )
     writer = (
         tf.summary.create_file_writer(os.path.join(config.model_dir, "train"))
         if config.model_dir
@@ -291,9 +286,11 @@ def _train(
             batches,
             epochs=1,
             steps_per_epoch=config.train_steps - start,
-            verbose=1 if config.progress_bar else 0,
+            verbose=0,  # the progress bar, if any, is the Steps callback's (after compiling)
             shuffle=False,  # the batches are a function of (seed, step)
             callbacks=[steps],
+            validation_data=validation,
+            validation_steps=config.validation_steps,
         )
     if writer is not None:
         writer.flush()
@@ -306,6 +303,31 @@ def _train(
         pipe,
         steps.last_checkpoint,
         steps.interrupted_at,
+    )
+
+
+def _batches(
+    config: TrainConfig, spec: str, seed: int, position: int, input_shape: Any
+) -> tf.data.Dataset:
+    """The global batches ``spec`` names (``--data``'s grammar), from batch ``position`` on."""
+    if is_function_spec(spec):  # yours: the batches after the ones already taken
+        return call_user("data", spec, config.global_batch_size).skip(position)
+    if spec.startswith("tfrecord:"):
+        return data.tfrecord_dataset(
+            spec.partition(":")[2],
+            config.tfrecord_features or "",
+            config.tfrecord_label,
+            config.global_batch_size,
+            position,
+        )
+    return data.dataset(
+        spec,
+        config.model,
+        config.global_batch_size,
+        seed,
+        start_step=position,
+        seq_len=config.seq_len,
+        input_shape=input_shape,
     )
 
 

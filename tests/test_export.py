@@ -15,6 +15,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import hybrid
@@ -148,6 +149,10 @@ def test_per_stage_export_chains_to_predict_and_serves_pipelined(tmp_path):
     server = serving.load(path, devices=devices)
     for got, expected in zip(server.predict(x, micro_batches=4), want, strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-5)
+    # The launcher's --export_dir layout: the whole model at the top, the stages under stages/.
+    assert serving.manifest_directory(str(tmp_path)) == path
+    with pytest.raises(FileNotFoundError, match="is not a per-stage export.*per_stage=True"):
+        serving.load(str(tmp_path / "nothing"))
 
 
 if __name__ == "__main__":

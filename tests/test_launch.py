@@ -56,7 +56,8 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     # steps 10, 20 and 30 ran timed: a line each, and their Gantt charts
     assert run.stdout.count("timeline step ") == 3, run.stdout[-3000:]
     assert "device 1 compute" in run.stdout and "all-reduce" in run.stdout
-    assert sorted(os.listdir(tmp_path / "timeline")) == [f"step_{n}.png" for n in (10, 20, 30)]
+    written = sorted(os.listdir(tmp_path / "timeline"))
+    assert written == sorted(f"step_{n}.{e}" for n in (10, 20, 30) for e in ("png", "trace.json"))
     assert "mesh stage:2;replica:2" in run.stdout
     assert "examples/s" in run.stdout and "eta 0:00:00" in run.stdout
     first, last, done = first_and_last_loss(run)
@@ -70,12 +71,14 @@ def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     # a finished run: converts its last checkpoint to a .keras file and SavedModels
     again = launch(
         *SMALL_TRANSFORMER,
+        "--mesh=stage:2,replica:2",  # the same mesh in the comma form: no change to report
         "--tie_embeddings",
         f"--model_dir={tmp_path}",
         f"--export_dir={tmp_path}/export",
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained to step 30" in again.stdout
+    assert "--mesh:" not in again.stdout + again.stderr, again.stdout[-2000:]
     check = subprocess.run(
         [sys.executable, "-c", EXPORTS_AGREE, str(tmp_path)],
         capture_output=True,
@@ -98,7 +101,7 @@ signature = tf.saved_model.load(path + "/export").signatures["serving_default"]
 (name,) = signature.structured_input_signature[1]
 want = next(iter(signature(**{name: tf.constant(tokens)}).values())).numpy()
 assert want.shape == (4, 32, 256)
-pipelined = serving.load(path + "/export/stages").predict(tokens, micro_batches=2)
+pipelined = serving.load(path + "/export").predict(tokens, micro_batches=2)  # finds stages/
 np.testing.assert_allclose(pipelined, want, atol=1e-4)
 """
 
@@ -116,8 +119,8 @@ def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     planned = [line for line in run.stdout.splitlines() if line.startswith("planned: ")]
     assert planned and "--schedule=1f1b" in planned[0]  # a flag given explicitly stays fixed
     spec = planned[0].split("--mesh=")[1].split(" ")[0]
-    assert spec in ("stage:1;replica:2", "stage:2;replica:1")
-    assert f"mesh {spec} devices" in run.stdout and "done:" in run.stdout
+    assert spec in ("stage:1,replica:2", "stage:2,replica:1")  # the form a shell takes
+    assert f"mesh {spec.replace(',', ';')} devices" in run.stdout and "done:" in run.stdout
     deferred = "--defer_weight_gradients=True" in planned[0]  # the plan's choice is applied
     assert deferred or "--defer_weight_gradients=False" in planned[0], planned[0]
     assert ("deferred weight gradients" in run.stdout) == deferred
@@ -138,10 +141,11 @@ def test_micro_batches_auto_times_every_m_at_the_first_step():
 
 def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_path):
     run = launch(
-        "--model=user_model:model", "--data=user_model:data", "--mesh=stage:2;replica:1",
+        "--model=user_model:model", "--data=user_model:data", "--mesh=stage:2,replica:1",
         "--micro_batches=2", "--global_batch_size=32", "--train_steps=30", "--log_every=30",
         "--optimizer=adamw", '--optimizer_config={"weight_decay": 0.001}',
         "--learning_rate=0.01", "--precision=mixed_bfloat16", f"--keras_file={tmp_path}/m.keras",
+        "--validation_data=user_model:data", "--validation_steps=2", f"--model_dir={tmp_path}/run",
         env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -149,6 +153,43 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
     assert last < 0.8 * first, done
     trained = keras.saving.load_model(tmp_path / "m.keras")
     assert trained.layers[1].dtype_policy.name == "mixed_bfloat16"
+    # What it is doing: the compile announced and timed, your metrics, validation, outputs.
+    lines = run.stdout.splitlines()
+    assert "compiling 2 stage programs (the first step)..." in lines, run.stdout[-3000:]
+    assert any(line.startswith("compiled and ran step 1 in ") for line in lines)
+    (step,) = [line for line in lines if line.startswith("step ")]
+    assert "  accuracy 0." in step, step  # the model function's metrics=["accuracy"]
+    (validation,) = [line for line in lines if line.startswith("validation after step 30: ")]
+    assert "val_accuracy" in validation and "val_loss" in validation
+    assert f"  tensorboard --logdir {tmp_path}/run" in lines
+    assert f"  keras_file  {tmp_path}/m.keras (keras.saving.load_model)" in lines
+    assert "Sharding callback" not in run.stderr and "I1" not in run.stderr, run.stderr[-2000:]
+    tags = set()
+    import tensorflow as tf
+
+    for name in os.listdir(tmp_path / "run" / "train"):
+        for event in tf.compat.v1.train.summary_iterator(str(tmp_path / "run" / "train" / name)):
+            tags.update(value.tag for value in event.summary.value)
+    assert {"loss", "accuracy", "val_accuracy", "val_loss"} <= tags, tags
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
+    run = launch(
+        "--dry_run", "--model=mlp", "--data=synthetic", "--width=8", "--depth=1",
+        "--mesh=stage:2,replica:1", "--micro_batches=2", "--global_batch_size=8",
+        f"--model_dir={tmp_path}/run",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert "Pipeline: mesh stage:2;replica:1, M=2, gpipe, remat=except_last, balance (1, 3)" in (
+        lines
+    ), run.stdout[-3000:]
+    assert any(line.startswith("    1  device:CPU:1 ") for line in lines)
+    (predicted,) = [line for line in lines if line.startswith("predicted (profiled at 4 rows")]
+    assert " per step, bubble " in predicted and "device 0 " in predicted, predicted
+    assert lines[-1] == "dry run: nothing trained (drop --dry_run to train)"
+    assert not any(line.startswith("step ") for line in lines)  # no training step ran
+    assert not os.path.exists(tmp_path / "run")
 
 
 def write_records(directory, files=2, per_file=96):
@@ -272,6 +313,11 @@ def test_trains_on_tfrecord_files(tmp_path):
             "--defer_weight_gradients needs stage programs of their own",
         ),
         (["stray"], "unexpected arguments: ['stray']"),
+        (["--validation_steps=2"], "--validation_steps=2 needs --validation_data"),
+        (
+            ["--validation_data=text:python-docs"],
+            "--validation_data=text:python-docs needs --validation_steps=N",
+        ),
     ],
 )
 def test_bad_flags_fail_before_training(flags, message):

@@ -29,6 +29,14 @@ def test_from_spec_equals_create():
     assert hybrid.DeviceMesh.from_spec("stage:2;replica:2") == hybrid.DeviceMesh.create(2, 2)
     assert hybrid.DeviceMesh.from_spec("replica:4; stage:2").shape == (2, 4)
     assert hybrid.DeviceMesh.from_spec("stage:4").shape == (4, 1)
+
+
+def test_spec_comma_form():
+    # The form to type unquoted in a shell (';' would end the command there).
+    assert parse_spec("stage:2,replica:4") == (2, 4)
+    assert parse_spec("replica:3, stage:2") == (2, 3)
+    with pytest.raises(ValueError, match="separated by ',' or ';'"):
+        parse_spec("stage:2 replica:2")
     assert hybrid.DeviceMesh.create(4, 2).spec == "stage:4;replica:2"
 
 

@@ -2,7 +2,9 @@
 
 The wheel is built from this checkout, installed (without dependencies: the test's own
 environment has them) into an empty directory, and used from another empty directory, so
-nothing can come from the checkout itself.
+nothing can come from the checkout itself. ``test_pip_install_trains`` installs it as a
+user does, with its dependencies from PyPI, into a fresh virtualenv (``network``: it
+downloads TensorFlow unless pip's cache holds it; ``make test`` and CI run it).
 """
 
 import os
@@ -63,6 +65,55 @@ def test_installed_package_imports_and_its_commands_run(installed, tmp_path):
     for command, flag in (("hybrid-train", "--micro_batches"), ("hybrid-worker", "--task_index")):
         shown = run(os.path.join(target, "bin", command), "--help", expect=1, cwd=tmp_path, env=env)
         assert flag in shown.stdout, shown.stdout[-3000:]
+
+
+def test_without_tensorflow_a_feature_names_the_install_command(installed, tmp_path):
+    _, target = installed
+    env = {**os.environ, "PYTHONPATH": target}
+    code = (
+        "import sys\n"
+        "sys.modules['tensorflow'] = sys.modules['keras'] = None  # as if not installed\n"
+        "import hybrid\n"
+        "print(hybrid.schedule.names())  # the core needs neither\n"
+        "try:\n"
+        "    hybrid.Pipeline\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print(err)\n"
+        "sys.argv = ['hybrid-train', '--model=mlp', '--data=synthetic', '--train_steps=1']\n"
+        "from hybrid.launch.train import run\n"
+        "run()\n"
+    )
+    shown = run(sys.executable, "-c", code, expect=1, cwd=tmp_path, env=env)
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "['1f1b', 'gpipe', 'interleaved', 'zb-h1']", shown.stdout
+    assert lines[1].startswith("hybrid.Pipeline needs keras, which is not installed in "), lines
+    assert "pip install hybrid brings TensorFlow" in lines[1]
+    (error,) = shown.stderr.strip().splitlines()  # one line, no traceback
+    assert error.startswith("error: hybrid-train needs tensorflow, which is not installed"), error
+
+
+@pytest.mark.network
+def test_pip_install_trains(installed, tmp_path):
+    """``pip install hybrid-*.whl`` in a fresh virtualenv (no site packages) brings what
+    training needs; two steps train from a directory outside the checkout."""
+    wheel, _ = installed
+    venv = tmp_path / "venv"
+    work = tmp_path / "elsewhere"  # no checkout (nor its hybrid.egg-info) on any path
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL")}
+    run(sys.executable, "-m", "venv", str(venv), cwd=work, env=env)
+    python = str(venv / "bin" / "python")
+    run(python, "-m", "pip", "install", "-q", wheel, cwd=work, env=env)
+    trained = run(
+        str(venv / "bin" / "hybrid-train"), "--model=mlp", "--data=synthetic", "--width=8",
+        "--depth=1", "--mesh=stage:2,replica:1", "--micro_batches=2", "--global_batch_size=8",
+        "--train_steps=2", "--log_every=1", "--jit_compile=false", f"--model_dir={work}/run",
+        cwd=work, env=env,
+    )  # fmt: skip
+    assert "step      2/2  loss " in trained.stdout, trained.stdout[-3000:]
+    assert f"  tensorboard --logdir {work}/run" in trained.stdout
+    shown = run(python, "-c", "import hybrid; print(hybrid.__file__)", cwd=work, env=env)
+    assert shown.stdout.startswith(str(venv)), shown.stdout
 
 
 if __name__ == "__main__":

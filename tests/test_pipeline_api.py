@@ -65,6 +65,42 @@ def test_first_call_builds_and_trains():
     assert pipe.built and last < first
 
 
+def test_summary_and_repr_say_what_the_pipeline_is():
+    x_in = keras.Input((8,))
+    h = keras.layers.Dense(16, name="first")(x_in)
+    r = keras.layers.Dense(16, name="inner")(keras.layers.LayerNormalization(name="norm")(h))
+    h = keras.layers.Add(name="join")([h, r])
+    model = keras.Model(x_in, keras.layers.Dense(3, name="out")(h))
+    pipe = hybrid.Pipeline(
+        model, mesh=hybrid.DeviceMesh.create(2, 2), loss="mse", optimizer="sgd",
+        micro_batches=4, balance=[2, 3], schedule="1f1b", jit_compile=False,
+    )  # fmt: skip
+    assert repr(pipe) == (
+        "Pipeline(mesh stage:2;replica:2, M=4, 1f1b, remat=except_last, balance (2, 3), "
+        "not built)"
+    )
+    with pytest.raises(RuntimeError, match="call pipe.build"):
+        pipe.summary()
+    pipe.build((None, 8))
+    assert repr(pipe).endswith("remat=except_last, balance (2, 3))")
+    shown = []
+    assert pipe.summary(print_fn=shown.append) is None  # as keras.Model.summary
+    (text,) = shown
+    lines = text.splitlines()
+    assert lines[0] == "Pipeline: " + repr(pipe)[len("Pipeline(") : -1]
+    stage0, in0, stage1, in1 = lines[3:7]
+    assert stage0.split()[:5] == ["0", "device:CPU:0,", "device:CPU:1", "first,", "norm"]
+    assert "(2)" in stage0 and f"{8 * 16 + 16 + 2 * 16:,}" in stage0  # first + norm
+    assert in0.split() == ["in:", "(batch,", "8)", "float32"]
+    assert stage1.split()[:5] == ["1", "device:CPU:2,", "device:CPU:3", "inner", "…"]
+    assert "out (3)" in stage1 and f"{16 * 16 + 16 + 16 * 3 + 3:,}" in stage1
+    # the skip crosses the cut beside the activation
+    assert in1.split() == ["in:", "(batch,", "16)", "float32,", "(batch,", "16)", "float32"]
+    shares = [float(line.split()[-1].rstrip("%")) for line in (stage0, stage1)]
+    assert sum(shares) == pytest.approx(100.0, abs=0.2) and shares[1] > shares[0]
+    assert lines[-1].startswith("bubble ") and "schedule 1f1b, M=4" in lines[-1]
+
+
 def test_balance_params_and_explicit():
     pipe = make(stages=2)
     pipe.build((None, ref.IN_FEATURES))

@@ -130,6 +130,37 @@ def test_step_view_splits_each_devices_step():
     assert "communication takes 52% of the step on pipeline device 1" in view.warning()
     quiet = timing.StepView.of([e for e in events if e.action is not None or e.device == 0])
     assert quiet.warning() is None  # device 1 without its all-reduce: 2.5 % communication
+    # one idle figure for the title, the log line and TensorBoard: the devices' mean
+    assert view.idle_fraction == pytest.approx((2.0 / 8 + 1.0 / 8) / 2)
+    assert view.transfers() == [(0, 3.0, 4.0), (1, 1.0, 1.2)]  # the 1.0 and 0.2 above
+
+
+def test_a_measured_step_as_a_picture_and_a_chrome_trace(tmp_path):
+    """The synthetic step above: fused F+B on the last stage, the all-reduces and the two
+    transfer waits, in one lane per device (times in µs)."""
+    import json
+
+    F, B, A, T = sched.Op.F, sched.Op.B, sched.Action, timing.TimedAction
+    s = sched.gpipe(2, 2)
+    view = timing.StepView.of([
+        T(0, A(0, F, 0), 0.0, 1.0), T(0, A(0, F, 1), 1.0, 2.0), T(1, A(1, F, 0), 1.2, 3.0),
+        T(1, A(1, F, 1), 3.0, 4.0), T(0, A(0, B, 0), 4.0, 5.0), T(0, A(0, B, 1), 5.5, 6.5),
+        T(0, None, 6.5, 7.5), T(1, None, 4.0, 8.0),
+    ])  # fmt: skip
+    with open(timeline.plot_step(view, s, "step 1", str(tmp_path / "s.png")), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+    path = timeline.chrome_trace(view, s, str(tmp_path / "s.json"), ["/CPU:0", "/CPU:1"])
+    trace = json.load(open(path))["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert lanes == {0: "device 0 (/CPU:0)", 1: "device 1 (/CPU:1)"}
+    spans = sorted((e["tid"], e["name"], e["ts"], e["dur"]) for e in trace if e["ph"] == "X")
+    assert spans == [
+        (0, "B0", 4e6, 1e6), (0, "B1", 5.5e6, 1e6), (0, "F0", 0.0, 1e6), (0, "F1", 1e6, 1e6),
+        (0, "all-reduce", 6.5e6, 1e6), (0, "transfer", 3e6, 1e6),
+        (1, "F+B0", 1.2e6, pytest.approx(1.8e6)), (1, "F+B1", 3e6, 1e6),
+        (1, "all-reduce", 4e6, 4e6), (1, "transfer", 1e6, pytest.approx(0.2e6)),
+    ]  # fmt: skip
+    assert timeline.kind(A(1, F, 0), s, {A(1, F, 0), A(1, B, 0)}) == "F"  # B ran on its own
 
 
 def test_fit_times_every_nth_step_without_changing_training():

@@ -6,7 +6,30 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["attributes"]
+__all__ = ["attributes", "missing_dependency"]
+
+# What hybrid's features need beyond its core, and how to get it (pyproject.toml's dependencies).
+_NEEDED = ("tensorflow", "keras")
+
+
+def missing_dependency(what: str, err: ModuleNotFoundError) -> ModuleNotFoundError | None:
+    """The one-line error for ``what`` needing TensorFlow or Keras that ``err`` found missing
+    (None when ``err`` is about another module)."""
+    root = (err.name or "").split(".")[0]
+    if root not in _NEEDED:
+        return None
+    return ModuleNotFoundError(
+        f"{what} needs {root}, which is not installed in {_interpreter()}: pip install hybrid "
+        "brings TensorFlow 2.21 and Keras 3 (or: pip install 'tensorflow>=2.20,<2.22'; on a "
+        "Cloud TPU VM: pip install 'tensorflow-tpu==2.20.*')",
+        name=err.name,
+    )
+
+
+def _interpreter() -> str:
+    import sys
+
+    return sys.prefix
 
 
 def attributes(
@@ -25,7 +48,13 @@ def attributes(
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module, attribute = exports[name]
-        loaded = importlib.import_module(module)
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            missing = missing_dependency(f"{package}.{name}", err)
+            if missing is None:
+                raise
+            raise missing from None
         value = loaded if attribute is None else getattr(loaded, attribute)
         namespace[name] = value
         return value

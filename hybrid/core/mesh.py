@@ -131,21 +131,25 @@ def _check_axis(name: str, value: int) -> None:
 
 
 def parse_spec(spec: str) -> tuple[int, int]:
-    """``"stage:2;replica:4"`` -> (2, 4). Axes may come in any order; a missing axis is 1."""
+    """``"stage:2,replica:4"`` (or ``"stage:2;replica:4"``, Mesh TensorFlow's form) -> (2, 4).
+
+    Axes may come in any order; a missing axis is 1. The comma form is the one to type on a
+    command line: an unquoted ``;`` ends the shell command there.
+    """
     sizes = {}
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
+    for part in filter(None, (p.strip() for p in spec.replace(",", ";").split(";"))):
         name, sep, value = part.partition(":")
         name = name.strip()
         if not sep or name not in _AXES or not value.strip().isdigit():
             raise ValueError(
                 f"bad mesh spec {spec!r}: each part must be 'stage:N' or 'replica:N' with a "
-                "positive integer N, separated by ';' (e.g. 'stage:2;replica:4')"
+                "positive integer N, separated by ',' or ';' (e.g. 'stage:2,replica:4')"
             )
         if name in sizes:
             raise ValueError(f"bad mesh spec {spec!r}: axis {name!r} appears twice")
         sizes[name] = int(value)
     if not sizes:
-        raise ValueError(f"empty mesh spec {spec!r}; e.g. 'stage:2;replica:4'")
+        raise ValueError(f"empty mesh spec {spec!r}; e.g. 'stage:2,replica:4'")
     stages, replicas = sizes.get("stage", 1), sizes.get("replica", 1)
     _check_axis("stage", stages)
     _check_axis("replica", replicas)

@@ -204,18 +204,29 @@ class StepView(NamedTuple):
         by_action = {e.action: e for e in actions if e.action is not None}
         devices = []
         for d in sorted({e.device for e in events}):
-            compute = transfer = 0.0
-            free = 0.0  # when the device's previous action ended
-            for e in sorted((a for a in actions if a.device == d), key=lambda a: a.start):
-                compute += e.end - e.start
-                producer = _producer(e.action, by_action) if e.action is not None else None
-                if producer is not None and producer.device != d and producer.end >= free:
-                    transfer += max(0.0, e.start - producer.end)
-                free = e.end
+            mine = [a for a in actions if a.device == d]
+            compute = sum(e.end - e.start for e in mine)
+            transfer = sum(end - start for start, end in _waits(mine, by_action))
             reduce = sum(e.end - e.start for e in reduces if e.device == d)
             idle = max(0.0, end - compute - transfer - reduce)
             devices.append(DeviceTime(d, compute, transfer, reduce, idle))
         return cls(actions, reduces, devices)
+
+    @property
+    def idle_fraction(self) -> float:
+        """The devices' mean idle share of the step (each device's ``idle / step``, the
+        log line's and TensorBoard's ``idle_fraction``, averaged): the measured bubble."""
+        shares = [d.idle / d.step for d in self.devices if d.step > 0]
+        return sum(shares) / len(shares) if shares else 0.0
+
+    def transfers(self) -> list[tuple[int, float, float]]:
+        """(device, start, end) of every wait counted as a transfer in ``devices``."""
+        by_action = {e.action: e for e in self.actions if e.action is not None}
+        return [
+            (d.device, start, end)
+            for d in self.devices
+            for start, end in _waits([a for a in self.actions if a.device == d.device], by_action)
+        ]
 
     @property
     def communication_share(self) -> float:
@@ -235,6 +246,23 @@ class StepView(NamedTuple):
             "batch or fewer micro-batches; fewer stages), keep replica groups inside a host "
             "(--mesh_order), or compress the stage boundaries (boundary_dtype='bfloat16')"
         )
+
+
+def _waits(
+    mine: Sequence[TimedAction], by_action: dict[Action, TimedAction]
+) -> list[tuple[float, float]]:
+    """The transfer waits of one device's actions: from the end of the neighbouring stage's
+    action that produced an input, when that came after the device was free, to the start
+    of the action reading it."""
+    waits = []
+    free = 0.0  # when the device's previous action ended
+    for e in sorted(mine, key=lambda a: a.start):
+        producer = _producer(e.action, by_action) if e.action is not None else None
+        if producer is not None and producer.device != e.device and producer.end >= free:
+            if e.start > producer.end:
+                waits.append((producer.end, e.start))
+        free = e.end
+    return waits
 
 
 def _producer(action: Action, by_action: dict[Action, TimedAction]) -> TimedAction | None:

@@ -213,6 +213,20 @@ class Workflow:
         model.load_weights(filepath, **kwargs)
         self.set_weights(model.get_weights())
 
+    def summary(self, print_fn: Any = None) -> None:
+        """Prints the stages table (``hybrid.engine.summary``): per stage its devices, layer
+        calls, parameters, the tensors crossing its cut and its estimated compute share; then
+        the mesh, schedule, M, remat and the bubble. As ``keras.Model.summary``: printed with
+        ``print_fn`` (default ``print``), returns None."""
+        from hybrid.engine import summary as summary_lib
+
+        summary_lib.summary(self, print_fn)
+
+    def __repr__(self) -> str:
+        from hybrid.engine import summary as summary_lib
+
+        return f"{type(self).__name__}({summary_lib.one_line(self)})"
+
     def export(self, path: str, per_stage: bool = False) -> None:
         """Writes a SavedModel for serving (``serve`` and ``serving_default``, equal to
         :meth:`predict`); with ``per_stage``, one per stage under ``path/stage_<i>`` and the

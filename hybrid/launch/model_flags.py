@@ -24,6 +24,9 @@ def define_flags() -> None:
     flags.register_multi_flags_validator(
         ["data", "tfrecord_features", "tfrecord_label"], _check_tfrecord
     )
+    flags.register_multi_flags_validator(
+        ["model", "validation_data", "validation_steps", "tfrecord_features"], _check_validation
+    )
 
 
 def register_late_validators() -> None:
@@ -61,6 +64,18 @@ def _define_model_flags() -> None:
         "[shape]], ...}; --tfrecord_label names the label, the others are the inputs.",
     )
     flags.DEFINE_string("tfrecord_label", "label", "--data=tfrecord:...: the label feature.")
+    flags.DEFINE_string(
+        "validation_data",
+        None,
+        "Data to evaluate on at the end of the run, in --data's grammar (a reference source "
+        "draws other batches: seed + 1); its losses and metrics are logged as val_*.",
+    )
+    flags.DEFINE_integer(
+        "validation_steps",
+        None,
+        "--validation_data: batches to evaluate (required: the reference sources are endless).",
+        lower_bound=1,
+    )
     flags.DEFINE_string(
         "optimizer",
         "adam",
@@ -104,6 +119,33 @@ def _check_model_and_data(values: dict[str, Any]) -> bool:
     if values["model"] == "transformer" and values["width"] % values["num_heads"]:
         raise flags.ValidationError(
             f"--width={values['width']} must be divisible by --num_heads={values['num_heads']}"
+        )
+    return True
+
+
+def _check_validation(values: dict[str, Any]) -> bool:
+    from hybrid.data_sources import check_source
+
+    spec, steps = values["validation_data"], values["validation_steps"]
+    if spec is None:
+        if steps is not None:
+            raise flags.ValidationError(
+                f"--validation_steps={steps} needs --validation_data (in --data's grammar)"
+            )
+        return True
+    try:
+        check_source(spec, values["model"])
+    except ValueError as err:
+        raise flags.ValidationError(
+            f"--validation_data={spec} --model={values['model']}: {err}"
+        ) from None
+    if steps is None:
+        raise flags.ValidationError(
+            f"--validation_data={spec} needs --validation_steps=N (batches to evaluate)"
+        )
+    if spec.startswith("tfrecord:") and values["tfrecord_features"] is None:
+        raise flags.ValidationError(
+            f"--validation_data={spec} needs --tfrecord_features (the features of its files)"
         )
     return True
 

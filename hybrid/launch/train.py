@@ -1,9 +1,9 @@
 """Trains a reference model with hybrid on a device mesh.
 
     hybrid-train                                   # Transformer on text, 2×2 CPU mesh
-    hybrid-train --mesh="stage:4;replica:2" --schedule=1f1b --micro_batches=8 \\
+    hybrid-train --mesh=stage:4,replica:2 --schedule=1f1b --micro_batches=8 \\
         --model_dir=/tmp/run --checkpoint_every=50           # killed? the same command resumes
-    hybrid-train --platform=gpu --mesh="stage:2;replica:4" ...
+    hybrid-train --platform=gpu --mesh=stage:2,replica:4 ...
     hybrid-train --platform=tpu --tpu=my-node --tpu_zone=us-central2-b \\
         --gcp_project=my-project --model_dir=gs://bucket/run ...
 
@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+from absl import app, flags
 
-from typing import Any  # noqa: E402
+from hybrid.core.quiet import quiet_cpp_info
 
-from absl import app, flags  # noqa: E402
+quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
 from hybrid.launch import cloud_tpu, show_in_help  # noqa: E402
 from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
@@ -122,7 +122,7 @@ def _planned(config: Any, devices: int) -> Any:
     run = choice.config
     assert isinstance(run.balance, tuple)  # the plan's layer counts per stage
     print(
-        f"planned: --mesh={run.mesh_spec} --micro_batches={run.micro_batches} "
+        f"planned: --mesh={run.mesh_spec.replace(';', ',')} --micro_batches={run.micro_batches} "
         f"--schedule={run.schedule} --remat={run.remat} --virtual_stages="
         f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} "
         f"--defer_weight_gradients={run.defer_weight_gradients} (predicted "
@@ -139,6 +139,11 @@ def config_from_flags() -> Any:
     from hybrid.trainer import TrainConfig
 
     values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)}
+    if values["mesh"] != "auto":  # one spelling, so a resumed run sees no change of form
+        from hybrid.core.mesh import parse_spec
+
+        stages, replicas = parse_spec(values["mesh"])
+        values["mesh"] = f"stage:{stages};replica:{replicas}"
     values["balance"] = parse_balance(FLAGS.balance)
     values["micro_batches"] = parse_micro_batches(FLAGS.micro_batches)
     values["profile_steps"] = parse_profile_steps(FLAGS.profile_steps)
@@ -240,6 +245,23 @@ def _check_gpus(config: Any) -> None:
         )
 
 
+def _dry_run(config: Any) -> None:
+    """``--dry_run``: the plan of the run on this host's devices, then nothing."""
+    import hybrid
+    from hybrid.core.mesh import parse_spec
+    from hybrid.dry_run import dry_run
+
+    if FLAGS.cluster is not None or config.platform == "tpu":
+        raise ValueError(
+            "--dry_run plans on this host's devices; drop --cluster and --platform=tpu for "
+            "it (the stages table and the prediction do not depend on where the devices are)"
+        )
+    if config.platform == "cpu":
+        stages, replicas = parse_spec(config.mesh)
+        hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
+    dry_run(config)
+
+
 def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     """Trains where the flags say: a cluster, a Cloud TPU, or this host's devices."""
     import hybrid
@@ -252,6 +274,9 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
         if config.platform == "cpu":
             hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
         config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
+    if FLAGS.dry_run:
+        _dry_run(config)
+        return config, None
     if FLAGS.cluster is not None:
         return config, _run_on_cluster(config, step_callback, stop)
     if config.platform == "tpu":
@@ -291,6 +316,11 @@ def report_error(err: BaseException) -> int:
     so for an internal bug (exit code 2)."""
     import traceback
 
+    from hybrid.core.lazy import missing_dependency
+
+    if isinstance(err, ModuleNotFoundError) and missing_dependency("", err) is not None:
+        print(f"error: {missing_dependency('hybrid-train', err)}", file=sys.stderr)
+        return 1
     from hybrid.checkpoint import CheckpointError, error_line
     from hybrid.run_lock import RunLockError
     from hybrid.trainer import NonFiniteLossError
@@ -334,7 +364,32 @@ def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
             f"{result.examples_per_second:.1f} examples/s"
         )
     else:
-        print(f"done: already trained to step {config.train_steps} ({result.checkpoint})")
+        print(
+            f"done: already trained to step {config.train_steps} ({result.checkpoint}); "
+            "--train_steps higher to go on, or --fresh_start to train again"
+        )
+    for line in outputs(config):
+        print(line)
+
+
+def outputs(config: Any) -> list[str]:
+    """Where the run's outputs are, one line each, and the command that shows its curves."""
+    lines = []
+    if config.model_dir:
+        lines.append(
+            f"  model_dir   {config.model_dir} (checkpoints ckpt-<step>, run_config.json; "
+            "TensorBoard events in train/)"
+        )
+    if config.export_dir:
+        lines.append(
+            f"  export_dir  {config.export_dir} (SavedModel; per stage: "
+            f"{os.path.join(config.export_dir, 'stages')}, hybrid.serving.load)"
+        )
+    if config.keras_file:
+        lines.append(f"  keras_file  {config.keras_file} (keras.saving.load_model)")
+    if config.model_dir:
+        lines.append(f"  tensorboard --logdir {config.model_dir}")
+    return ["outputs:", *lines] if lines else ["outputs: none (give --model_dir to keep the run)"]
 
 
 def main(argv: list[str]) -> None:
@@ -343,6 +398,10 @@ def main(argv: list[str]) -> None:
     import logging
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
+    if not FLAGS["verbosity"].present:  # absl INFO of TensorFlow's saving code: not asked for
+        from hybrid.core.quiet import hide_library_info
+
+        hide_library_info()
     interrupts = Interrupts()
     try:
         with interrupts.installed():
@@ -360,6 +419,9 @@ def main(argv: list[str]) -> None:
         sys.exit(exit_code(interrupts.received or signal.SIGINT))
     except Exception as err:  # noqa: BLE001 - every error ends here, as one line or a bug report
         sys.exit(report_error(err))
+    if FLAGS.dry_run:
+        print("dry run: nothing trained (drop --dry_run to train)")
+        return
     _finish(config, result, interrupts)
 
 

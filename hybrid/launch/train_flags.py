@@ -36,7 +36,8 @@ def _define_mesh_flags() -> None:
     flags.DEFINE_string(
         "mesh",
         "stage:2;replica:2",
-        "Mesh spec 'stage:S;replica:R', or 'auto': the planner profiles the model and picks the "
+        "Mesh spec 'stage:S,replica:R' (';' also separates, but must be quoted in a shell), or "
+        "'auto': the planner profiles the model and picks the "
         "fastest mesh, micro-batches, schedule and remat that fit (--simulated_devices or the "
         "local GPUs give the device count; flags given explicitly stay fixed).",
     )
@@ -120,7 +121,17 @@ def _define_run_flags() -> None:
         "CPU only: logical devices to simulate (default: mesh size).",
         lower_bound=1,
     )
-    flags.DEFINE_bool("progress_bar", False, "Show Keras's progress bar instead of log lines.")
+    flags.DEFINE_bool(
+        "progress_bar",
+        False,
+        "Show Keras's progress bar (after the first, compiling, step) instead of log lines.",
+    )
+    flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "Print the plan for these flags (the stages table, and for a reference model the "
+        "predicted step time and memory per device) and exit without training or writing.",
+    )
     flags.DEFINE_integer(
         "timeline_every",
         0,

@@ -247,9 +247,11 @@ def profile_model(
     optimizer: Callable[[], Any] | None = None,
     device: str | None = None,
     repeats: int = 7,
+    verbose: int = 0,
 ) -> CostProfile:
     """Measures ``layers`` on one device (:func:`hybrid.planning.profile.measure_layers`) at the
-    given micro-batch sizes and returns their :class:`CostProfile`.
+    given micro-batch sizes and returns their :class:`CostProfile` (``verbose=1``: a progress
+    bar while measuring).
 
     ``device`` defaults to the first local device (the first GPU, else the first CPU).
     """
@@ -269,6 +271,7 @@ def profile_model(
         target_shape=target_shape,
         optimizer=optimizer,
         repeats=repeats,
+        verbose=verbose,
     )
     profile = CostProfile.from_measurement(
         measurement, input_is_float=tf.as_dtype(input_dtype).is_floating

@@ -140,6 +140,7 @@ def measure_layers(
     repeats: int = 7,
     chain: int = 8,
     jit_compile: bool = True,
+    verbose: int = 0,
 ) -> ModelMeasurement:
     """Times and sizes every layer of a model as its own one-layer stage on ``device``.
 
@@ -176,6 +177,8 @@ def measure_layers(
       optimizer: a zero-argument factory; when given, each layer's update is timed too.
       repeats: timing rounds.
       chain: back-to-back repetitions per timed run.
+      verbose: 1 shows a ``keras.utils.Progbar`` over the work: one unit per layer and
+        batch size compiled, one per timing round; 0 is silent.
 
     Raises:
       ValueError: no batch size, or one below 1.
@@ -188,8 +191,15 @@ def measure_layers(
     labels_shape = tuple(target_shape) if target_shape is not None else out_shape[:-1]
     identity, base_args = _warm_identity(device, chain, jit_compile)
     setup = _Setup(device, loss, optimizer, labels_shape, target_dtype, repeats, chain, jit_compile)
-    keys, distinct = _probe_layers(layers, specs, sizes, setup)
-    base = _time_rounds([probes for _, probes in distinct.values()], identity, base_args, repeats)
+    if verbose:
+        print(
+            f"profiling {len(layers)} layers at micro-batch sizes {sizes} on {device}: "
+            f"compiling each, then {repeats} timing rounds"
+        )
+    bar = keras.utils.Progbar(len(layers) * len(sizes) + repeats, verbose=verbose, unit_name="task")
+    keys, distinct = _probe_layers(layers, specs, sizes, setup, bar)
+    groups = [probes for _, probes in distinct.values()]
+    base = _time_rounds(groups, identity, base_args, repeats, bar)
     measured = {
         key: _measurement(stage, probes, base, setup) for key, (stage, probes) in distinct.items()
     }
@@ -235,9 +245,11 @@ def _probe_layers(
     specs: Sequence[TensorSpec],
     sizes: Sequence[int],
     setup: _Setup,
+    bar: keras.utils.Progbar,
 ) -> tuple[list[str], dict[str, tuple[StageReplica, list[Probe]]]]:
     """Each layer's signature, and per distinct signature its one-layer stage with a
-    compiled, memory-measured :class:`Probe` per batch size."""
+    compiled, memory-measured :class:`Probe` per batch size (``bar`` advanced by one per
+    layer and size)."""
     keys: list[str] = []
     distinct: dict[str, tuple[StageReplica, list[Probe]]] = {}
     for i, layer in enumerate(layers):
@@ -245,6 +257,7 @@ def _probe_layers(
         key = signature(layer, specs[i], last)
         keys.append(key)
         if key in distinct:
+            bar.add(len(sizes))
             continue
         loss = setup.loss if last else None
         stage = StageReplica(
@@ -264,6 +277,7 @@ def _probe_layers(
                 block(getattr(probe.programs, name)(probe.x, probe.dy))  # compile
             probe.memory = measure_memory(setup.device, probe.programs, probe.x, probe.dy)
             probes.append(probe)
+            bar.add(1)
         distinct[key] = (stage, probes)
     return keys, distinct
 
@@ -273,9 +287,11 @@ def _time_rounds(
     identity: StagePrograms,
     base_args: tuple[tf.Tensor, tf.Tensor],
     repeats: int,
+    bar: keras.utils.Progbar | None = None,
 ) -> dict[str, float]:
     """Runs ``repeats`` rounds that time every program of every probe once (into its
-    ``times``), each beside its identity twin; returns the identity programs' medians."""
+    ``times``), each beside its identity twin; returns the identity programs' medians
+    (``bar`` advanced by one per round)."""
     baseline: dict[str, list[float]] = {name: [] for name in PROGRAMS}
     for _ in range(repeats):
         for group in groups:
@@ -285,6 +301,8 @@ def _time_rounds(
                         run_seconds(getattr(probe.programs, name), (probe.x, probe.dy))
                     )
                     baseline[name].append(run_seconds(getattr(identity, name), base_args))
+        if bar is not None:
+            bar.add(1)
     return {name: statistics.median(v) for name, v in baseline.items()}
 
 

@@ -62,6 +62,9 @@ class Plan:
       hardware: the machine planned for.
       ranked: predictions of the feasible candidates, fastest first.
       rejected: the others.
+      merged: feasible candidates left out of ``ranked`` because their prediction equals a
+        ranked one but for the schedule (the schedules coincide on a 1-stage mesh).
+      seconds: how long planning took, profiling included.
     """
 
     devices: int
@@ -69,6 +72,8 @@ class Plan:
     hardware: Hardware
     ranked: tuple[Prediction, ...]
     rejected: tuple[Rejection, ...]
+    merged: int = 0
+    seconds: float = 0.0
 
     @property
     def best(self) -> Prediction:
@@ -104,6 +109,12 @@ class Plan:
             f"plan for {self.devices} devices, global batch {self.global_batch}"
             + (f", {format_bytes(memory)} per device" if memory else "")
             + f": {len(self.ranked)} feasible, {len(self.rejected)} rejected"
+            + (
+                f", {self.merged} left out as equal to a row but for the schedule (1-stage meshes)"
+                if self.merged
+                else ""
+            )
+            + (f"; planned in {format_time(self.seconds)}" if self.seconds else "")
         )
         cols = f"{'#':>3} {'mesh':>6} {'M':>4} {'schedule':<16} {'remat':<14} {'step':>9} "
         cols += f"{'examples/s':>11} {'bubble':>7} {'mem/device':>11}  balance"

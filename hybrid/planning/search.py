@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -92,6 +93,7 @@ def plan(
     stages: Sequence[int] | None = None,
     device: str | None = None,
     deferrals: Sequence[bool] = (False, True),
+    verbose: int = 1,
 ) -> Plan:
     """Ranks every way to train ``model`` on ``devices`` devices by predicted step time.
 
@@ -100,7 +102,9 @@ def plan(
     ``memory_per_device``, is rejected with the reason. The rest are ranked by predicted
     step time, except that with BatchNormalization in the model (``CostProfile.batch_norm``)
     every candidate whose BN normalizes over at least :data:`BATCH_NORM_MIN_EXAMPLES`
-    examples ranks before those that normalize over fewer.
+    examples ranks before those that normalize over fewer. On a 1-stage mesh the schedules
+    coincide: a candidate there whose prediction equals one already ranked but for the
+    schedule is left out of the ranking and counted in ``Plan.merged``.
 
     Args:
       model: a list of Keras layers (profiled on one device first, see
@@ -116,6 +120,8 @@ def plan(
       remats: remat modes (default: all of :data:`REMAT_MODES`).
       deferrals: with ``remat="never"``, whether weight gradients are deferred
         (``Pipeline(defer_weight_gradients=...)``; default: both are judged).
+      verbose: 1 (the default) shows ``keras.utils.Progbar`` bars over the profiled layers
+        and over the candidates; 0 is silent. ``Plan.seconds`` holds the time either way.
 
     Raises:
       ValueError: devices or global_batch below 1, an unknown schedule or remat mode, a
@@ -128,33 +134,71 @@ def plan(
     hardware = hardware or Hardware()
     if memory_per_device is not None:
         hardware = dataclasses.replace(hardware, memory_per_device=memory_per_device)
+    began = time.perf_counter()
     if isinstance(model, CostProfile):
         profile = model
     else:
         sizes = _profile_batches(devices, global_batch, micro_batches, max_micro_batches, stages)
         profile = _profile_layers(
-            model, input_shape, input_dtype, sizes, loss, target_shape, optimizer, device
+            model, input_shape, input_dtype, sizes, loss, target_shape, optimizer, device, verbose
         )
-    ranked, rejected = [], []
-    for config in candidates(
-        devices,
-        global_batch,
-        profile.num_layers,
-        schedules,
-        remats,
-        micro_batches,
-        max_micro_batches,
-        max_virtual_stages,
-        stages,
-        deferrals,
-    ):
+    configs = list(
+        candidates(
+            devices,
+            global_batch,
+            profile.num_layers,
+            schedules,
+            remats,
+            micro_batches,
+            max_micro_batches,
+            max_virtual_stages,
+            stages,
+            deferrals,
+        )
+    )
+    ranked, rejected, seen, merged = [], [], set(), 0
+    bar = _progress_bar(len(configs), verbose)
+    for config in configs:
         outcome = _judge(profile, config, global_batch, hardware, optimizer_slots)
         if isinstance(outcome, Rejection):
             rejected.append(outcome)
+        elif outcome.config.stages == 1 and _same_but_schedule(outcome) in seen:
+            merged += 1
         else:
+            seen.add(_same_but_schedule(outcome))
             ranked.append(outcome)
+        if bar is not None:
+            bar.add(1)
     ranked.sort(key=lambda p: (_small_norm(profile, p), *_rank_key(p)))
-    return Plan(devices, global_batch, hardware, tuple(ranked), tuple(rejected))
+    seconds = time.perf_counter() - began
+    return Plan(devices, global_batch, hardware, tuple(ranked), tuple(rejected), merged, seconds)
+
+
+def _progress_bar(candidates: int, verbose: int) -> Any:
+    """A Keras progress bar over the candidates (None when silent)."""
+    if not verbose:
+        return None
+    import keras
+
+    print(f"judging {candidates} candidates")
+    return keras.utils.Progbar(candidates, unit_name="candidate")
+
+
+def _same_but_schedule(p: Prediction) -> tuple[Any, ...]:
+    """What makes two predictions the same row of the table, the schedule's name aside."""
+    c = p.config
+    return (
+        c.stages,
+        c.replicas,
+        c.micro_batches,
+        c.remat,
+        c.virtual_stages,
+        c.defer_weight_gradients,
+        c.balance,
+        p.step_time,
+        p.bubble,
+        p.memory_per_device,
+    )
 
 
 def _checked_arguments(
@@ -273,6 +317,7 @@ def _profile_layers(
     target_shape: Sequence[int] | None,
     optimizer: Callable[[], Any] | None,
     device: str | None,
+    verbose: int = 0,
 ) -> CostProfile:
     """``layers``' cost profile at the micro-batch ``sizes``, measured on one device."""
     if input_shape is None:
@@ -289,6 +334,7 @@ def _profile_layers(
         target_shape=target_shape,
         optimizer=optimizer,
         device=device,
+        verbose=verbose,
     )
 
 
@@ -309,6 +355,7 @@ def choose_mesh(
     stages: int | None = None,
     device: str | None = None,
     defer_weight_gradients: bool | None = None,
+    verbose: int = 1,
 ) -> Prediction:
     """The fastest configuration of ``devices`` devices that fits.
 
@@ -348,6 +395,7 @@ def choose_mesh(
         stages=[stages] if stages else None,
         device=device,
         deferrals=(False, True) if defer_weight_gradients is None else [defer_weight_gradients],
+        verbose=verbose,
     )
     best = result.best
     assert isinstance(best.config.balance, tuple)  # evaluate() always fills in the counts
