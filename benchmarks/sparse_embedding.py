@@ -56,9 +56,9 @@ def pipeline(dense: bool) -> Any:
     import hybrid
     from hybrid.engine import assembly, sparse
 
-    found = sparse.sparse_variables
-    if dense:
-        assembly.sparse.sparse_variables = lambda *args: set()  # type: ignore[attr-defined]
+    found = sparse.gradient_kinds
+    if dense:  # no variable sparse; the unused ones as found
+        assembly.sparse.gradient_kinds = lambda *args: (set(), found(*args)[1])  # type: ignore[attr-defined]
     try:
         pipe = hybrid.Pipeline(
             build_model(),
@@ -69,7 +69,7 @@ def pipeline(dense: bool) -> Any:
         )
         pipe.build((None, FLAGS.seq_len), "int32")
     finally:
-        assembly.sparse.sparse_variables = found  # type: ignore[attr-defined]
+        assembly.sparse.gradient_kinds = found  # type: ignore[attr-defined]
     return pipe
 
 

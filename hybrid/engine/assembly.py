@@ -50,6 +50,7 @@ class Layout:
       output_shapes: each model output's shape without the batch dimension.
       masked: the keys of the tensors that carry a Keras mask (it crosses a cut with them).
       sparse: ids of the variables whose gradients are IndexedSlices (``sparse.py``).
+      unused: ids of the trainable variables Keras would get no gradient for.
     """
 
     balance: tuple[int, ...]
@@ -60,6 +61,7 @@ class Layout:
     output_shapes: tuple[tuple[int, ...], ...]
     masked: frozenset[int]
     sparse: frozenset[int] = frozenset()
+    unused: frozenset[int] = frozenset()
 
 
 def spec_of(t: Any) -> TensorSpec:
@@ -92,7 +94,7 @@ def lay_out(
         zeros = [tf.convert_to_tensor(s.zeros()) for s in input_specs]
         graph.trace(zeros)  # builds the layers
     with tf.device(host_cpu(device)):
-        slices = sparse.sparse_variables(graph, zeros, graph.variables())
+        slices, unused = sparse.gradient_kinds(graph, zeros, graph.variables())
     with tf.device(device):  # after the probe: the layers' losses of this call are kept
         values = graph.trace(zeros)
         arguments = []
@@ -122,6 +124,7 @@ def lay_out(
         tuple(tuple(values[k].shape[1:]) for k in graph.outputs),
         _masked(graph, values),
         frozenset(slices),
+        frozenset(unused),
     )
 
 
@@ -210,6 +213,7 @@ def place(
                     synced=None if group is None else Member(group, r),
                     inline=logical is not None,
                     sparse=layout.sparse,
+                    unused=layout.unused,
                 )
                 for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]

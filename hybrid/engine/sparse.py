@@ -34,10 +34,10 @@ __all__ = [
     "concat",
     "empty",
     "flat_tensors",
+    "gradient_kinds",
     "joined",
     "pairs",
     "scaled",
-    "sparse_variables",
     "square_sum",
     "structured",
 ]
@@ -45,20 +45,25 @@ __all__ = [
 Gradient = Any  # a dense tf.Tensor or a tf.IndexedSlices
 
 
-def sparse_variables(graph: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> set[int]:
+def gradient_kinds(
+    graph: Any, inputs: Sequence[Any], variables: Sequence[Any]
+) -> tuple[set[int], set[int]]:
     """The ids of the trainable ``variables`` whose gradient Keras's one-device training step
-    would hand its optimizer as ``IndexedSlices``: the model (``graph``, a
-    ``hybrid.engine.graph.Graph``) runs once eagerly in training mode on the zero ``inputs``
-    under a tape, inside a ``keras.StatelessScope`` (so nothing it holds changes: moving
-    statistics and random states are written to the scope, not to the variables), and the
-    gradient of its float outputs' sum plus the losses its layers add (``add_loss``, activity
-    regularizers) is taken with respect to every variable, aggregated over all its uses as
-    Keras's tape aggregates it (0.2–0.6 s for MobileNetV2 or a small GPT-2; tracing a
-    function of it took 3 s). A regularized variable is dense (Keras adds its penalty's
-    dense gradient). Run it on the host's CPU: it holds every variable's gradient at once."""
+    would hand its optimizer as ``IndexedSlices`` (sparse), and of those it would hand None
+    (unused: nothing the loss depends on reads them, so Keras's optimizer leaves them alone,
+    weight decay included).
+
+    The model (``graph``, a ``hybrid.engine.graph.Graph``) runs once eagerly in training mode
+    on the zero ``inputs`` under a tape, inside a ``keras.StatelessScope`` (so nothing it
+    holds changes: moving statistics and random states are written to the scope, not to the
+    variables), and the gradient of its float outputs' sum plus the losses its layers add
+    (``add_loss``, activity regularizers) is taken with respect to every variable, aggregated
+    over all its uses as Keras's tape aggregates it (0.2–0.6 s for MobileNetV2 or a small
+    GPT-2; tracing a function of it took 3 s). A regularized variable is dense and used
+    (Keras adds its penalty). Run it on the host's CPU: it holds every variable's gradient."""
     trainable = [v for v in variables if v.trainable and not getattr(v, "regularizer", None)]
     if not trainable:
-        return set()
+        return set(), set()
     with tf.GradientTape() as tape, keras.StatelessScope(collect_losses=True) as scope:
         values = graph.trace([tf.zeros_like(t) for t in inputs], training=True)
         outputs = [values[k] for k in graph.outputs]
@@ -66,7 +71,9 @@ def sparse_variables(graph: Any, inputs: Sequence[Any], variables: Sequence[Any]
         terms += [tf.reduce_sum(tf.cast(loss, tf.float32)) for loss in scope.losses]
         total = tf.add_n(terms + [tf.constant(0.0)])
     grads = tape.gradient(total, [v.value for v in trainable])
-    return {id(v) for v, g in zip(trainable, grads, strict=True) if isinstance(g, tf.IndexedSlices)}
+    found = list(zip(trainable, grads, strict=True))
+    sparse = {id(v) for v, g in found if isinstance(g, tf.IndexedSlices)}
+    return sparse, {id(v) for v, g in found if g is None}
 
 
 def empty(variable: Any) -> tf.IndexedSlices:

@@ -81,7 +81,9 @@ class StageReplica:
       inline: the programs are not functions of their own: their ops go into the caller's
         program (a TPU step, which XLA compiles whole), under the caller's device scope.
       sparse: ids of the template variables whose gradient Keras hands its optimizer as
-        ``IndexedSlices`` (``sparse.sparse_variables``): their gradients stay slices.
+        ``IndexedSlices`` (``sparse.gradient_kinds``): their gradients stay slices.
+      unused: ids of the template variables Keras's step gets no gradient for: the update
+        is given None for them, as Keras's is (its optimizer leaves them alone).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class StageReplica:
         synced: Member | None = None,
         inline: bool = False,
         sparse: frozenset[int] = frozenset(),
+        unused: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.inline = inline
@@ -112,6 +115,11 @@ class StageReplica:
         self._state = [v for v in self.templates if not v.trainable]
         # For each trainable variable: whether its gradients are IndexedSlices.
         self.sparse = [id(v) in sparse for v in self._trainable]
+        # Variables Keras's step gives no gradient: their update gets None, unless every
+        # variable of the stage is one (its optimizer must still count the step).
+        self.unused = [id(v) in unused for v in self._trainable]
+        if all(self.unused):
+            self.unused = [False] * len(self.unused)
         specs = [input_specs] if isinstance(input_specs, TensorSpec) else list(input_specs)
         self.input_specs = specs
         with tf.device(device):
@@ -457,8 +465,9 @@ class StageReplica:
         return [tf.zeros(v.shape, v.dtype) for v in dense]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
-        """Updates this copy's variables with its own optimizer."""
-        self._apply(grads)
+        """Updates this copy's variables with its own optimizer (given None for the variables
+        Keras's step gets no gradient for: it leaves them alone, weight decay included)."""
+        self._apply([None if u else g for g, u in zip(grads, self.unused, strict=True)])
 
     def update_norms(self, summed: Any, count: int) -> None:
         """Updates this copy's BatchNormalization moving statistics (``batch_norm.update_copy``)."""
