@@ -1,7 +1,7 @@
 """The gradients a stage's programs take: of its outputs against their output gradients
-(input and weight gradients, from one tape), their running sum over micro-batches, and the
-weight regularization Keras adds to the loss once per step. A sparse weight gradient (a
-gather's, ``sparse.py``) stays ``IndexedSlices``, as Keras hands it to the optimizer."""
+(input and weight gradients, from one tape) and the weight regularization Keras adds to the
+loss once per step. A sparse weight gradient (a gather's) stays ``IndexedSlices``, as Keras
+hands it to the optimizer; ``sparse.joined`` sums (or joins) them over micro-batches."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from hybrid.engine import sparse as sparse_grads
 
-__all__ = ["Grads", "accumulated", "differentiable", "gradients", "weight_penalty"]
+__all__ = ["Grads", "differentiable", "gradients", "weight_penalty"]
 
 Tensors = list[tf.Tensor]
 Grads = tuple[list[tf.Tensor | None] | None, list[tf.Tensor]]
@@ -69,13 +69,7 @@ def gradients(
 def _sparse(grad: Any, source: tf.Tensor) -> tf.IndexedSlices:
     """A sparse weight's gradient as IndexedSlices of rows of the weight's shape."""
     values, indices = sparse_grads.pairs(grad, source)
-    return tf.IndexedSlices(values, indices, tf.constant(list(source.shape)))
-
-
-def accumulated(acc: Sequence[Any] | None, dw: Sequence[Any]) -> list[Any]:
-    """``acc + dw`` per variable (``dw`` when there is nothing before); sparse gradients
-    are concatenated (``sparse.joined``)."""
-    return sparse_grads.joined(acc, dw)
+    return sparse_grads.slices(values, indices, source)
 
 
 def weight_penalty(

@@ -37,7 +37,10 @@ __all__ = [
     "gradient_kinds",
     "joined",
     "pairs",
+    "all_finite",
+    "program_outputs",
     "scaled",
+    "slices",
     "square_sum",
     "structured",
 ]
@@ -99,6 +102,11 @@ def pairs(grad: Any, variable: Any) -> list[tf.Tensor]:
     return [values, tf.reshape(tf.cast(grad.indices, tf.int64), [-1])]
 
 
+def slices(values: tf.Tensor, indices: tf.Tensor, variable: Any) -> tf.IndexedSlices:
+    """``IndexedSlices`` of rows of ``variable``'s shape (values and their row indices)."""
+    return tf.IndexedSlices(values, indices, tf.constant(list(variable.shape)))
+
+
 def concat(parts: Sequence[tf.IndexedSlices]) -> tf.IndexedSlices:
     """The slices of ``parts`` one after another (the gradient of their sum, every slice
     kept: Keras's aggregation of several gathers' gradients)."""
@@ -121,7 +129,7 @@ def structured(
     out: list[Gradient] = []
     for is_sparse, v in zip(sparse, variables, strict=True):
         if is_sparse:
-            out.append(tf.IndexedSlices(next(rest), next(rest), tf.constant(list(v.shape))))
+            out.append(slices(next(rest), next(rest), v))
         else:
             out.append(next(dense))
     return out

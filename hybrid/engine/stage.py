@@ -40,7 +40,6 @@ import tensorflow as tf
 from hybrid.engine import batch_norm, keras_private, sparse, split_programs
 from hybrid.engine.gradients import (
     Grads,
-    accumulated,
     differentiable,
     gradients,
     weight_penalty,
@@ -294,7 +293,7 @@ class StageReplica:
         running sums of the dense ones), then each sparse one's (values, indices)."""
         if not dw:
             return []
-        dense = accumulated(acc, [g for g, s in zip(dw, self.sparse, strict=True) if not s])
+        dense = sparse.joined(acc, [g for g, s in zip(dw, self.sparse, strict=True) if not s])
         found = iter(dense)
         grads = [g if s else next(found) for g, s in zip(dw, self.sparse, strict=True)]
         return sparse.program_outputs(grads, self.sparse, self.trainable_variables)
@@ -316,7 +315,7 @@ class StageReplica:
                 sparse.concat([a, g]) if s else g
                 for a, g, s in zip(acc, grads, self.sparse, strict=True)
             ]
-        return accumulated(acc, grads)
+        return sparse.joined(acc, grads)
 
     def kept_programs(
         self, structure: Any, need_dx: bool, split: bool, accumulate: bool = True
@@ -433,7 +432,7 @@ class StageReplica:
         dx, dw = gradients(
             saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw, self.sparse
         )
-        return dx, accumulated(acc, dw)
+        return dx, sparse.joined(acc, dw)
 
     def forward_backward(
         self,
