@@ -179,7 +179,8 @@ def instrumented_step(
     pipe: Any, x: Any, y: Any
 ) -> tuple[list[Any], list[tuple[Any, float, float]]]:
     """The events of one instrumented step of ``pipe`` (after two that trace and warm it), and
-    the same as (action, start, end) triples, the measured timeline ``hybrid.timeline`` takes."""
+    the same as (action, start, end) triples, the measured
+    timeline ``hybrid.run.timeline`` takes."""
     for _ in range(2):
         pipe.timed_train_step(x, y)
     _, events = pipe.timed_train_step(x, y)

@@ -218,7 +218,7 @@ def measure(
 
 def measured_timeline(pipe: Any, data: dict[str, Any]) -> dict[str, Any]:
     """The bubble of one instrumented step and the mean milliseconds of each action."""
-    from hybrid import timeline
+    from hybrid.run import timeline
 
     events, measured = common.instrumented_step(pipe, data["x"], data["y"])
     spans: dict[str, list[float]] = {}

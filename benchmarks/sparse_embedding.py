@@ -54,7 +54,8 @@ def pipeline(dense: bool) -> Any:
     import keras
 
     import hybrid
-    from hybrid.engine import assembly, sparse
+    from hybrid.engine.model import sparse
+    from hybrid.engine.step import assembly
 
     found = sparse.gradient_kinds
     if dense:  # no variable sparse; the unused ones as found

@@ -103,7 +103,7 @@ def check(stages: int, replicas: int, strategy: Any, mesh: Any) -> dict[str, Any
     """Trains the mesh and the reference on the same batches; errors and step time."""
     import keras
 
-    from hybrid.engine.strategy_pipeline import StrategyPipeline
+    from hybrid.engine.api.strategy_pipeline import StrategyPipeline
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference = keras.Sequential(

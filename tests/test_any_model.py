@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import hybrid
-from hybrid.engine import row_sums
+from hybrid.engine.programs import row_sums
 
 import reference as ref
 import runner

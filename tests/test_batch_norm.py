@@ -273,5 +273,6 @@ def test_synchronized_in_a_strategy_program_is_the_meshs():
             np.testing.assert_allclose(program.train_step(x, y)["loss"], want, rtol=1e-6)
     ref.assert_weights_close(program.get_weights(), mesh.get_weights(), 1e-6, 1e-6)
 
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -578,12 +578,12 @@ def test_bad_flags_are_refused(argv, match):
 
 
 def _trainer():
-    from hybrid import trainer
+    from hybrid.run import trainer
 
     names = {f.name for f in dataclasses.fields(trainer.TrainConfig)}
     takes_callback = "step_callback" in inspect.signature(trainer.train).parameters
     if not {"model_dir", "checkpoint_every"} <= names or not takes_callback:
-        pytest.skip("hybrid.trainer.train has no model_dir/checkpoint_every/step_callback yet")
+        pytest.skip("hybrid.run.trainer.train has no model_dir/checkpoint_every/step_callback yet")
     return trainer
 
 

@@ -4,7 +4,7 @@
 ``model.save`` / ``keras.saving.load_model`` round-trip; a checkpoint becomes a Keras model
 without a mesh; ``export`` writes a SavedModel whose ``serving_default`` (called through
 ``saved_model_cli run``, as TF Serving calls it) equals ``pipe.predict``; ``per_stage=True``
-writes one SavedModel per stage whose chain, and ``hybrid.serving``'s pipelined run of it,
+writes one SavedModel per stage whose chain, and ``hybrid.run.serving``'s pipelined run of it,
 equal ``pipe.predict``.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid import checkpoint, serving
+from hybrid.run import checkpoint, serving
 
 import reference as ref
 import runner

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import feed
+from hybrid.engine.api import feed
 
 import reference as ref
 import runner
@@ -304,9 +304,7 @@ def test_prefetched_shards_are_on_their_replicas_devices():
     to its last-stage device (2×2 mesh: replica r's stages are on devices (0, r), (1, r))."""
     _, pipe = pair(2, 2, 2)
     x, y = data(30)  # padded to 32
-    parts = feed.on_devices(
-        pipe._batch(x, y, np.ones(30)), *pipe._shard_devices()
-    )
+    parts = feed.on_devices(pipe._batch(x, y, np.ones(30)), *pipe._shard_devices())
     for r, part in enumerate(parts):
         first, last = pipe.stages[0][r].device, pipe.stages[-1][r].device
         assert first != last

@@ -35,7 +35,8 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import reduction, row_sums
+from hybrid.engine.programs import row_sums
+from hybrid.engine.step import reduction
 
 import covering
 import reference as ref

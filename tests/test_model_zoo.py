@@ -140,7 +140,7 @@ def test_a_nested_model_keras_would_rearrange_or_convert_stays_one_call():
     h = by_name({"b_in": x, "a_in": keras.layers.Dense(4)(y)})
     h = keras.layers.Concatenate()([h, keras.layers.Flatten()(cast(keras.layers.Dense(4)(x)))])
     model = keras.Model([x, y], keras.layers.Dense(2)(h))
-    calls = [type(c.layer).__name__ for c in hybrid.engine.graph.graph_of(model).calls]
+    calls = [type(c.layer).__name__ for c in hybrid.engine.model.graph.graph_of(model).calls]
     assert calls.count("Functional") == 2, calls
 
 
@@ -156,7 +156,7 @@ def test_a_nested_subclassed_model_stays_one_call():
     keras.utils.set_random_seed(0)
     x_in = keras.Input((4,))
     model = keras.Model(x_in, keras.layers.Dense(2)(Block()(keras.layers.Dense(4)(x_in))))
-    graph = hybrid.engine.graph.graph_of(model)
+    graph = hybrid.engine.model.graph.graph_of(model)
     assert [type(c.layer).__name__ for c in graph.calls] == ["Dense", "Block", "Dense"]
 
 

@@ -1,7 +1,7 @@
 """Operating a run: nothing is lost silently, one run per model_dir, config drift refused,
 interrupts checkpointed, one-line errors. Tiny MLPs, few steps, no XLA.
 
-In-process runs call ``hybrid.trainer.train``; the launcher's own behaviour (signals, exit
+In-process runs call ``hybrid.run.trainer.train``; the launcher's own behaviour (signals, exit
 codes, its one-line messages) runs in real processes driven by events: the pause hook
 (``pause.py``) and the files the runs write, never by timing.
 """
@@ -20,12 +20,12 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid import run_record
-from hybrid.checkpoint import UnreadableCheckpointsError
-from hybrid.output_paths import check_output_paths
-from hybrid.run_lock import LOCK_FILE, RunLock, RunLockError
-from hybrid.run_model import UserFunctionError, optimizer_for
-from hybrid.trainer import TrainConfig, train
+from hybrid.run import run_record
+from hybrid.run.checkpoint import UnreadableCheckpointsError
+from hybrid.run.output_paths import check_output_paths
+from hybrid.run.run_lock import LOCK_FILE, RunLock, RunLockError
+from hybrid.run.trainer import TrainConfig, train
+from hybrid.run.user_model import UserFunctionError, optimizer_for
 
 import pause
 import reference

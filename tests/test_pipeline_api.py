@@ -76,8 +76,7 @@ def test_summary_and_repr_say_what_the_pipeline_is():
         micro_batches=4, balance=[2, 3], schedule="1f1b", jit_compile=False,
     )  # fmt: skip
     assert repr(pipe) == (
-        "Pipeline(mesh stage:2;replica:2, M=4, 1f1b, remat=except_last, balance (2, 3), "
-        "not built)"
+        "Pipeline(mesh stage:2;replica:2, M=4, 1f1b, remat=except_last, balance (2, 3), not built)"
     )
     with pytest.raises(RuntimeError, match="call pipe.build"):
         pipe.summary()
@@ -230,7 +229,7 @@ def test_micro_batches_auto_times_every_m_on_the_first_batch_and_trains_as_keras
 
 def test_micro_batches_auto_candidates_and_refusals(monkeypatch):
     from hybrid.core.config import RunConfig
-    from hybrid.engine import micro_batching
+    from hybrid.engine.api import micro_batching
 
     interleaved = RunConfig(2, 1, 2, "interleaved", "never", 2)
     assert micro_batching.candidates(interleaved, 16) == [2, 4, 8, 16]  # M % S == 0
@@ -280,7 +279,7 @@ def test_the_all_reduce_is_chosen_by_where_the_devices_are_and_both_agree():
     """CPU devices of one process add the group's tensors themselves; GPUs and devices on
     several hosts use a collective; on 4 simulated devices both give the same sums on every
     device, bit for bit."""
-    from hybrid.engine import collectives
+    from hybrid.engine.step import collectives
 
     local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
     assert collectives.method_for(local) == "sum"
@@ -327,7 +326,7 @@ def test_boundary_codecs_round_trip_within_their_error():
     """bfloat16 keeps 8 mantissa bits (relative error ≤ 2⁻⁸); int8 one scale per tensor
     (absolute error ≤ scale / 2, zeros stay zeros); integer tensors and None cross as they
     are."""
-    from hybrid.engine import compression
+    from hybrid.engine.step import compression
 
     t = tf.constant(np.random.default_rng(0).normal(size=(64, 16)).astype("float32"))
     ids = tf.constant([[1, 2, 3]])

@@ -1,4 +1,4 @@
-"""The proof behind deferred weight gradients (``hybrid.engine.row_sums``): a traced weight
+"""The proof behind deferred weight gradients (``hybrid.engine.programs.row_sums``): a traced weight
 program run once on M micro-batches' rows joined computes the sum of its M runs, or the
 proof names what stops it; and ``deferral.run`` feeds it."""
 
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import deferral, records, row_sums, shape_values, split_programs
+from hybrid.engine.programs import deferral, row_sums, shape_values, split_programs
 
 ROWS, M, WIDTH = 4, 3, 5
 
@@ -70,7 +70,7 @@ def _traces(body, need_dx=True):
 def _kept(micro, x, weights, dy, need_dx=True):
     args = [x] + weights
     _, residuals = micro.forward(args)
-    kept = records.Kept(micro, args, residuals, need_dx)
+    kept = residuals.Kept(micro, args, residuals, need_dx)
     if need_dx:
         kept.backward([dy], [True], need_dx=True, need_dw=False)  # B: keeps what W reads
     return kept

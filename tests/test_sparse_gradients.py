@@ -123,7 +123,7 @@ def test_sparse_gradients_on_xla_schedules(schedule, remat, micro_batches, defer
     """Compiled stage programs, split backwards (B then W) and deferral: the slices come out
     of each micro-batch's program and are joined outside it; deferred, the embedding's W
     runs once over the step's rows, its slices the micro-batches' joined (no fallback)."""
-    from hybrid.engine.row_sums import Plan
+    from hybrid.engine.programs.row_sums import Plan
 
     kwargs = dict(schedule=schedule, remat=remat, defer_weight_gradients=defer, jit_compile=True)
     with warnings.catch_warnings():
@@ -173,7 +173,7 @@ def test_a_sparse_gradient_is_what_keras_hands_the_optimizer():
 def test_slices_are_gathered_in_replica_order_by_every_method():
     """Across a replica group IndexedSlices are concatenated in replica order on every
     device, by the local sum and by the collective alike (a mean divides the values)."""
-    from hybrid.engine import collectives
+    from hybrid.engine.step import collectives
 
     local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
     rng = np.random.default_rng(0)
@@ -364,7 +364,7 @@ class TiedHead(keras.layers.Layer):
 
 def test_a_tied_or_regularized_embedding_keeps_the_dense_gradient_keras_forms():
     """Keras adds a dense use's (or a penalty's) gradient to the slices: dense, summed."""
-    from hybrid.engine import graph, sparse
+    from hybrid.engine.model import graph, sparse
 
     keras.utils.set_random_seed(0)
     ids = keras.Input((SEQ,), dtype="int32")

@@ -36,7 +36,7 @@ from test_tpu_mesh import build_topology
 
 import hybrid
 from hybrid.core import schedule as sched
-from hybrid.engine.strategy_pipeline import StrategyPipeline
+from hybrid.engine.api.strategy_pipeline import StrategyPipeline
 from hybrid.platforms.tpu_offline import offline_strategy
 
 import reference as ref
@@ -369,8 +369,6 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
     np.testing.assert_equal(pipe.replica_weights(1), pipe.replica_weights(0))
 
 
-
-
 @pytest.mark.filterwarnings("ignore:.*BatchNormalization")
 def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     """BatchNormalization under micro-batching is defined, not Keras-exact (README): the
@@ -396,7 +394,6 @@ def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     mean, variance = program.get_weights()[4:6]  # Dense (kernel, bias), BN (gamma, beta, ...)
     assert mean.shape == variance.shape == (16,)
     assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)  # they moved
-
 
 
 def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_path):
@@ -447,9 +444,9 @@ def test_the_launcher_builds_the_tpu_step_and_says_where_a_tpu_is_needed(tmp_pat
     on the topology, the StrategyPipeline built under the layout's TPUStrategy; running
     the first step needs the TPU, and the error says so."""
     from hybrid.launch.train import train_on_tpu
-    from hybrid.platforms.tpu_node import TPUSystem
+    from hybrid.platforms.cloud_tpu.node import TPUSystem
     from hybrid.platforms.tpu_offline import offline_resolver
-    from hybrid.trainer import TrainConfig
+    from hybrid.run.trainer import TrainConfig
 
     slice_ = topology(4)
     resolver = offline_resolver(slice_)

@@ -17,7 +17,7 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 
-from hybrid.core import generators
+from hybrid.core import schedule as schedule_lib
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.core.partition import check_balance
 
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 REMAT_MODES = ("never", "except_last", "always")
-# What crosses a stage boundary in training (hybrid.engine.compression); float32: as it is.
+# What crosses a stage boundary in training (hybrid.engine.step.compression); float32: as it is.
 BOUNDARY_DTYPES = ("float32", "bfloat16", "int8")
 BALANCE_MODES = ("params", "time")
 # The fewest examples a training-mode BatchNormalization should normalize over: Keras
@@ -130,7 +130,7 @@ class RunConfig:
       stages: S, devices along each pipeline.
       replicas: R, data-parallel copies of the pipeline.
       micro_batches: M, micro-batches each replica's shard of the batch is split into.
-      schedule: a name in ``hybrid.schedule.names()``.
+      schedule: a name in ``hybrid.core.schedule.names()``.
       remat: one of :data:`REMAT_MODES`.
       virtual_stages: model stages per device (the interleaved schedule), so the model is
         cut into ``stages × virtual_stages`` model stages.
@@ -140,7 +140,7 @@ class RunConfig:
         then checked per batch with :func:`check_global_batch`).
       num_layers: the layers the model is cut along; None when not known yet.
       defer_weight_gradients: compute each stage's weight gradients once per step over
-        all its micro-batches (``hybrid.engine.deferral``); needs ``remat="never"``.
+        all its micro-batches (``hybrid.engine.programs.deferral``); needs ``remat="never"``.
     """
 
     stages: int
@@ -183,7 +183,7 @@ def _positive(name: str, value: object) -> None:
 
 
 def _check_names(config: RunConfig) -> None:
-    names = generators.names()
+    names = schedule_lib.names()
     if config.schedule not in names:
         raise ConfigError(
             "unknown schedule",
@@ -215,14 +215,14 @@ def _check_names(config: RunConfig) -> None:
 
 def _check_schedule(config: RunConfig) -> None:
     S, M, v = config.stages, config.micro_batches, config.virtual_stages
-    if v != 1 and config.schedule not in generators.VIRTUAL_SCHEDULES:
+    if v != 1 and config.schedule not in schedule_lib.VIRTUAL_SCHEDULES:
         raise ConfigError(
             "virtual stages need the interleaved schedule",
             f"schedule {config.schedule!r} runs one stage per device; virtual_stages={v} "
-            f"needs one of {sorted(generators.VIRTUAL_SCHEDULES)}",
+            f"needs one of {sorted(schedule_lib.VIRTUAL_SCHEDULES)}",
             ["virtual_stages", "schedule"],
         )
-    problem = generators.interleaved_problem(S, M) if config.schedule == "interleaved" else None
+    problem = schedule_lib.interleaved_problem(S, M) if config.schedule == "interleaved" else None
     if problem:
         raise ConfigError(
             "interleaved needs M % S == 0", problem, ["micro_batches", "stages", "schedule"]

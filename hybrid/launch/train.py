@@ -8,7 +8,7 @@
         --gcp_project=my-project --model_dir=gs://bucket/run ...
 
 Every flag combination is checked before any work; ``main`` freezes the flags into a
-``TrainConfig`` and calls the flag-free ``hybrid.trainer.train``.
+``TrainConfig`` and calls the flag-free ``hybrid.run.trainer.train``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) ->
     from hybrid.core.mesh import parse_spec
     from hybrid.launch.worker import flag_terms  # the cluster library's words -> flags
     from hybrid.platforms import cluster as cluster_lib
-    from hybrid.trainer import train
+    from hybrid.run.trainer import train
 
     spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
     stages, replicas = parse_spec(config.mesh)
@@ -93,8 +93,8 @@ def _planned(config: Any, devices: int) -> Any:
 
     import keras
 
-    from hybrid.planning import planner
-    from hybrid.run_model import build_model
+    from hybrid import planning as planner
+    from hybrid.run.user_model import build_model
 
     layers, shape, dtype = build_model(config)
     flags_given = ("schedule", "remat", "micro_batches", "defer_weight_gradients")
@@ -136,7 +136,7 @@ def config_from_flags() -> Any:
     """The frozen TrainConfig the flags describe: every field is the flag of its name."""
     import dataclasses
 
-    from hybrid.trainer import TrainConfig
+    from hybrid.run.trainer import TrainConfig
 
     values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)}
     if values["mesh"] != "auto":  # one spelling, so a resumed run sees no change of form
@@ -187,7 +187,7 @@ def train_on_tpu(
 
     from hybrid.core.mesh import parse_spec
     from hybrid.platforms import tpu_mesh
-    from hybrid.trainer import train
+    from hybrid.run.trainer import train
 
     stages, replicas = parse_spec(config.mesh)
     job = tf.DeviceSpec.from_string(system.devices[0]).job if system.devices else None
@@ -249,7 +249,7 @@ def _dry_run(config: Any) -> None:
     """``--dry_run``: the plan of the run on this host's devices, then nothing."""
     import hybrid
     from hybrid.core.mesh import parse_spec
-    from hybrid.dry_run import dry_run
+    from hybrid.run.dry_run import dry_run
 
     if FLAGS.cluster is not None or config.platform == "tpu":
         raise ValueError(
@@ -266,7 +266,7 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     """Trains where the flags say: a cluster, a Cloud TPU, or this host's devices."""
     import hybrid
     from hybrid.core.mesh import parse_spec
-    from hybrid.trainer import train
+    from hybrid.run.trainer import train
 
     if config.platform == "gpu" and FLAGS.cluster is None:
         _check_gpus(config)
@@ -321,9 +321,9 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, ModuleNotFoundError) and missing_dependency("", err) is not None:
         print(f"error: {missing_dependency('hybrid-train', err)}", file=sys.stderr)
         return 1
-    from hybrid.checkpoint import CheckpointError, error_line
-    from hybrid.run_lock import RunLockError
-    from hybrid.trainer import NonFiniteLossError
+    from hybrid.run.checkpoint import CheckpointError, error_line
+    from hybrid.run.run_lock import RunLockError
+    from hybrid.run.trainer import NonFiniteLossError
 
     lines = str(err).strip().splitlines() or [type(err).__name__]
     if isinstance(err, NonFiniteLossError):
@@ -383,7 +383,7 @@ def outputs(config: Any) -> list[str]:
     if config.export_dir:
         lines.append(
             f"  export_dir  {config.export_dir} (SavedModel; per stage: "
-            f"{os.path.join(config.export_dir, 'stages')}, hybrid.serving.load)"
+            f"{os.path.join(config.export_dir, 'stages')}, hybrid.run.serving.load)"
         )
     if config.keras_file:
         lines.append(f"  keras_file  {config.keras_file} (keras.saving.load_model)")
@@ -407,7 +407,7 @@ def main(argv: list[str]) -> None:
         with interrupts.installed():
             config, result = _run(config_from_flags(), pause_hook(), interrupts.stop)
     except KeyboardInterrupt:
-        from hybrid.checkpoint import latest_step
+        from hybrid.run.checkpoint import latest_step
 
         step = latest_step(FLAGS.model_dir) if FLAGS.model_dir else None
         kept = (

@@ -11,8 +11,8 @@ from typing import Any
 
 from absl import flags
 
-from hybrid.data_sources import is_function_spec
 from hybrid.launch import cloud_tpu, model_flags
+from hybrid.run.data_sources import is_function_spec
 
 FLAGS = flags.FLAGS
 
@@ -144,7 +144,7 @@ def _define_run_flags() -> None:
         "export_dir",
         None,
         "At the end, write a SavedModel for serving here (serve, serving_default) and one per "
-        "stage under EXPORT_DIR/stages (hybrid.serving).",
+        "stage under EXPORT_DIR/stages (hybrid.run.serving).",
     )
     flags.DEFINE_string(
         "keras_file",
@@ -350,8 +350,8 @@ def _check_run(values: dict[str, Any]) -> bool:
 
 def _check_output_paths(values: dict[str, Any]) -> bool:
     """Every output path writable, none under a regular file, no export overwritten
-    (``hybrid.output_paths``, which ``train`` applies too)."""
-    from hybrid.output_paths import check_output_paths
+    (``hybrid.run.output_paths``, which ``train`` applies too)."""
+    from hybrid.run.output_paths import check_output_paths
 
     try:
         check_output_paths(values["model_dir"], values["export_dir"], values["keras_file"])

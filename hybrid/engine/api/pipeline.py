@@ -1,0 +1,443 @@
+"""Pipeline: trains a Keras model on an S × R mesh, one exact step at a time.
+
+Conceptually one training step computes, for a global batch (x, y) of B examples::
+
+    for r in range(R):                              # data-parallel replicas
+        for m in range(M):                          # micro-batches of B / (R·M) examples
+            a = x[r][m]
+            for s in range(S):  a = stage[s](a)     # F actions, one device per stage
+            num[r][m], den[r][m] = loss terms of (y[r][m], a, sample_weight[r][m])
+            backprop num[r][m] through the stages, accumulating dW[s][r]   # B actions
+    loss = sum(num) / sum(den)        # the reduction Keras applies to the whole batch
+    for s in range(S):  dW[s][:] = sum over r of dW[s][r] / sum(den)  # all-reduce, group s
+    sum the gradients of a variable held by several stages (a tied embedding)
+    clip every stage's dW by the norm over all stages (global_clipnorm)
+    every device (s, r) applies dW[s][r] to its copy of stage s with its copy of the optimizer
+
+which is the gradient of the batch's loss as Keras reduces it: the step one device would take
+(with several outputs, each output's loss is reduced so and weighted: ``objective.py``; the
+divisors are known from the labels before the backward starts, which carries the 1 / sum(den)).
+It differs from that sequential loop only in *when* things run: the schedule (``schedule.py``)
+orders each device's F/B actions, the step issues every action on its device with a control
+dependency on the device's previous action, so each device runs one action at a time in
+schedule order while different devices overlap. The whole step is one ``tf.function`` (one
+trace per input signature); stage programs are XLA-compiled on their devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeAlias
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hybrid.core.config import REMAT_MODES, RunConfig, pipeline_arguments, validate_run
+from hybrid.core.mesh import DeviceMesh
+from hybrid.engine.api import batches, feed
+from hybrid.engine.api.metrics import StepMetrics
+from hybrid.engine.api.micro_batching import (
+    AUTO,
+    choose_micro_batches,
+    initial_micro_batches,
+    use_micro_batches,
+)
+from hybrid.engine.api.workflow import Workflow
+from hybrid.engine.devices import host_cpu
+from hybrid.engine.model.graph import graph_of
+from hybrid.engine.model.losses import LossLike
+from hybrid.engine.model.objective import Objective
+from hybrid.engine.model.sparse import flat_tensors
+from hybrid.engine.model.template import OptimizerLike, optimizer_copies
+from hybrid.engine.model.variables import Placement, sum_tied
+from hybrid.engine.step import assembly, compression, lowering, reduction
+from hybrid.engine.step import clocks as timing
+from hybrid.engine.step.clocks import TimedAction
+from hybrid.engine.step.collectives import ReplicaGroup
+from hybrid.engine.step.stage import StageReplica, TensorSpec
+
+__all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
+
+Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
+Shards: TypeAlias = list[batches.Shard]  # the global batch, one shard per replica
+
+
+class StepResult(NamedTuple):
+    """What a pipelined training step computes before any update.
+
+    Attributes:
+      loss: the step's loss as Keras reports it (regularization included).
+      output_losses: each output's own loss, before its ``loss_weights``.
+      grads: ``grads[k][r]``: model stage k's gradients on replica r's device.
+      events: replica 0's timing events (when recorded).
+      stats: ``stats[k][r]``: stage k's BatchNormalization statistics (empty without).
+      predictions: the batch's model outputs, per output (None unless returned).
+    """
+
+    loss: tf.Tensor
+    output_losses: tf.Tensor
+    grads: list[list[list[tf.Tensor]]]
+    events: list[Any]
+    stats: list[Any]
+    predictions: list[tf.Tensor] | None
+
+
+class Pipeline(Workflow):
+    """A Keras model cut into ``mesh.num_stages`` stages and replicated on the mesh.
+
+    Args:
+      model: a Keras model (functional, with any branches, merges, skip connections, shared
+        layers and inputs; or Sequential), or a list of Keras layers applied in order. Its
+        layer objects run as they are; each stage device holds a copy of the variables its
+        layers read.
+      mesh: the S × R device mesh, or its spec ("stage:2;replica:4") on the local devices.
+      loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch), a
+        loss name, or ``callable(y_true, y_pred)`` returning per-example values (reduced as
+        ``compile`` reduces them: the mean over the batch); for several outputs, one for all
+        or a list (dict by output name) of them, as in ``compile``.
+      optimizer: a Keras optimizer, used as one optimizer over the whole model: each device
+        holds a copy for its variables (same class, configuration and weight-decay
+        exclusions) and ``global_clipnorm`` clips by the norm over every stage; or a
+        zero-argument factory returning a new one.
+      micro_batches: M, the micro-batches each replica's shard of the batch is split into;
+        or "auto": the first labelled batch times the gradient step at every M the schedule
+        accepts and keeps the fastest (``micro_batching.py``; ``micro_batch_seconds``).
+      balance: layer calls per stage (in the model's topological order): None or "params"
+        (balance parameter counts), "time" (balance profiled forward+backward time per
+        call), or explicit counts.
+      schedule: name of a schedule in ``hybrid.core.schedule.names()``.
+      remat: "never" keeps activations, "always" keeps each stage input and recomputes its
+        forward in the backward, "except_last" recomputes all but the last micro-batch.
+      jit_compile: compile stage programs with XLA.
+      loss_weights: each output's weight in the loss (a list, or dict by output name), as
+        in ``compile``.
+      metrics, weighted_metrics: as ``compile`` takes them; ``fit``, ``evaluate`` and
+        ``train_step`` report them, computed on the global batch (``metrics.py``).
+      prefetch: batches ``fit``, ``evaluate`` and ``predict`` prepare and copy onto the
+        replicas' devices ahead of the step (``feed.py``); 0 prepares each at its step.
+      boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
+        cross stage boundaries in training (``compression.py``: inexact, for slow links);
+        None or "float32" sends them as they are.
+      defer_weight_gradients: each stage's weight gradients once per step over all its
+        micro-batches' rows (``deferral.py``; exact; needs ``remat="never"``; memory).
+    """
+
+    def __init__(
+        self,
+        model: keras.Model | Sequence[keras.layers.Layer],
+        mesh: DeviceMesh,
+        loss: LossLike,
+        optimizer: OptimizerLike,
+        micro_batches: int | str = 1,
+        balance: str | Sequence[int] | None = None,
+        schedule: str = "gpipe",
+        remat: str = "except_last",
+        jit_compile: bool = True,
+        virtual_stages: int = 1,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        prefetch: int = 2,
+        boundary_dtype: str | None = None,
+        defer_weight_gradients: bool = False,
+    ) -> None:
+        super().__init__()
+        self.prefetch = feed.check_depth(prefetch)
+        self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
+        self._graph = graph = graph_of(model)
+        self.mesh = mesh = pipeline_arguments(mesh, jit_compile, balance)
+        self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
+        policy = getattr(getattr(model, "dtype_policy", None), "name", None)
+        self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")
+        counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
+        self._auto = micro_batches == AUTO
+        M = initial_micro_batches(micro_batches, schedule, mesh.num_stages)
+        self.micro_batch_seconds: dict[int, float] = {}
+        self.config = validate_run(
+            RunConfig(
+                stages=mesh.num_stages,
+                replicas=mesh.num_replicas,
+                micro_batches=M,
+                schedule=schedule,
+                virtual_stages=virtual_stages,
+                remat=remat,
+                balance=counts if counts is not None else str(balance) if balance else None,
+                num_layers=len(self._graph.calls),
+                defer_weight_gradients=defer_weight_gradients,
+            )
+        )
+        self.remat, self.jit_compile, self._defer = remat, jit_compile, defer_weight_gradients
+        # Explicit counts, or None until build() balances by self._balance_mode.
+        self._balance: tuple[int, ...] | None = counts
+        self._balance_mode = "params" if balance is None or counts is not None else str(balance)
+        self._stages: list[list[StageReplica]] = []
+        self._placement: Placement | None = None
+        with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        # On the caller's host: reset and read eagerly between steps, in order with them.
+        names = getattr(model, "output_names", None) if isinstance(model, keras.Model) else None
+        self._metrics = StepMetrics(metrics, weighted_metrics, names, graph.output_names)
+        use_micro_batches(self, M)  # the schedules and step functions of M
+
+    # -- building --------------------------------------------------------------------------
+
+    @property
+    def built(self) -> bool:
+        return bool(self._stages)
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        """Layer calls per stage (once built, or when given)."""
+        if self._balance is None:
+            raise RuntimeError("the balance is chosen when the pipeline is built; call build()")
+        return self._balance
+
+    @property
+    def step_counter(self) -> tf.Variable:
+        """Optimizer steps taken; with the micro-batch it seeds the random layers (a restored
+        checkpoint sets it: a resumed run draws what the original would have drawn)."""
+        return self._step
+
+    @property
+    def stages(self) -> list[list[StageReplica]]:
+        """``stages[k][r]``: the copy of model stage k on replica r's device."""
+        return self._stages
+
+    def build(self, input_shape: Any, dtype: Any = "float32") -> None:
+        """Builds the layers, chooses the balance and places a stage copy on every device.
+
+        Args:
+          input_shape: the model's input shape including the batch dimension (which may be
+            None), as in ``keras.Model.build``; a list of shapes for a model with several
+            inputs (a dict model: in the order of its sorted input names).
+          dtype: the input dtype (e.g. "int32" for token ids), or one per input.
+        """
+        if self.built:
+            return
+        self._build(batches.input_specs(input_shape, dtype), batches.batch_of(input_shape))
+
+    def _build(self, specs: Sequence[TensorSpec], batch: int | None = None) -> None:
+        if len(specs) != len(self._graph.inputs) or any(None in s.shape for s in specs):
+            raise ValueError(
+                f"the model takes {len(self._graph.inputs)} input(s), got the input shapes "
+                f"{[(None, *s.shape) for s in specs]}; give one shape per input, every "
+                "dimension but the batch known (each shape compiles its own programs)"
+            )
+        self._specs = list(specs)
+        self._shapes = [s.shape for s in specs]
+        layout = assembly.lay_out(
+            self._graph,
+            specs,
+            self.mesh.device(0, 0),
+            self.schedule.num_model_stages,
+            self._balance,
+            self._balance_mode,
+            self.jit_compile,
+        )
+        self._balance, self._placement = layout.balance, layout.placement
+        masked = [k in layout.masked for k in self._graph.outputs]
+        self._loss = self._loss.bind(layout.output_shapes, masked)
+        self._stages = self._place(layout, batch)
+        self._ties = layout.placement.ties()
+        self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
+        if self._metrics.needs_predictions:
+            if any(masked):
+                raise NotImplementedError(
+                    "metrics on a masked output are not supported yet (the mask does not "
+                    "reach the metrics); compute them with evaluate() on to_keras()"
+                )
+            for copy in self._stages[-1]:
+                copy.predicts = True
+
+    def _place(self, layout: assembly.Layout, batch: int | None = None) -> list[list[StageReplica]]:
+        """Every stage's copies (``stages[k][r]``) and replica groups (``batch``: see place)."""
+        rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
+        self._groups = [ReplicaGroup(self.mesh.replica_group(d)) for d in rows]
+        args = (layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile)
+        return assembly.place(*args, defer=self._defer, batch=batch)
+
+    # -- public steps ----------------------------------------------------------------------
+
+    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> dict[str, float]:
+        """One training step on the global batch (any number of examples), as
+        ``keras.Model.train_on_batch(x, y, sample_weight, return_dict=True)`` takes it: the
+        loss as Keras reduces it and the metrics, on this batch alone.
+
+        Args:
+          x, y: the global batch of inputs and labels.
+          sample_weight: per-example (or per-timestep) weights; None weighs every example 1.
+        """
+        self._metrics.reset()
+        self._train(self._batch(x, y, sample_weight))
+        return self._metrics.result()
+
+    def timed_train_step(
+        self, x: Any, y: Any, sample_weight: Any = None
+    ) -> tuple[dict[str, float], list[TimedAction]]:
+        """A real training step that also records when each of replica 0's actions ran
+        (``timing.py``: seconds from its first start); ``last_timeline`` gets the breakdown."""
+        self._metrics.reset()
+        view = self._timed_step(self._batch(x, y, sample_weight))
+        return self._metrics.result(), view.actions
+
+    def _timed_step(self, parts: Shards) -> timing.StepView:
+        """The training step on ``parts``, timed: its view is kept in ``last_timeline``."""
+        stamps = self._timed(parts)
+        events = timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
+        self.last_timeline = timing.StepView.of(events)
+        return self.last_timeline
+
+    def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
+        """The gradients of the batch's loss as :meth:`train_step` computes them (replica
+        0's, in the order of ``model.trainable_variables``), without updating anything."""
+        _, grads = self._grads(self._batch(x, y, sample_weight))
+        return [tf.convert_to_tensor(g).numpy() for g in grads]  # a sparse one densified
+
+    def _batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: int | None = None
+    ) -> Shards:
+        """The batch cut into the replicas' shards of flat lists of tensors (inputs, labels
+        and sample weights per output) with which examples are real: a batch that does not
+        split into R·M equal parts is padded (to ``pad_to`` examples, or the next multiple
+        of R·M) with examples that count for nothing. Builds the pipeline on first use."""
+        xs, ys, ws = batches.flat_batch(self._graph, x, y, sample_weight)
+        shapes = [tuple(t.shape[1:]) for t in xs]
+        if not self.built:
+            self._build([TensorSpec(tuple(t.shape[1:]), t.dtype.name) for t in xs], len(xs[0]))
+        elif shapes != self._shapes:
+            raise ValueError(
+                f"the pipeline was built for inputs of shapes {self._shapes} (without the "
+                f"batch), got {shapes}; build another Pipeline for another shape"
+            )
+        if ys is not None:
+            self._metrics.build(ys, self._loss.shapes)
+            if self._auto:  # the first labelled batch chooses M
+                self.micro_batch_seconds = choose_micro_batches(self, xs, ys, ws)
+                self._auto = False
+        return self._shards(xs, ys, ws, pad_to)
+
+    def _shards(self, xs: Flat, ys: Any, ws: Any, pad_to: int | None = None) -> Shards:
+        """Flat inputs, labels and weights padded and cut into the replicas' shards."""
+        xs, ys, ws, valid = batches.pad(self.config, xs, ys, ws, pad_to)
+        if valid is not None:
+            batches.warn_padding([row[0] for row in self._stages])
+        return batches.shards(self.config, *batches.prepare(self.config, xs, ys, ws), valid)
+
+    def _shard_devices(self) -> tuple[list[str], list[str]]:
+        """Each replica's first-stage device (its inputs) and last-stage device (labels)."""
+        return [s.device for s in self._stages[0]], [s.device for s in self._stages[-1]]
+
+    @property
+    def placement(self) -> Placement:
+        """Which stages hold each model variable (known once built)."""
+        if self._placement is None:
+            raise RuntimeError("the pipeline is not built yet; call build() or train_step()")
+        return self._placement
+
+    # -- the step functions ----------------------------------------------------------------
+
+    def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
+        return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
+
+    def _train_step(self, parts: Shards, record: bool = False) -> list[list[tf.Tensor]]:
+        step = self._pipelined_gradients(parts, record)
+        self._apply(step.grads, step.stats)
+        y, w = batches.whole_labels(parts)
+        examples = batches.examples(parts)
+        self._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
+        if record:  # (device, action) of each timestamp pair: the same in every trace
+            self._event_keys = [(device, action) for device, action, _, _ in step.events]
+        return [[start, end] for _, _, start, end in step.events]
+
+    def _apply(self, grads: list[list[list[tf.Tensor]]], stats: list[Any]) -> None:
+        """Every device applies its stage's gradients (clipped by the global norm when the
+        optimizer asks) with its copy of the optimizer and updates its BatchNormalization
+        moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
+        reduction.whole_model(grads, self._stages, self._optimizers)
+        parts = self.config.replicas * self.micro_batches
+        for k, row in enumerate(self._stages):
+            for r, stage in enumerate(row):
+                with tf.device(stage.device):
+                    stage.apply_gradients(grads[k][r])
+                    if stats[k]:
+                        stage.update_norms(stats[k][r][0], parts)
+        done = [g for row in grads for per in row for g in flat_tensors(per)]
+        with tf.control_dependencies(done):
+            self._step.assign_add(1)
+
+    def _gradient_step(self, parts: Shards) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        step = self._pipelined_gradients(parts, record=False)
+        return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
+
+    def _pipelined_gradients(self, parts: Shards, record: bool) -> StepResult:
+        """Runs the schedule on every replica, then reduces over the mesh: the loss of the
+        global batch, each stage's gradients of it on each replica's device (a tied
+        variable's: the sum over its stages), BatchNormalization statistics summed over the
+        global batch, timing events when ``record``, the predictions when returned."""
+        R = self.mesh.num_replicas
+        firsts, lasts = self._shard_devices()
+        xs = batches.micro_inputs(self.config, parts, firsts)
+        labels = batches.micro_labels(self.config, parts, lasts)
+        divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
+        loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
+        seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
+        lower = functools.partial(lowering.lower_training, codec=self._codec, defer=self._defer)
+        remat = lowering.remat_policy(self.remat, self.micro_batches)
+        steps = [
+            lower(
+                self.schedule,
+                self._order,
+                self._fused,
+                [row[r] for row in self._stages],
+                xs[r],
+                labels[r],
+                self._seeds(r),
+                remat,
+                seed,
+                clocks=self._clocks if record and r == 0 else None,
+            )
+            for r in range(R)
+        ]
+        loss, divisors, output_losses = reduction.global_loss(
+            self._loss, [t for s in steps for t in s.losses], divisors
+        )
+        rows = [self.schedule.device_of(k) for k in range(len(self._stages))]
+        starts = timing.reduce_starts(self._clocks, steps[0].tails) if record else []
+        grads, stats, penalty = reduction.all_stages(
+            steps, self._stages, self._groups, rows, self._loss.late_scale(divisors), loss_scale
+        )
+        if penalty is not None:  # the regularization Keras adds to the loss, once per step
+            loss = loss + penalty
+        for r in range(R):
+            sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
+        pieces = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
+        predictions = batches.joined(pieces)
+        events: list[Any] = list(steps[0].events)
+        if record:  # replica 0's devices: from their last action to their reduced gradients
+            events += timing.reduce_events(self._clocks, starts, rows, [g[0] for g in grads])
+        return StepResult(loss, output_losses, grads, events, stats, predictions)
+
+    def _forward_pass(self, parts: Shards) -> Any:
+        """The forward-only schedule on every replica (``lower_replicas_inference``)."""
+        firsts, lasts = self._shard_devices()
+        labelled = parts[0].ys is not None
+        labels = batches.micro_labels(self.config, parts, lasts) if labelled else None
+        copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
+        xs = batches.micro_inputs(self.config, parts, firsts)
+        inference, order = self._inference, self._inference_order
+        return lowering.lower_replicas_inference(inference, order, copies, xs, labels, self._seeds)
+
+    def _eval_step(self, parts: Shards) -> None:
+        outs, activity = self._forward_pass(parts)
+        loss, _, output_losses = reduction.global_loss(self._loss, [o[0] for o in outs], None)
+        penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
+        loss = loss + tf.add_n(penalties + activity) if penalties + activity else loss
+        predictions = batches.joined([out[1:] for out in outs])
+        y, w = batches.whole_labels(parts)
+        self._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
+
+    def _predict_step(self, parts: Shards) -> Flat:
+        outs, _ = self._forward_pass(parts)
+        return [t[: batches.examples(parts)] for t in batches.joined(outs) or []]
