@@ -51,7 +51,20 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
 # the floors, loaded on first use as attributes (``hybrid.core``, ``hybrid.run``, ...)
 _SUBMODULES = ("core", "engine", "launch", "models", "planning", "platforms", "run")
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "ConfigError",
+    "DeviceMesh",
+    "Pipeline",
+    "RunConfig",
+    "Schedule",
+    "ScheduleError",
+    "local_devices",
+    "plan",
+    "simulate_cpu_devices",
+    "validate_run",
+]
 
 __version__ = "0.1.0"
 
