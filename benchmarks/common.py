@@ -239,9 +239,9 @@ def dense_pipeline(
 
     if loss is None:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    pipe = hybrid.Pipeline(
-        dense_stack(width, depth), mesh=mesh, loss=loss, optimizer=optimizer, **options
-    )
+    compiling = {k: options.pop(k) for k in ("jit_compile", "metrics") if k in options}
+    pipe = hybrid.Pipeline(dense_stack(width, depth), mesh=mesh, **options)
+    pipe.compile(optimizer=optimizer, loss=loss, **compiling)
     pipe.build((None, width))
     return pipe
 

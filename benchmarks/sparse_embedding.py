@@ -64,9 +64,11 @@ def pipeline(dense: bool) -> Any:
         pipe = hybrid.Pipeline(
             build_model(),
             mesh=hybrid.DeviceMesh.create(FLAGS.stages, FLAGS.replicas),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.Adam(1e-3),
             micro_batches=FLAGS.micro_batches,
+        )
+        pipe.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         pipe.build((None, FLAGS.seq_len), "int32")
     finally:

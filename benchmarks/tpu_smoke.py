@@ -113,12 +113,11 @@ def check(stages: int, replicas: int, strategy: Any, mesh: Any) -> dict[str, Any
     pipe = StrategyPipeline(
         common.dense_stack(FLAGS.width, FLAGS.depth, seed=1),
         mesh,
-        loss,
-        keras.optimizers.SGD(1e-2, momentum=0.9),
         strategy=strategy,
         micro_batches=FLAGS.micro_batches,
         schedule=FLAGS.schedule,
     )
+    pipe.compile(optimizer=keras.optimizers.SGD(1e-2, momentum=0.9), loss=loss)
     pipe.build((None, FLAGS.width))
     pipe.set_weights(reference.get_weights())
     loss_error = 0.0

@@ -39,12 +39,11 @@ def skip_model(seed=0):
 
 def trained(model, stages=2, replicas=1, balance=None):
     pipe = hybrid.Pipeline(
-        model,
-        hybrid.DeviceMesh.create(stages, replicas),
-        loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+        model, hybrid.DeviceMesh.create(stages, replicas), micro_batches=2, balance=balance
+    )
+    pipe.compile(
         optimizer=keras.optimizers.Adam(0.01),
-        micro_batches=2,
-        balance=balance,
+        loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
         jit_compile=False,
     )
     for step in range(2):

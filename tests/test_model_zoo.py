@@ -46,13 +46,9 @@ def fit_both(
     model = build()
     model.set_weights(start)
     pipe = hybrid.Pipeline(
-        model,
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=optimizer(),
-        micro_batches=micro_batches,
-        jit_compile=False,
+        model, mesh=hybrid.DeviceMesh.create(stages, replicas), micro_batches=micro_batches
     )
+    pipe.compile(optimizer=optimizer(), loss=loss(), jit_compile=False)
     got = pipe.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
     moved = max(np.abs(a - b).max() for a, b in zip(reference.get_weights(), start, strict=True))

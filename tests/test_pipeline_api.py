@@ -72,9 +72,9 @@ def test_summary_and_repr_say_what_the_pipeline_is():
     h = keras.layers.Add(name="join")([h, r])
     model = keras.Model(x_in, keras.layers.Dense(3, name="out")(h))
     pipe = hybrid.Pipeline(
-        model, mesh=hybrid.DeviceMesh.create(2, 2), loss="mse", optimizer="sgd",
-        micro_batches=4, balance=[2, 3], schedule="1f1b", jit_compile=False,
-    )  # fmt: skip
+        model, mesh=hybrid.DeviceMesh.create(2, 2), micro_batches=4, balance=[2, 3], schedule="1f1b"
+    )
+    pipe.compile(optimizer="sgd", loss="mse", jit_compile=False)  # fmt: skip
     assert repr(pipe) == (
         "Pipeline(mesh stage:2;replica:2, M=4, 1f1b, remat=except_last, balance (2, 3), not built)"
     )
@@ -117,14 +117,12 @@ def test_balance_time_profiles_layers():
 
 
 def test_optimizer_factory_and_plain_callable_loss():
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(),
-        mesh=hybrid.DeviceMesh.create(2, 1),
+    pipe = hybrid.Pipeline(ref.mlp_layers(), mesh=hybrid.DeviceMesh.create(2, 1), micro_batches=2)
+    pipe.compile(
+        optimizer=lambda: keras.optimizers.SGD(0.1),
         loss=lambda y_true, y_pred: keras.losses.sparse_categorical_crossentropy(
             y_true, y_pred, from_logits=True
         ),
-        optimizer=lambda: keras.optimizers.SGD(0.1),
-        micro_batches=2,
     )
     x, y = ref.batch(8)
     model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + ref.mlp_layers())
@@ -242,14 +240,12 @@ def test_micro_batches_auto_candidates_and_refusals(monkeypatch):
             *ref.batch(1)
         )
     with pytest.raises(ValueError, match="micro_batches='auto' times the gradient step"):
-        hybrid.StrategyPipeline(
+        hybrid.Pipeline(
             ref.mlp_layers(),
             hybrid.DeviceMesh.create(1, 1),
-            ref.loss_fn(),
-            keras.optimizers.SGD(0.1),
             strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
             micro_batches="auto",
-        )
+        ).compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn())
     # a BatchNormalization model whose choice splits the batch is warned, as a given M is
     monkeypatch.setattr(micro_batching, "candidates", lambda config, examples: [2])
     norm = [keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(10)]

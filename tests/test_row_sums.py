@@ -153,13 +153,15 @@ def _twins(template, micro_batches):
         pipes[defer] = hybrid.Pipeline(
             twin,
             mesh=hybrid.DeviceMesh.create(2, 1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.SGD(0.1),
             micro_batches=micro_batches,
             balance=[2, 3],
             remat="never",
-            jit_compile=False,
             defer_weight_gradients=defer,
+        )
+        pipes[defer].compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
         )
     return pipes
 
@@ -219,14 +221,12 @@ def test_a_convolutional_model_defers_and_trains_as_keras_trains_it():
     pipe = hybrid.Pipeline(
         twin,
         mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss,
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         micro_batches=4,
         schedule="1f1b",
         remat="never",
-        jit_compile=False,
         defer_weight_gradients=True,
     )
+    pipe.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss, jit_compile=False)
     rng = np.random.default_rng(0)
     for _ in range(2):
         x = rng.normal(size=(16, 8, 8, 3)).astype("float32")

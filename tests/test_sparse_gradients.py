@@ -74,15 +74,14 @@ def keras_run(optimizer: str, steps: int = 2, jit_compile: bool = False) -> tupl
 def pipeline_run(
     optimizer: str, stages: int, replicas: int, micro_batches: int, steps: int = 2, **kwargs
 ) -> tuple[list, list, hybrid.Pipeline]:
+    jit_compile = kwargs.pop("jit_compile", False)
     pipe = hybrid.Pipeline(
         embedding_model(),
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=OPTIMIZERS[optimizer](),
         micro_batches=micro_batches,
-        jit_compile=kwargs.pop("jit_compile", False),
         **kwargs,
     )
+    pipe.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss(), jit_compile=jit_compile)
     losses = [pipe.train_step(*tokens(step))["loss"] for step in range(steps)]
     if optimizer == "adam_ema":  # as fit ends: the averages replace the trained weights
         for row in pipe.stages:
@@ -140,14 +139,9 @@ def test_a_sparse_gradient_is_what_keras_hands_the_optimizer():
     """The stage holds which gradients are slices; a densified path is really different
     (so the comparisons above can fail), and ``gradients()`` returns Keras's sums."""
     pipe = hybrid.Pipeline(
-        embedding_model(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer="adam",
-        micro_batches=2,
-        balance=[1, 4],
-        jit_compile=False,
+        embedding_model(), mesh=hybrid.DeviceMesh.create(2, 2), micro_batches=2, balance=[1, 4]
     )
+    pipe.compile(optimizer="adam", loss=loss(), jit_compile=False)
     pipe.build((None, SEQ), "int32")
     assert [row[0].sparse for row in pipe.stages] == [[True], [False] * 4]
     model = embedding_model()
@@ -205,15 +199,13 @@ def test_the_strategy_executor_gathers_slices_as_mirrored_strategy_does():
     the replica context's all_gather carries the slices."""
     from reference import mirrored_strategy
 
-    pipe = hybrid.StrategyPipeline(
+    pipe = hybrid.Pipeline(
         embedding_model(),
         hybrid.DeviceMesh.create(1, 2),
-        loss(),
-        keras.optimizers.Adam(1e-2),
         strategy=mirrored_strategy(),
         micro_batches=2,
-        jit_compile=False,
     )
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     losses = [pipe.train_step(*tokens(step))["loss"] for step in range(2)]
     assert_as_keras((losses, pipe.get_weights()), keras_run("adam"))
 
@@ -240,14 +232,9 @@ def test_an_embedding_looked_up_on_two_stages_joins_both_stages_slices():
     model = two_lookups_model()
     model.set_weights(start)
     pipe = hybrid.Pipeline(
-        model,
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-2),
-        micro_batches=2,
-        balance=[2, 4],
-        jit_compile=False,
+        model, mesh=hybrid.DeviceMesh.create(2, 2), micro_batches=2, balance=[2, 4]
     )
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     for _ in range(2):
         pipe.train_step(xs, y)
     assert [row[0].sparse[0] for row in pipe.stages] == [True, True]  # held by both
@@ -290,14 +277,8 @@ def test_the_probe_sees_the_training_step_and_its_added_losses(layer):
 
     want = build()
     want.compile(keras.optimizers.Adam(1e-2), loss())
-    pipe = hybrid.Pipeline(
-        build(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-2),
-        balance=[1, 3],
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(build(), mesh=hybrid.DeviceMesh.create(2, 2), balance=[1, 3])
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     for step in range(2):
         np.testing.assert_allclose(
             pipe.train_step(*tokens(step))["loss"], want.train_on_batch(*tokens(step)), rtol=1e-5
@@ -334,14 +315,8 @@ def test_a_variable_keras_gets_no_gradient_for_is_left_alone():
 
     want = build()
     want.compile(optimizer(), loss())
-    pipe = hybrid.Pipeline(
-        build(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer=optimizer(),
-        balance=[2, 3],
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(build(), mesh=hybrid.DeviceMesh.create(2, 2), balance=[2, 3])
+    pipe.compile(optimizer=optimizer(), loss=loss(), jit_compile=False)
     for step in range(2):
         want.train_on_batch(*tokens(step))
         pipe.train_step(*tokens(step))

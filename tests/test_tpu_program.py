@@ -71,13 +71,15 @@ def traced(
     pipe = StrategyPipeline(
         model if model is not None else ref.mlp_layers(),
         tpu.mesh,
-        optimizer=optimizer or keras.optimizers.Adam(1e-3),
-        **(objective or {"loss": ref.loss_fn()}),
         strategy=strategy,
         micro_batches=micro_batches,
         schedule=schedule,
         virtual_stages=virtual,
         remat="never",
+    )
+    pipe.compile(
+        optimizer=optimizer or keras.optimizers.Adam(1e-3),
+        **objective or {"loss": ref.loss_fn()},
     )
     x, y = batch if batch is not None else ref.batch(8 * replicas * micro_batches)
     return pipe, pipe.traced_train_step(x, y)
@@ -259,20 +261,12 @@ def test_a_strategy_that_does_not_fit_the_mesh_is_refused():
     strategy, tpu = offline_strategy(topology(4), 2, 2)
     with pytest.raises(ValueError, match="runs 2 replica"):
         StrategyPipeline(
-            ref.mlp_layers(),
-            hybrid.DeviceMesh.create(2, 4),
-            ref.loss_fn(),
-            "adam",
-            strategy=strategy,
-        )
+            ref.mlp_layers(), hybrid.DeviceMesh.create(2, 4), strategy=strategy
+        ).compile(optimizer="adam", loss=ref.loss_fn())
     with pytest.raises(ValueError, match="2 core.* per replica and the pipeline 1 stages"):
         StrategyPipeline(
-            ref.mlp_layers(),
-            hybrid.DeviceMesh.create(1, 2),
-            ref.loss_fn(),
-            "adam",
-            strategy=strategy,
-        )
+            ref.mlp_layers(), hybrid.DeviceMesh.create(1, 2), strategy=strategy
+        ).compile(optimizer="adam", loss=ref.loss_fn())
 
 
 # -- numerics: the same program on CPUs ----------------------------------------------------
@@ -306,13 +300,12 @@ def test_mirrored_program_matches_keras(recipe, micro_batches, schedule):
     pipe = StrategyPipeline(
         template,
         hybrid.DeviceMesh.create(2, 2),
-        exact.loss_for(recipe),
-        exact.optimizer_for(recipe, template),
         strategy=ref.mirrored_strategy(),
         micro_batches=micro_batches,
         schedule=schedule,
         virtual_stages=2 if schedule == "interleaved" else 1,
     )
+    pipe.compile(optimizer=exact.optimizer_for(recipe, template), loss=exact.loss_for(recipe))
     weighted = recipe in ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
     for step in range(exact.STEPS):
         x, y = ref.batch(exact.BATCH, seed=step + 1)
@@ -352,12 +345,11 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
     pipe = StrategyPipeline(
         template,
         hybrid.DeviceMesh.create(2, 2),
-        optimizer=optimizer(),
         strategy=ref.mirrored_strategy(),
         micro_batches=2,
         schedule="1f1b",
-        **any_model.objective(name),
     )
+    pipe.compile(optimizer=optimizer(), **any_model.objective(name))
     for step in range(exact.STEPS):
         x, y = batch(step)
         w = any_model.sample_weights(name, step)
@@ -376,15 +368,15 @@ def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     engine does (statistics summed over the global batch across replicas)."""
     mesh_model, program_model = batch_norm_model(0), batch_norm_model(1)
     program_model.set_weights(mesh_model.get_weights())
-    common = dict(loss=ref.loss_fn(), micro_batches=2)
-    on_mesh = hybrid.Pipeline(
-        mesh_model, hybrid.DeviceMesh.create(2, 2), optimizer=keras.optimizers.SGD(0.1),
-        jit_compile=False, **common,
-    )  # fmt: skip
+    on_mesh = hybrid.Pipeline(mesh_model, hybrid.DeviceMesh.create(2, 2), micro_batches=2)
+    on_mesh.compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn(), jit_compile=False)
     program = StrategyPipeline(
-        program_model, hybrid.DeviceMesh.create(2, 2), optimizer=keras.optimizers.SGD(0.1),
-        strategy=ref.mirrored_strategy(), **common,
-    )  # fmt: skip
+        program_model,
+        hybrid.DeviceMesh.create(2, 2),
+        strategy=ref.mirrored_strategy(),
+        micro_batches=2,
+    )
+    program.compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn())
     for step in range(exact.STEPS):
         x, y = ref.batch(exact.BATCH, seed=step)
         np.testing.assert_allclose(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.mesh import DeviceMesh, parse_spec
@@ -30,7 +31,9 @@ __all__ = [
     "ConfigError",
     "RunConfig",
     "as_mesh",
+    "Layout",
     "check_switches",
+    "layout_of",
     "pipeline_arguments",
     "check_global_batch",
     "least_micro_batches",
@@ -104,11 +107,51 @@ def check_switches(**switches: object) -> None:
             )
 
 
-def pipeline_arguments(mesh: object, jit_compile: object, balance: object = None) -> DeviceMesh:
-    """Checks the ``Pipeline`` arguments before a RunConfig holds them: ``jit_compile`` is a
-    bool (:func:`check_switches`), ``balance`` None, a string or layer counts; returns
-    ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
-    check_switches(jit_compile=jit_compile)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The parallel layout a Pipeline takes as keywords, or whole as a :class:`RunConfig`;
+    each field's default is the Pipeline's (fields as in RunConfig; ``micro_batches`` may
+    also be "auto")."""
+
+    micro_batches: int | str = 1
+    schedule: str = "gpipe"
+    remat: str = "except_last"
+    balance: Any = None
+    virtual_stages: int = 1
+    defer_weight_gradients: bool = False
+
+
+def layout_of(config: RunConfig | None, **given: Any) -> Layout:
+    """The pipeline's :class:`Layout` from ``config`` or from the keywords ``given`` (None:
+    not given, the default).
+
+    Raises:
+      ArgumentTypeError: ``config`` is not a RunConfig, or comes with layout keywords.
+    """
+    fields = [f.name for f in dataclasses.fields(Layout)]
+    named = {k: v for k, v in given.items() if v is not None}
+    if config is None:
+        return Layout(**named)
+    if not isinstance(config, RunConfig):
+        raise ArgumentTypeError(
+            "config of the wrong type",
+            f"config={config!r} ({type(config).__name__}): give a hybrid.RunConfig (a "
+            "planner's Prediction holds one as .config)",
+            ["config"],
+        )
+    if named:
+        raise ArgumentTypeError(
+            "config and layout keywords together",
+            f"config={config} comes with {sorted(named)}; give the layout once: either "
+            f"the config alone, or dataclasses.replace(config, {next(iter(named))}=...)",
+            ["config", *sorted(named)],
+        )
+    return Layout(**{k: getattr(config, k) for k in fields})
+
+
+def pipeline_arguments(mesh: object, balance: object = None) -> DeviceMesh:
+    """Checks the ``Pipeline`` arguments before a RunConfig holds them: ``balance`` None, a
+    string or layer counts; returns ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
     counts = isinstance(balance, list | tuple) and all(
         isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in balance
     )

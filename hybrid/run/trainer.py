@@ -187,19 +187,18 @@ def pipeline_for(
     kind = Pipeline if strategy is None else functools.partial(StrategyPipeline, strategy=strategy)
     pipe = kind(
         model,
-        mesh=mesh,
-        loss=loss,
-        optimizer=optimizer_for(config),
+        mesh,
         micro_batches=config.micro_batches,
         balance=config.balance,
         schedule=config.schedule,
         virtual_stages=config.virtual_stages,
         remat=config.remat,
-        jit_compile=config.jit_compile,
-        metrics=metrics,
         prefetch=config.prefetch,
         boundary_dtype=config.boundary_dtype,
         defer_weight_gradients=config.defer_weight_gradients,
+    )
+    pipe.compile(
+        optimizer=optimizer_for(config), loss=loss, metrics=metrics, jit_compile=config.jit_compile
     )
     pipe.build(shape, dtype)
     pipe.timeline_every = config.timeline_every

@@ -34,10 +34,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.core.config import REMAT_MODES, RunConfig, pipeline_arguments, validate_run
+from hybrid.core.config import REMAT_MODES, RunConfig, layout_of, pipeline_arguments, validate_run
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine.api import batches, feed
-from hybrid.engine.api.metrics import StepMetrics
+from hybrid.engine.api.compiled import Compiled
 from hybrid.engine.api.micro_batching import (
     AUTO,
     choose_micro_batches,
@@ -48,9 +48,8 @@ from hybrid.engine.api.workflow import Workflow
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.model.graph import graph_of
 from hybrid.engine.model.losses import LossLike
-from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.sparse import flat_tensors
-from hybrid.engine.model.template import OptimizerLike, optimizer_copies
+from hybrid.engine.model.template import OptimizerLike
 from hybrid.engine.model.variables import Placement, sum_tied
 from hybrid.engine.step import assembly, compression, lowering, reduction
 from hybrid.engine.step import clocks as timing
@@ -87,99 +86,202 @@ class StepResult(NamedTuple):
 class Pipeline(Workflow):
     """A Keras model cut into ``mesh.num_stages`` stages and replicated on the mesh.
 
+    Built in two steps, as a Keras model is: the constructor takes the parallel layout,
+    :meth:`compile` what ``keras.Model.compile`` takes::
+
+        pipe = hybrid.Pipeline(model, mesh, micro_batches=4, schedule="1f1b")
+        pipe.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        pipe.fit(x, y, batch_size=32)
+
     Args:
       model: a Keras model (functional, with any branches, merges, skip connections, shared
-        layers and inputs; or Sequential), or a list of Keras layers applied in order. Its
-        layer objects run as they are; each stage device holds a copy of the variables its
-        layers read.
-      mesh: the S × R device mesh, or its spec ("stage:2;replica:4") on the local devices.
-      loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch), a
-        loss name, or ``callable(y_true, y_pred)`` returning per-example values (reduced as
-        ``compile`` reduces them: the mean over the batch); for several outputs, one for all
-        or a list (dict by output name) of them, as in ``compile``.
-      optimizer: a Keras optimizer, used as one optimizer over the whole model: each device
-        holds a copy for its variables (same class, configuration and weight-decay
-        exclusions) and ``global_clipnorm`` clips by the norm over every stage; or a
-        zero-argument factory returning a new one.
+        layers, inputs and nested functional models; or Sequential), or a list of Keras
+        layers applied in order. Its layer objects run as they are; each stage device holds
+        a copy of the variables its layers read.
+      mesh: the S × R device mesh, or its spec ("stage:2,replica:4") on the local devices;
+        None: ``config``'s S × R on the local devices.
+      strategy: a ``tf.distribute`` strategy (a ``TPUStrategy`` on the mesh's layout, or a
+        ``MirroredStrategy``) that runs the step as one program per replica
+        (``strategy_pipeline.py``); None: the step runs over the mesh's devices.
+      config: a whole layout as the planner gives it (a ``RunConfig``, e.g. ``hybrid.plan
+        (...).best.config``): its mesh shape, micro-batches, schedule, virtual stages,
+        remat, balance and deferral. Then none of those may be given as keywords.
       micro_batches: M, the micro-batches each replica's shard of the batch is split into;
         or "auto": the first labelled batch times the gradient step at every M the schedule
         accepts and keeps the fastest (``micro_batching.py``; ``micro_batch_seconds``).
-      balance: layer calls per stage (in the model's topological order): None or "params"
-        (balance parameter counts), "time" (balance profiled forward+backward time per
-        call), or explicit counts.
       schedule: name of a schedule in ``hybrid.core.schedule.names()``.
       remat: "never" keeps activations, "always" keeps each stage input and recomputes its
         forward in the backward, "except_last" recomputes all but the last micro-batch.
-      jit_compile: compile stage programs with XLA.
-      loss_weights: each output's weight in the loss (a list, or dict by output name), as
-        in ``compile``.
-      metrics, weighted_metrics: as ``compile`` takes them; ``fit``, ``evaluate`` and
-        ``train_step`` report them, computed on the global batch (``metrics.py``).
+      balance: layer calls per stage (in the model's topological order): None or "params"
+        (balance parameter counts), "time" (balance profiled forward+backward time per
+        call), or explicit counts.
+      virtual_stages: model stages per device (the interleaved schedule).
+      defer_weight_gradients: each stage's weight gradients once per step over all its
+        micro-batches' rows (``deferral.py``; exact; needs ``remat="never"``; memory).
       prefetch: batches ``fit``, ``evaluate`` and ``predict`` prepare and copy onto the
         replicas' devices ahead of the step (``feed.py``); 0 prepares each at its step.
       boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
         cross stage boundaries in training (``compression.py``: inexact, for slow links);
         None or "float32" sends them as they are.
-      defer_weight_gradients: each stage's weight gradients once per step over all its
-        micro-batches' rows (``deferral.py``; exact; needs ``remat="never"``; memory).
+
+    Raises:
+      ValueError: ``config`` together with layout keywords, or a mesh of another shape.
     """
+
+    def __new__(cls, *args: Any, strategy: Any = None, **kwargs: Any) -> Pipeline:
+        if strategy is not None and cls is Pipeline:  # the step under a tf.distribute strategy
+            from hybrid.engine.api.strategy_pipeline import StrategyPipeline
+
+            return super().__new__(StrategyPipeline)
+        return super().__new__(cls)
 
     def __init__(
         self,
         model: keras.Model | Sequence[keras.layers.Layer],
-        mesh: DeviceMesh,
-        loss: LossLike,
-        optimizer: OptimizerLike,
-        micro_batches: int | str = 1,
+        mesh: DeviceMesh | str | None = None,
+        *,
+        strategy: Any = None,
+        config: RunConfig | None = None,
+        micro_batches: int | str | None = None,
+        schedule: str | None = None,
+        remat: str | None = None,
         balance: str | Sequence[int] | None = None,
-        schedule: str = "gpipe",
-        remat: str = "except_last",
-        jit_compile: bool = True,
-        virtual_stages: int = 1,
-        loss_weights: Any = None,
-        metrics: Any = None,
-        weighted_metrics: Any = None,
+        virtual_stages: int | None = None,
+        defer_weight_gradients: bool | None = None,
         prefetch: int = 2,
         boundary_dtype: str | None = None,
-        defer_weight_gradients: bool = False,
     ) -> None:
+        if strategy is not None and not hasattr(self, "strategy"):
+            raise TypeError(f"{type(self).__name__} takes no strategy; use hybrid.Pipeline")
         super().__init__()
+        layout = layout_of(
+            config,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            remat=remat,
+            balance=balance,
+            virtual_stages=virtual_stages,
+            defer_weight_gradients=defer_weight_gradients,
+        )
+        if mesh is None:
+            if config is None:
+                raise ValueError(
+                    "Pipeline(model, mesh=None) needs a config to take the mesh shape from; "
+                    "give a mesh (e.g. hybrid.DeviceMesh.create(stages=2, replicas=2))"
+                )
+            mesh = DeviceMesh.create(stages=config.stages, replicas=config.replicas)
+        self.mesh = mesh = pipeline_arguments(mesh, balance=layout.balance)
+        if config is not None and (config.stages, config.replicas) != mesh.shape:
+            raise ValueError(
+                f"the config is for {config.stages} stage(s) × {config.replicas} replica(s) "
+                f"and the mesh is {mesh.num_stages} × {mesh.num_replicas}; give a mesh of "
+                "the config's shape, or mesh=None to make one on the local devices"
+            )
         self.prefetch = feed.check_depth(prefetch)
         self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
+        self._model = model
         self._graph = graph = graph_of(model)
-        self.mesh = mesh = pipeline_arguments(mesh, jit_compile, balance)
-        self._loss = Objective.of(loss, loss_weights, graph.output_names, len(graph.outputs))
-        policy = getattr(getattr(model, "dtype_policy", None), "name", None)
-        self._optimizers = optimizer_copies(optimizer, scale_loss=policy == "mixed_float16")
+        balance = layout.balance
         counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
-        self._auto = micro_batches == AUTO
-        M = initial_micro_batches(micro_batches, schedule, mesh.num_stages)
+        self._auto = layout.micro_batches == AUTO
+        M = initial_micro_batches(layout.micro_batches, layout.schedule, mesh.num_stages)
         self.micro_batch_seconds: dict[int, float] = {}
         self.config = validate_run(
             RunConfig(
                 stages=mesh.num_stages,
                 replicas=mesh.num_replicas,
                 micro_batches=M,
-                schedule=schedule,
-                virtual_stages=virtual_stages,
-                remat=remat,
+                schedule=layout.schedule,
+                virtual_stages=layout.virtual_stages,
+                remat=layout.remat,
                 balance=counts if counts is not None else str(balance) if balance else None,
                 num_layers=len(self._graph.calls),
-                defer_weight_gradients=defer_weight_gradients,
+                defer_weight_gradients=layout.defer_weight_gradients,
+                global_batch=config.global_batch if config is not None else None,
             )
         )
-        self.remat, self.jit_compile, self._defer = remat, jit_compile, defer_weight_gradients
+        self.remat, self._defer = layout.remat, layout.defer_weight_gradients
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
         self._placement: Placement | None = None
+        self._compiled: Compiled | None = None
         with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        # On the caller's host: reset and read eagerly between steps, in order with them.
-        names = getattr(model, "output_names", None) if isinstance(model, keras.Model) else None
-        self._metrics = StepMetrics(metrics, weighted_metrics, names, graph.output_names)
         use_micro_batches(self, M)  # the schedules and step functions of M
+
+    def compile(
+        self,
+        optimizer: OptimizerLike = "rmsprop",
+        loss: LossLike = None,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        run_eagerly: bool = False,
+        steps_per_execution: int = 1,
+        jit_compile: bool | str = "auto",
+        auto_scale_loss: bool = True,
+    ) -> None:
+        """Configures the training as ``keras.Model.compile`` does, with its arguments and
+        defaults; then ``fit``, ``evaluate``, ``predict`` and the steps can run.
+
+        Args:
+          optimizer: a Keras optimizer, used as one optimizer over the whole model: each
+            device holds a copy for its variables (same class, configuration and
+            weight-decay exclusions) and ``global_clipnorm`` clips by the norm over every
+            stage; a name ("adam"); or a zero-argument factory returning a new one.
+          loss: a ``keras.losses.Loss`` (its reduction is honoured over the global batch),
+            a loss name, or ``callable(y_true, y_pred)`` returning per-example values
+            (reduced as ``compile`` reduces them: the mean over the batch); for several
+            outputs, one for all or a list (dict by output name) of them.
+          loss_weights: each output's weight in the loss (a list, or dict by output name).
+          metrics, weighted_metrics: as ``compile`` takes them; ``fit``, ``evaluate`` and
+            ``train_step`` report them, computed on the global batch (``metrics.py``).
+          run_eagerly: must be False: the pipelined step is always a traced function
+            (debug the model with plain Keras on one device).
+          steps_per_execution: must be 1: one pipelined step per batch.
+          jit_compile: "auto" or True compiles the stage programs with XLA (a stage that
+            updates sparse gradients on a CPU updates with TensorFlow's kernels); False
+            runs them with TensorFlow's kernels.
+          auto_scale_loss: with a ``mixed_float16`` model, wrap the optimizer in a
+            ``LossScaleOptimizer``, as ``compile`` does.
+
+        Raises:
+          ValueError: a loss of None, run_eagerly, steps_per_execution other than 1, or a
+            second compile once the pipeline is built.
+        """
+        if self.built:
+            raise ValueError(
+                "compile() after the pipeline was built: its stage copies already hold "
+                "their optimizers and loss; build a new Pipeline from pipe.to_keras() to "
+                "train with other settings"
+            )
+        compiled = Compiled.of(
+            self._model,
+            self._graph,
+            optimizer=optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=jit_compile,
+            auto_scale_loss=auto_scale_loss,
+        )
+        self._compiled = compiled
+        self._loss, self._optimizers = compiled.objective, compiled.optimizers
+        self._metrics, self.jit_compile = compiled.metrics, compiled.jit_compile
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`compile` was called."""
+        return self._compiled is not None
+
+    def _require_compiled(self, method: str) -> None:
+        if self._compiled is None:
+            raise ValueError(f"You must call `compile()` before calling `{method}()`.")
 
     # -- building --------------------------------------------------------------------------
 
@@ -214,6 +316,7 @@ class Pipeline(Workflow):
             inputs (a dict model: in the order of its sorted input names).
           dtype: the input dtype (e.g. "int32" for token ids), or one per input.
         """
+        self._require_compiled("build")
         if self.built:
             return
         self._build(batches.input_specs(input_shape, dtype), batches.batch_of(input_shape))
@@ -278,6 +381,7 @@ class Pipeline(Workflow):
     ) -> tuple[dict[str, float], list[TimedAction]]:
         """A real training step that also records when each of replica 0's actions ran
         (``timing.py``: seconds from its first start); ``last_timeline`` gets the breakdown."""
+        self._require_compiled("timed_train_step")
         self._metrics.reset()
         view = self._timed_step(self._batch(x, y, sample_weight))
         return self._metrics.result(), view.actions
@@ -292,6 +396,7 @@ class Pipeline(Workflow):
     def gradients(self, x: Any, y: Any, sample_weight: Any = None) -> list[np.ndarray]:
         """The gradients of the batch's loss as :meth:`train_step` computes them (replica
         0's, in the order of ``model.trainable_variables``), without updating anything."""
+        self._require_compiled("gradients")
         _, grads = self._grads(self._batch(x, y, sample_weight))
         return [tf.convert_to_tensor(g).numpy() for g in grads]  # a sparse one densified
 

@@ -95,12 +95,12 @@ class StrategyPipeline(Pipeline):
     """A :class:`Pipeline` whose step runs as one program per replica under ``strategy``.
 
     Args:
-      model, mesh, loss, optimizer: as for ``Pipeline``; ``mesh`` names S × R devices of the
-        strategy (a TPU layout's ``mesh``), and R must be its ``num_replicas_in_sync``.
+      model, mesh: as for ``Pipeline``; ``mesh`` names S × R devices of the strategy (a TPU
+        layout's ``mesh``), and R must be its ``num_replicas_in_sync``.
       strategy: a ``TPUStrategy`` built on the layout's device assignment (S cores per
         replica), or a ``MirroredStrategy`` over R devices (every stage of a replica on its
         device: the same program with the CPU/GPU all-reduce).
-      kwargs: the rest of ``Pipeline``'s arguments.
+      kwargs: the rest of ``Pipeline``'s layout; then :meth:`compile` as for a Pipeline.
 
     Raises:
       ValueError: the strategy's replicas or cores do not match the mesh.
@@ -110,8 +110,6 @@ class StrategyPipeline(Pipeline):
         self,
         model: Any,
         mesh: DeviceMesh,
-        loss: Any,
-        optimizer: Any,
         *,
         strategy: Any,
         **kwargs: Any,
@@ -139,7 +137,7 @@ class StrategyPipeline(Pipeline):
         # TensorFlow's executor keeps the control dependencies (and the barrier, an XLA op,
         # may have no kernel outside XLA: TensorFlow 2.20's TPU build on CPUs).
         self._by_data = _is_tpu(strategy)
-        super().__init__(model, mesh, loss, optimizer, **kwargs)
+        super().__init__(model, mesh, **kwargs)
         with strategy.scope(), self._logical.scope(0):
             aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
             self._step = tf.Variable(

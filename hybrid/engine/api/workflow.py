@@ -130,6 +130,9 @@ class Workflow:
     def step_counter(self) -> Any:
         raise NotImplementedError
 
+    def _require_compiled(self, method: str) -> None:
+        raise NotImplementedError
+
     def _batch(self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: Any = None) -> Any:
         raise NotImplementedError
 
@@ -300,6 +303,7 @@ class Workflow:
     ) -> keras.callbacks.History:
         """Trains for ``epochs`` as ``keras.Model.fit`` does (same arguments, callbacks,
         progress bar and returned ``History``), one pipelined step per batch."""
+        self._require_compiled("fit")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = keras_private.train_validation_split(
                 (x, y, sample_weight), validation_split
@@ -367,6 +371,7 @@ class Workflow:
     ) -> Any:
         """The loss and metrics over the data in inference mode, as ``keras.Model.evaluate``
         computes them (the loss: the batch-size weighted mean of the batches' losses)."""
+        self._require_compiled("evaluate")
         iterator = keras_private.epoch_iterator(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps
         )
@@ -394,6 +399,7 @@ class Workflow:
     ) -> Any:
         """The model's outputs for every example of ``x``, in order, structured as the
         model returns them (``keras.Model.predict``)."""
+        self._require_compiled("predict")
         iterator = keras_private.epoch_iterator(x=x, batch_size=batch_size, steps_per_epoch=steps)
         pieces = []
         with self._feed(iterator, labelled=False):
