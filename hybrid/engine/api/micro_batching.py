@@ -23,26 +23,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 from absl import logging
 
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import ConfigError, RunConfig, least_micro_batches, validate_run
-from hybrid.engine.step import assembly
-
-if TYPE_CHECKING:
-    from hybrid.engine.api.pipeline import Pipeline
 
 __all__ = [
     "AUTO",
     "MAX_AUTO",
     "REPEATS",
+    "Steps",
+    "best_of",
     "candidates",
     "choose_micro_batches",
     "initial_micro_batches",
-    "use_micro_batches",
+    "steps_for",
 ]
 
 AUTO = "auto"
@@ -67,27 +66,75 @@ def initial_micro_batches(micro_batches: int | str, schedule: str, stages: int) 
     return micro_batches
 
 
-def use_micro_batches(pipe: Pipeline, micro_batches: int) -> None:
-    """Sets the pipeline's M and everything a step derives from it: the validated config,
-    the training and forward-only schedules and their execution orders, each stage copy's
-    accumulation and activity-regularizer scale, and fresh step functions."""
-    config = pipe.config = validate_run(
-        dataclasses.replace(pipe.config, micro_batches=micro_batches)
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """Everything a pipeline's step derives from its micro-batch count M, built in one place
+    (:func:`steps_for`) and replaced whole when M changes.
+
+    Attributes:
+      config: the run, validated at this M.
+      schedule, order, fused: the training schedule, its global execution order and the
+        F/B pairs it fuses.
+      inference, inference_order: the forward-only schedule and its order.
+      train, timed, gradients, evaluate, predict: the traced step functions (one trace per
+        input signature; a traced step has M in its graph).
+    """
+
+    config: RunConfig
+    schedule: schedule_lib.Schedule
+    order: list[schedule_lib.Action]
+    fused: Any
+    inference: schedule_lib.Schedule
+    inference_order: list[schedule_lib.Action]
+    # tf.function objects (``get_concrete_function`` traces one without running it)
+    train: Any
+    timed: Any
+    gradients: Any
+    evaluate: Any
+    predict: Any
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.micro_batches
+
+
+def steps_for(
+    config: RunConfig,
+    micro_batches: int,
+    *,
+    train: Callable[..., Any],
+    gradients: Callable[..., Any],
+    evaluate: Callable[..., Any],
+    predict: Callable[..., Any],
+) -> Steps:
+    """The :class:`Steps` of ``config`` at M = ``micro_batches``: the validated config, the
+    training and forward-only schedules and their execution orders, and fresh traced
+    functions of the step callables (``train(parts, record=False)``, ...).
+
+    Raises:
+      ConfigError: a schedule that does not run ``micro_batches``.
+    """
+    config = validate_run(dataclasses.replace(config, micro_batches=micro_batches))
+    S, M, v = config.stages, micro_batches, config.virtual_stages
+    schedule = schedule_lib.validate(schedule_lib.get(config.schedule, S, M, v))
+    inference = schedule_lib.forward_only(S, M, v)
+
+    def traced(fn: Callable[..., Any]) -> Any:
+        return tf.function(fn, autograph=False)
+
+    return Steps(
+        config=config,
+        schedule=schedule,
+        order=schedule_lib.execution_order(schedule),
+        fused=schedule_lib.pairs_to_fuse(schedule),
+        inference=inference,
+        inference_order=schedule_lib.execution_order(inference),
+        train=traced(train),
+        timed=traced(functools.partial(train, record=True)),
+        gradients=traced(gradients),
+        evaluate=traced(evaluate),
+        predict=traced(predict),
     )
-    pipe.micro_batches = M = micro_batches
-    S, v = pipe.mesh.num_stages, config.virtual_stages
-    pipe.schedule = schedule_lib.validate(schedule_lib.get(config.schedule, S, M, v))
-    pipe._order = schedule_lib.execution_order(pipe.schedule)
-    pipe._fused = schedule_lib.pairs_to_fuse(pipe.schedule)
-    pipe._inference = schedule_lib.forward_only(S, M, v)
-    pipe._inference_order = schedule_lib.execution_order(pipe._inference)
-    assembly.split_batch(pipe.stages, pipe.mesh.num_replicas, M, config.defer_weight_gradients)
-    # fresh step functions: a traced step has M in its graph
-    pipe._train = tf.function(pipe._train_step, autograph=False)
-    pipe._timed = tf.function(functools.partial(pipe._train_step, record=True), autograph=False)
-    pipe._grads = tf.function(pipe._gradient_step, autograph=False)
-    pipe._eval = tf.function(pipe._eval_step, autograph=False)
-    pipe._predict = tf.function(pipe._predict_step, autograph=False)
 
 
 def candidates(config: RunConfig, examples: int) -> list[int]:
@@ -106,37 +153,37 @@ def candidates(config: RunConfig, examples: int) -> list[int]:
     return found
 
 
-def choose_micro_batches(pipe: Pipeline, xs: Any, ys: Any, ws: Any) -> dict[int, float]:
-    """Times the gradient step on this batch (flat inputs, labels, sample weights) at every
-    candidate M, keeps the fastest in ``pipe`` and returns the seconds of each.
+def choose_micro_batches(
+    config: RunConfig, examples: int, seconds_of: Callable[[int], float]
+) -> tuple[int, dict[int, float]]:
+    """The fastest candidate M for a first batch of ``examples`` and the seconds of each:
+    ``seconds_of(M)`` uses M and returns the best of :data:`REPEATS` timed gradient steps
+    (after one that traces and compiles).
 
     Raises:
       ValueError: the batch is too small for any M the schedule accepts.
     """
-    examples = int(xs[0].shape[0])
-    found = candidates(pipe.config, examples)
+    found = candidates(config, examples)
     if not found:
         raise ValueError(
             f"micro_batches='auto': a first batch of {examples} examples on "
-            f"{pipe.config.replicas} replicas leaves no micro-batch count that the "
-            f"{pipe.config.schedule!r} schedule accepts; give micro_batches explicitly"
+            f"{config.replicas} replicas leaves no micro-batch count that the "
+            f"{config.schedule!r} schedule accepts; give micro_batches explicitly"
         )
-    seconds = {}
-    for M in found:
-        use_micro_batches(pipe, M)
-        parts = pipe._shards(xs, ys, ws)
-        pipe._grads(parts)  # traces and compiles this M's programs
-        runs = []
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            float(pipe._grads(parts)[0])  # returns once the whole step has run
-            runs.append(time.perf_counter() - start)
-        seconds[M] = min(runs)
+    seconds = {M: seconds_of(M) for M in found}
     best = min(seconds, key=lambda m: (seconds[m], m))
-    use_micro_batches(pipe, best)
-    placeholder = least_micro_batches(pipe.config.schedule, pipe.mesh.num_stages)
-    if pipe.config.replicas * placeholder == 1:  # else the build warned of R·M > 1 already
-        assembly.warn_parts(pipe.stages, pipe.config.replicas, best, int(xs[0].shape[0]))
     timings = ", ".join(f"M={m} {1e3 * s:.1f} ms" for m, s in seconds.items())
     logging.info("micro_batches='auto' chose M=%d (gradient step: %s)", best, timings)
-    return seconds
+    return best, seconds
+
+
+def best_of(run: Callable[[], Any]) -> float:
+    """Seconds of the fastest of :data:`REPEATS` runs of ``run`` after one that compiles
+    (``run`` returns once the whole step has run)."""
+    run()
+    runs = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        runs.append(time.perf_counter() - start)
+    return min(runs)

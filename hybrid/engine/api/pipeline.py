@@ -34,15 +34,24 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.core.config import REMAT_MODES, RunConfig, layout_of, pipeline_arguments, validate_run
+from hybrid.core.config import (
+    REMAT_MODES,
+    RunConfig,
+    layout_of,
+    least_micro_batches,
+    pipeline_arguments,
+    validate_run,
+)
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine.api import batches, feed
 from hybrid.engine.api.compiled import Compiled
 from hybrid.engine.api.micro_batching import (
     AUTO,
+    Steps,
+    best_of,
     choose_micro_batches,
     initial_micro_batches,
-    use_micro_batches,
+    steps_for,
 )
 from hybrid.engine.api.workflow import Workflow
 from hybrid.engine.devices import host_cpu
@@ -180,7 +189,7 @@ class Pipeline(Workflow):
         self.prefetch = feed.check_depth(prefetch)
         self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
         self._model = model
-        self._graph = graph = graph_of(model)
+        self._graph = graph_of(model)
         balance = layout.balance
         counts = None if balance is None or isinstance(balance, str) else tuple(map(int, balance))
         self._auto = layout.micro_batches == AUTO
@@ -209,7 +218,7 @@ class Pipeline(Workflow):
         self._compiled: Compiled | None = None
         with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        use_micro_batches(self, M)  # the schedules and step functions of M
+        self._steps = self._steps_for(M)
 
     def compile(
         self,
@@ -273,6 +282,36 @@ class Pipeline(Workflow):
         self._compiled = compiled
         self._loss, self._optimizers = compiled.objective, compiled.optimizers
         self._metrics, self.jit_compile = compiled.metrics, compiled.jit_compile
+
+    def _steps_for(self, micro_batches: int) -> Steps:
+        """The schedules and traced step functions of M = ``micro_batches``."""
+        return steps_for(
+            self.config,
+            micro_batches,
+            train=self._train_step,
+            gradients=self._gradient_step,
+            evaluate=self._eval_step,
+            predict=self._predict_step,
+        )
+
+    def _use(self, micro_batches: int) -> None:
+        """Replaces the step's state with that of M = ``micro_batches`` (every stage copy
+        told how the batch is split)."""
+        steps = self._steps_for(micro_batches)
+        for row in self._stages:
+            for copy in row:
+                copy.split_batch(self.mesh.num_replicas, micro_batches, self._defer)
+        self._steps, self.config = steps, steps.config
+
+    @property
+    def micro_batches(self) -> int:
+        """M: the micro-batches each replica's shard of the batch is split into."""
+        return self._steps.micro_batches
+
+    @property
+    def schedule(self) -> Any:
+        """The training schedule (``hybrid.core.schedule.Schedule``) at this M."""
+        return self._steps.schedule
 
     @property
     def compiled(self) -> bool:
@@ -352,7 +391,7 @@ class Pipeline(Workflow):
                     "reach the metrics); compute them with evaluate() on to_keras()"
                 )
             for copy in self._stages[-1]:
-                copy.predicts = True
+                copy.returns_predictions()
 
     def _place(self, layout: assembly.Layout, batch: int | None = None) -> list[list[StageReplica]]:
         """Every stage's copies (``stages[k][r]``) and replica groups (``batch``: see place)."""
@@ -373,7 +412,7 @@ class Pipeline(Workflow):
           sample_weight: per-example (or per-timestep) weights; None weighs every example 1.
         """
         self._metrics.reset()
-        self._train(self._batch(x, y, sample_weight))
+        self._steps.train(self._batch(x, y, sample_weight))
         return self._metrics.result()
 
     def timed_train_step(
@@ -386,9 +425,21 @@ class Pipeline(Workflow):
         view = self._timed_step(self._batch(x, y, sample_weight))
         return self._metrics.result(), view.actions
 
+    def _train_batch(self, parts: Shards, timed: bool = False) -> None:
+        if timed:
+            self._timed_step(parts)
+        else:
+            self._steps.train(parts)
+
+    def _test_batch(self, parts: Shards) -> None:
+        self._steps.evaluate(parts)
+
+    def _predict_batch(self, parts: Shards) -> Flat:
+        return self._steps.predict(parts)
+
     def _timed_step(self, parts: Shards) -> timing.StepView:
         """The training step on ``parts``, timed: its view is kept in ``last_timeline``."""
-        stamps = self._timed(parts)
+        stamps = self._steps.timed(parts)
         events = timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
         self.last_timeline = timing.StepView.of(events)
         return self.last_timeline
@@ -397,7 +448,7 @@ class Pipeline(Workflow):
         """The gradients of the batch's loss as :meth:`train_step` computes them (replica
         0's, in the order of ``model.trainable_variables``), without updating anything."""
         self._require_compiled("gradients")
-        _, grads = self._grads(self._batch(x, y, sample_weight))
+        _, grads = self._steps.gradients(self._batch(x, y, sample_weight))
         return [tf.convert_to_tensor(g).numpy() for g in grads]  # a sparse one densified
 
     def _batch(
@@ -419,9 +470,25 @@ class Pipeline(Workflow):
         if ys is not None:
             self._metrics.build(ys, self._loss.shapes)
             if self._auto:  # the first labelled batch chooses M
-                self.micro_batch_seconds = choose_micro_batches(self, xs, ys, ws)
+                self._choose_micro_batches(xs, ys, ws)
                 self._auto = False
         return self._shards(xs, ys, ws, pad_to)
+
+    def _choose_micro_batches(self, xs: Flat, ys: Any, ws: Any) -> None:
+        """micro_batches="auto": times the gradient step on this batch at every candidate M
+        (``micro_batching.py``), uses the fastest and keeps the seconds of each."""
+
+        def seconds_of(micro_batches: int) -> float:
+            self._use(micro_batches)
+            parts = self._shards(xs, ys, ws)
+            return best_of(lambda: float(self._steps.gradients(parts)[0]))
+
+        examples = int(xs[0].shape[0])
+        best, self.micro_batch_seconds = choose_micro_batches(self.config, examples, seconds_of)
+        self._use(best)
+        R = self.config.replicas
+        if R * least_micro_batches(self.config.schedule, self.mesh.num_stages) == 1:
+            assembly.warn_parts(self.stages, R, best, examples)  # else the build warned
 
     def _shards(self, xs: Flat, ys: Any, ws: Any, pad_to: int | None = None) -> Shards:
         """Flat inputs, labels and weights padded and cut into the replicas' shards."""
@@ -493,8 +560,8 @@ class Pipeline(Workflow):
         steps = [
             lower(
                 self.schedule,
-                self._order,
-                self._fused,
+                self._steps.order,
+                self._steps.fused,
                 [row[r] for row in self._stages],
                 xs[r],
                 labels[r],
@@ -531,7 +598,7 @@ class Pipeline(Workflow):
         labels = batches.micro_labels(self.config, parts, lasts) if labelled else None
         copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
         xs = batches.micro_inputs(self.config, parts, firsts)
-        inference, order = self._inference, self._inference_order
+        inference, order = self._steps.inference, self._steps.inference_order
         return lowering.lower_replicas_inference(inference, order, copies, xs, labels, self._seeds)
 
     def _eval_step(self, parts: Shards) -> None:

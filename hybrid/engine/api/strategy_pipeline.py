@@ -176,7 +176,7 @@ class StrategyPipeline(Pipeline):
         """The graph of the training step on this batch, traced and never run
         (``get_concrete_function``): under an offline ``TPUStrategy``
         (``hybrid.platforms.tpu_offline``) the TPU program a slice would compile."""
-        return self._train.get_concrete_function(self._batch(x, y, sample_weight)).graph
+        return self._steps.train.get_concrete_function(self._batch(x, y, sample_weight)).graph
 
     def _shard_devices(self) -> tuple[list[str], list[str]]:
         """The feed keeps each shard on the host: the strategy sends it to its replica."""
@@ -235,8 +235,8 @@ class StrategyPipeline(Pipeline):
         seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
         step = lowering.lower_training(
             self.schedule,
-            self._order,
-            self._fused,
+            self._steps.order,
+            self._steps.fused,
             stages,
             xs,
             labels,
@@ -299,7 +299,7 @@ class StrategyPipeline(Pipeline):
             self._step.read_value(), context.replica_id_in_sync_group, self.micro_batches
         )
         return lowering.lower_inference(
-            self._inference, self._inference_order, stages, xs, labels, seed
+            self._steps.inference, self._steps.inference_order, stages, xs, labels, seed
         )
 
     def _gradient_step(self, parts: Shards) -> Any:

@@ -22,6 +22,7 @@ user's Keras model, :meth:`to_keras`), ``metrics`` and ``history``.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,9 @@ from hybrid.core.config import RunConfig
 from hybrid.engine import keras_private
 from hybrid.engine.api import batches, export, feed
 from hybrid.engine.api.metrics import StepMetrics
+from hybrid.engine.model.graph import Graph, TensorSpec
 from hybrid.engine.model.variables import Placement
+from hybrid.engine.step.stage import StageReplica
 
 __all__ = ["LogicalOptimizer", "Workflow"]
 
@@ -89,27 +92,20 @@ class _Padding:
         return self.size
 
 
-class Workflow:
-    """``fit``, ``evaluate`` and ``predict`` with Keras's semantics, for ``Pipeline``."""
+class Workflow(abc.ABC):
+    """``fit``, ``evaluate`` and ``predict`` with Keras's semantics, over a pipeline's steps.
 
-    # What the engine provides (``Pipeline``).
-    config: RunConfig
+    The contract with the pipeline is Keras's own split of a trainer: a train step, a test
+    step and a predict step, each on one prepared batch (:meth:`_batch`: the batch padded
+    and cut into the replicas' shards, the pipeline built on first use); plus the state
+    callbacks read (the stage copies, where each variable lives, the step counter).
+    """
+
+    config: RunConfig  # the run at the current micro-batch count
     prefetch: int
     _metrics: StepMetrics
-    # M and what a step derives from it (set by micro_batching.use)
-    micro_batches: int
-    schedule: Any
-    _order: Any
-    _fused: Any
-    _inference: Any
-    _inference_order: Any
-    _train: Any
-    _timed: Any
-    _grads: Any
-    _eval: Any
-    _predict: Any
-    _graph: Any
-    _specs: Any
+    _graph: Graph
+    _specs: list[TensorSpec]
 
     def __init__(self) -> None:
         self.timeline_every = 0
@@ -118,41 +114,57 @@ class Workflow:
         self.history: Any = None
         self.train_function = None  # no graph for TensorBoard's write_graph to write
 
+    # -- the contract ---------------------------------------------------------------------
+
     @property
+    @abc.abstractmethod
     def built(self) -> bool:
-        raise NotImplementedError
+        """Whether the stages are placed."""
 
     @property
-    def stages(self) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stages(self) -> list[list[StageReplica]]:
+        """``stages[k][r]``: model stage k's copy on replica r."""
 
     @property
+    @abc.abstractmethod
+    def placement(self) -> Placement:
+        """Which stages hold each model variable."""
+
+    @property
+    @abc.abstractmethod
     def step_counter(self) -> Any:
-        raise NotImplementedError
+        """Optimizer steps taken (a variable)."""
 
+    @abc.abstractmethod
     def _require_compiled(self, method: str) -> None:
-        raise NotImplementedError
+        """Raises Keras's error when ``method`` runs before ``compile``."""
 
+    @abc.abstractmethod
     def _batch(self, x: Any, y: Any = None, sample_weight: Any = None, pad_to: Any = None) -> Any:
-        raise NotImplementedError
+        """The batch prepared for a step (see the class docstring)."""
 
+    @abc.abstractmethod
     def _shard_devices(self) -> tuple[list[str], list[str]]:
-        raise NotImplementedError
+        """Where each replica's shard goes: its inputs' and its labels' devices."""
 
-    def _timed_step(self, parts: Any) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _train_batch(self, parts: Any, timed: bool = False) -> None:
+        """One training step on a prepared batch (timed: kept in ``last_timeline``)."""
+
+    @abc.abstractmethod
+    def _test_batch(self, parts: Any) -> None:
+        """One evaluation step on a prepared batch (updates the metrics)."""
+
+    @abc.abstractmethod
+    def _predict_batch(self, parts: Any) -> list[Any]:
+        """The model's outputs on a prepared batch's real examples."""
 
     def _train_one(self, parts: Any) -> None:
         """One training step; timed when the step it takes is a ``timeline_every`` one."""
         every = self.timeline_every
-        if every and (int(self.step_counter.numpy()) + 1) % every == 0:
-            self._timed_step(parts)
-        else:
-            self._train(parts)
-
-    @property
-    def placement(self) -> Placement:
-        raise NotImplementedError
+        timed = bool(every) and (int(self.step_counter.numpy()) + 1) % every == 0
+        self._train_batch(parts, timed=timed)
 
     # -- the model's weights, in and out ---------------------------------------------------
 
@@ -354,7 +366,8 @@ class Workflow:
         if epochs > initial_epoch:  # EMA weights replace the trained ones, as in Keras
             for row in self.stages:
                 for copy in row:
-                    copy.optimizer.finalize_variable_values(copy.trainable_variables)
+                    if copy.optimizer is not None:
+                        copy.optimizer.finalize_variable_values(copy.trainable_variables)
         callbacks.on_train_end(logs=training_logs)
         return self.history
 
@@ -382,7 +395,7 @@ class Workflow:
             ran = False  # no data: empty logs, as in Keras
             for begin, end, data in iterator:
                 callbacks.on_test_batch_begin(begin)
-                self._eval(data[0])
+                self._test_batch(data[0])
                 ran = True
                 callbacks.on_test_batch_end(end, self._metrics.result())
         logs = self._metrics.result() if ran else {}
@@ -407,7 +420,7 @@ class Workflow:
             callbacks.on_predict_begin()
             for begin, end, data in iterator:
                 callbacks.on_predict_batch_begin(begin)
-                outputs = [t.numpy() for t in self._predict(data[0])]
+                outputs = [t.numpy() for t in self._predict_batch(data[0])]
                 pieces.append(outputs)
                 callbacks.on_predict_batch_end(end, {"outputs": self._output_structure(outputs)})
         callbacks.on_predict_end()

@@ -33,16 +33,17 @@ def backward(
     """``acc`` plus the weight gradients of every micro-batch in ``saved`` on ``stage`` (a
     ``StageReplica``; forwards kept with ``split``, each micro-batch's B run): once, over
     their rows joined, when the stage's W is a sum over rows (:func:`plan`), else one by
-    one (with a warning saying why). ``stage.deferral`` gets the plan or the reason."""
+    one (with a warning saying why). The stage notes the plan or the reason."""
     kept = [s.kept for s in saved if s.kept is not None]
     assert len(kept) == len(saved), "deferral needs remat='never'"
     more = [[d for d in dy if d is not None] for dy in dys]
-    full, stage.deferral = _prove(stage, saved, kept, len(more[0]))
-    if isinstance(stage.deferral, Plan):
-        return stage.gradients_of(run(stage.deferral, full, kept, more), acc, summed=False)
+    full, found = _prove(stage, saved, kept, len(more[0]))
+    stage.note_deferral(found)
+    if isinstance(found, Plan):
+        return stage.gradients_of(run(found, full, kept, more), acc, summed=False)
     warnings.warn(
         f"stage {stage.index} computes its weight gradients per micro-batch, not once for "
-        f"the step (defer_weight_gradients): {stage.deferral}",
+        f"the step (defer_weight_gradients): {found}",
         stacklevel=2,
     )
     for record, dy in zip(saved, dys, strict=True):

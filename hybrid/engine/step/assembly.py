@@ -228,7 +228,9 @@ def place(
                 )
         stages.append(row)
     _refuse_per_element_with_penalties(loss, [row[0] for row in stages])
-    split_batch(stages, mesh.num_replicas, schedule.num_microbatches, defer)
+    for row in stages:
+        for copy in row:
+            copy.split_batch(mesh.num_replicas, schedule.num_microbatches, defer)
     warn_parts(stages, mesh.num_replicas, schedule.num_microbatches, batch)
     return stages
 
@@ -257,19 +259,6 @@ def _synced_group(
             stacklevel=4,
         )
     return NormGroup(devices, calls)
-
-
-def split_batch(
-    stages: list[list[StageReplica]], replicas: int, micro_batches: int, defer: bool = False
-) -> None:
-    """Tells every stage copy how the global batch is split: each micro-batch's activity
-    penalty is 1/(R·M) of the batch's, and its weight gradients are summed when M > 1
-    (deferred when ``defer``)."""
-    for row in stages:
-        for copy in row:
-            copy.activity_scale = 1.0 / (replicas * micro_batches)
-            copy.accumulates = micro_batches > 1
-            copy.defers = defer and micro_batches > 1
 
 
 def warn_parts(

@@ -197,6 +197,23 @@ class StageReplica:
     def num_weights(self) -> int:
         return len(self.variables)
 
+    def split_batch(self, replicas: int, micro_batches: int, defer: bool = False) -> None:
+        """How the global batch is split: each micro-batch's activity penalty is 1/(R·M) of
+        the batch's, its weight gradients are summed when M > 1 (deferred when ``defer``)."""
+        self.activity_scale = 1.0 / (replicas * micro_batches)
+        self.accumulates = micro_batches > 1
+        self.defers = defer and micro_batches > 1
+
+    def returns_predictions(self) -> None:
+        """The last stage's programs with labels also return the model's outputs (for
+        metrics)."""
+        self.predicts = True
+
+    def note_deferral(self, found: Any) -> None:
+        """How the last deferral of this stage's weight gradients ran (a ``Plan``), or why
+        it did not (a string)."""
+        self.deferral = found
+
     # -- the programs --------------------------------------------------------------------
 
     def _read_weights(self) -> list[tf.Tensor]:
