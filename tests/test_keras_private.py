@@ -126,10 +126,10 @@ def test_the_launchers_optimizer_names_are_kerass():
 
 
 def test_the_launchers_mixed_float16_scales_the_loss_as_compile_does():
-    from hybrid.run.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
     from hybrid.run.user_model import optimizer_for
 
-    scaled = optimizer_for(TrainConfig(optimizer="adamw", precision="mixed_float16"))
+    scaled = optimizer_for(TrainConfig.of(optimizer="adamw", precision="mixed_float16"))
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
     assert isinstance(scaled.inner_optimizer, keras.optimizers.AdamW)
     assert not isinstance(optimizer_for(TrainConfig()), keras.optimizers.LossScaleOptimizer)

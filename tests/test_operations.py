@@ -6,7 +6,6 @@ codes, its one-line messages) runs in real processes driven by events: the pause
 (``pause.py``) and the files the runs write, never by timing.
 """
 
-import dataclasses
 import os
 import resource
 import signal
@@ -24,7 +23,8 @@ from hybrid.run import run_record
 from hybrid.run.checkpoint import UnreadableCheckpointsError
 from hybrid.run.output_paths import check_output_paths
 from hybrid.run.run_lock import LOCK_FILE, RunLock, RunLockError
-from hybrid.run.trainer import TrainConfig, train
+from hybrid.run.train_config import TrainConfig
+from hybrid.run.trainer import train
 from hybrid.run.user_model import UserFunctionError, optimizer_for
 
 import pause
@@ -32,7 +32,7 @@ import reference
 import runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = TrainConfig(
+CONFIG = TrainConfig.of(
     model="mlp",
     data="synthetic",
     mesh="stage:2;replica:1",
@@ -56,7 +56,7 @@ FLAGS = [
 
 def run(model_dir, log=None, **changes):
     """CONFIG (with ``changes``) trained in this process in ``model_dir``."""
-    config = dataclasses.replace(CONFIG, model_dir=str(model_dir), **changes)
+    config = CONFIG.replace(model_dir=str(model_dir), **changes)
     return train(config, log=(log.append if log is not None else lambda _: None))
 
 
@@ -223,7 +223,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path, paths, message):
     given = {k: v.format(**values) for k, v in paths.items()}
     for check in (
         lambda: check_output_paths(**given),
-        lambda: train(dataclasses.replace(CONFIG, **given)),  # before any work
+        lambda: train(CONFIG.replace(**given)),  # before any work
     ):
         with pytest.raises(ValueError) as error:
             check()
@@ -248,7 +248,7 @@ def broken_model():
 
 
 def test_your_function_that_raises_is_named_with_its_message():
-    config = dataclasses.replace(CONFIG, model="test_operations:broken_model")
+    config = CONFIG.replace(model="test_operations:broken_model")
     with pytest.raises(UserFunctionError) as error:
         train(config)
     assert str(error.value) == (
@@ -267,7 +267,7 @@ def test_your_function_that_raises_is_named_with_its_message():
 )
 def test_optimizer_arguments_of_the_wrong_name_or_type_name_the_flag(arguments, message):
     with pytest.raises(ValueError) as error:
-        optimizer_for(TrainConfig(optimizer_config=arguments))
+        optimizer_for(TrainConfig.of(optimizer_config=arguments))
     assert str(error.value).startswith(f"--optimizer_config={arguments}: "), str(error.value)
     assert message in str(error.value)
 

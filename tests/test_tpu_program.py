@@ -438,12 +438,12 @@ def test_the_launcher_builds_the_tpu_step_and_says_where_a_tpu_is_needed(tmp_pat
     from hybrid.launch.train import train_on_tpu
     from hybrid.platforms.cloud_tpu.node import TPUSystem
     from hybrid.platforms.tpu_offline import offline_resolver
-    from hybrid.run.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
 
     slice_ = topology(4)
     resolver = offline_resolver(slice_)
     tpus = tuple(d.name for d in resolver.get_tpu_system_metadata().devices if "TPU" in d.name)
-    config = TrainConfig(
+    config = TrainConfig.of(
         mesh="stage:2;replica:2", micro_batches=2, train_steps=2, model="mlp",
         data="synthetic", platform="tpu", model_dir=str(tmp_path),
     )  # fmt: skip

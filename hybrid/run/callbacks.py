@@ -24,7 +24,7 @@ from hybrid.run import resume, timeline
 from hybrid.run.checkpoint import Checkpointer
 
 if TYPE_CHECKING:
-    from hybrid.run.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
 
 __all__ = ["NonFiniteLossError", "StepCallback", "Steps"]
 
@@ -92,7 +92,7 @@ class Steps(keras.callbacks.Callback):
         self.interrupted_at: int | None = None
         self.config, self.pipe, self.start, self.saver = config, pipe, start, saver
         self.writer, self.log, self.step_callback = writer, log, step_callback
-        self.progress = _Progress(config.global_batch_size, config.train_steps - start)
+        self.progress = _Progress(config.data.global_batch_size, config.train_steps - start)
         self.losses: list[float] = []
         self.last_checkpoint: str | None = None
         self.began = 0.0
@@ -133,7 +133,7 @@ class Steps(keras.callbacks.Callback):
             _report_timeline(config, self.pipe, step, view, self.log, self.writer)
         saved = False
         if self.saver and (
-            (config.checkpoint_every and step % config.checkpoint_every == 0)
+            (config.outputs.checkpoint_every and step % config.outputs.checkpoint_every == 0)
             or step == config.train_steps
         ):
             self.last_checkpoint, saved = self.saver.save(step), True
@@ -185,7 +185,7 @@ def _check_finite(config: TrainConfig, step: int, loss: float, checkpoint: str |
     )
     raise NonFiniteLossError(
         f"loss is {loss} at step {step}; stopping without saving ({kept}). Lower "
-        f"learning_rate (now {config.learning_rate}) or check the data"
+        f"learning_rate (now {config.optimizer.learning_rate}) or check the data"
     )
 
 
@@ -264,8 +264,8 @@ def _report_timeline(
                 tf.summary.scalar(f"{prefix}/communication_share", d.communication_share)
             tf.summary.scalar("timeline/communication_share", view.communication_share)
             tf.summary.scalar("timeline/idle_fraction", view.idle_fraction)
-    if config.model_dir:
-        folder = os.path.join(config.model_dir, "timeline")
+    if config.outputs.model_dir:
+        folder = os.path.join(config.outputs.model_dir, "timeline")
         os.makedirs(folder, exist_ok=True)
         base = os.path.join(folder, f"step_{step}")
         timeline.plot_step(view, pipe.schedule, f"step {step}, replica 0", base + ".png")
@@ -274,10 +274,10 @@ def _report_timeline(
 
 def _profile(config: TrainConfig, step: int, when: str) -> None:
     """Starts the TF profiler before the first profiled step, stops it after the last."""
-    if config.profile_steps is None or not config.model_dir:
+    if config.profile_steps is None or not config.outputs.model_dir:
         return
     first, last = config.profile_steps
     if when == "start" and step == first:
-        tf.profiler.experimental.start(os.path.join(config.model_dir, "profile"))
+        tf.profiler.experimental.start(os.path.join(config.outputs.model_dir, "profile"))
     elif when == "stop" and step == last:
         tf.profiler.experimental.stop()

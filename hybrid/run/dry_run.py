@@ -18,7 +18,8 @@ from collections.abc import Callable
 from hybrid import planning as planner
 from hybrid.planning.report import format_bytes, format_time
 from hybrid.run.data_sources import is_function_spec
-from hybrid.run.trainer import TrainConfig, mesh_for, pipeline_for
+from hybrid.run.train_config import TrainConfig
+from hybrid.run.trainer import mesh_for, pipeline_for
 from hybrid.run.user_model import build_model, optimizer_for
 
 __all__ = ["dry_run"]
@@ -32,7 +33,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.
     spec = config.mesh.replace(";", ",")
     log(f"dry run of --mesh={spec}: nothing is compiled, trained or written")
     pipe.summary(print_fn=log)
-    if is_function_spec(config.model):
+    if is_function_spec(config.model.name):
         log(
             "predicted step time and memory: not for your own --model (the planner profiles "
             "layer lists: hybrid.plan(layers, ...))"
@@ -40,7 +41,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.
         return None
     layers, shape, dtype = build_model(config)
     R, M = pipe.mesh.num_replicas, pipe.micro_batches
-    rows = max(1, config.global_batch_size // (R * M))
+    rows = max(1, config.data.global_batch_size // (R * M))
     import keras
 
     profile = planner.profile_model(
@@ -56,7 +57,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.
     run = dataclasses.replace(pipe.config, balance=tuple(pipe.balance))
     cpu = config.platform == "cpu"
     hardware = planner.Hardware(host_cores=os.cpu_count() or 1) if cpu else None
-    prediction = planner.evaluate(profile, run, config.global_batch_size, hardware)
+    prediction = planner.evaluate(profile, run, config.data.global_batch_size, hardware)
     memory = ", ".join(
         f"device {d} {format_bytes(m)}" for d, m in enumerate(prediction.memory_per_device)
     )

@@ -17,7 +17,6 @@ Conceptually (``train`` does this before its first step)::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from hybrid.run.checkpoint import Checkpointer, Restored
 from hybrid.run.run_lock import RunLock
 
 if TYPE_CHECKING:
-    from hybrid.run.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
 
 __all__ = [
     "describe_model",
@@ -45,22 +44,22 @@ __all__ = [
 @contextlib.contextmanager
 def lock(config: TrainConfig, log: Callable[[str], None]) -> Iterator[None]:
     """Holds the model directory's lock for the body (no lock without a model_dir)."""
-    if not config.model_dir:
+    if not config.outputs.model_dir:
         yield
         return
-    with RunLock(config.model_dir, take_over=config.take_over_lock, log=log):
+    with RunLock(config.outputs.model_dir, take_over=config.outputs.take_over_lock, log=log):
         yield
 
 
 def start_afresh(config: TrainConfig, log: Callable[[str], None]) -> None:
     """``fresh_start``: moves the directory's checkpoint files and record aside."""
-    if not (config.model_dir and config.fresh_start):
+    if not (config.outputs.model_dir and config.outputs.fresh_start):
         return
-    names = model_dir.checkpoint_files(config.model_dir)
-    if run_record.read(config.model_dir) is not None:
+    names = model_dir.checkpoint_files(config.outputs.model_dir)
+    if run_record.read(config.outputs.model_dir) is not None:
         names.append(run_record.RECORD_FILE)
     if names:
-        aside = model_dir.move_aside(config.model_dir, names)
+        aside = model_dir.move_aside(config.outputs.model_dir, names)
         log(f"--fresh_start: moved {len(names)} files to {aside}; starting from step 1")
 
 
@@ -78,8 +77,9 @@ def describe_model(model: Any, loss: Any) -> tuple[list[str], str]:
 
 
 def _fields(config: TrainConfig) -> dict[str, Any]:
-    """The config as JSON values (tuples as lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
+    """The config by its flat names (``TrainConfig.flat``) as JSON values (tuples as
+    lists): the run record's form."""
+    return json.loads(json.dumps(config.flat()))
 
 
 def set_learning_rate(pipe: Pipeline, rate: float) -> None:
@@ -102,14 +102,14 @@ def _check_record(config: TrainConfig, summary: tuple[list[str], str]) -> run_re
     Raises:
       ConfigDriftError: a change of what is trained, each field named.
     """
-    assert config.model_dir
-    record = run_record.read(config.model_dir)
-    if record is None or not model_dir.checkpoint_files(config.model_dir, unfinished=False):
+    assert config.outputs.model_dir
+    record = run_record.read(config.outputs.model_dir)
+    if record is None or not model_dir.checkpoint_files(config.outputs.model_dir, unfinished=False):
         return run_record.Changes()
     changes = run_record.compare(record, _fields(config), *summary)
     if changes.refused:
         raise run_record.ConfigDriftError(
-            f"--model_dir={config.model_dir} was trained as another run: "
+            f"--model_dir={config.outputs.model_dir} was trained as another run: "
             + "; ".join(changes.refused)
             + ". Resume with the checkpoint's values, or start another run: another "
             "--model_dir, or --fresh_start (moves these checkpoints aside)"
@@ -131,25 +131,27 @@ def resume(
       ConfigDriftError: the checkpoints were trained as something else (each field named).
     """
     changes, restored = run_record.Changes(), None
-    if saver is not None and config.model_dir:
+    if saver is not None and config.outputs.model_dir:
         changes = _check_record(config, summary)
-        for name in model_dir.remove_unfinished_saves(config.model_dir):
-            log(f"removed {config.model_dir}/{name}, a save an earlier run did not finish")
+        for name in model_dir.remove_unfinished_saves(config.outputs.model_dir):
+            log(f"removed {config.outputs.model_dir}/{name}, a save an earlier run did not finish")
         restored = saver.restore_latest(log)
     mesh = pipe.mesh
     log(
         f"mesh {mesh.spec} devices {[d for row in mesh.devices for d in row]} "
-        f"balance {pipe.balance} micro_batches {config.micro_batches} schedule {config.schedule} "
-        f"remat {config.remat}" + " deferred weight gradients" * config.defer_weight_gradients
+        f"balance {pipe.balance} micro_batches {config.layout.micro_batches} "
+        f"schedule {config.layout.schedule} remat {config.layout.remat}"
+        + " deferred weight gradients"
+        * config.layout.defer_weight_gradients
     )
     if restored:
-        set_learning_rate(pipe, config.learning_rate)  # the rule: this run's rate applies
+        set_learning_rate(pipe, config.optimizer.learning_rate)  # the rule: this run's rate applies
         for change in changes.applied:
             log(f"resuming with a change: {change}")
         if changes.learning_rate is not None:
             old, new = changes.learning_rate
             log(f"learning rate {new} (--learning_rate) applies; the checkpoint's run used {old}")
         log(f"restored {restored.path}: resuming at step {restored.step + 1}")
-    if saver is not None and config.model_dir:
-        run_record.write(config.model_dir, _fields(config), *summary)
+    if saver is not None and config.outputs.model_dir:
+        run_record.write(config.outputs.model_dir, _fields(config), *summary)
     return restored

@@ -39,6 +39,7 @@ from hybrid.run.callbacks import NonFiniteLossError, StepCallback, Steps
 from hybrid.run.checkpoint import Checkpointer
 from hybrid.run.data_sources import is_function_spec
 from hybrid.run.output_paths import check_output_paths
+from hybrid.run.train_config import TrainConfig
 from hybrid.run.user_model import call_user, model_for, optimizer_for
 
 __all__ = [
@@ -49,102 +50,6 @@ __all__ = [
     "pipeline_for",
     "train",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything one training run needs.
-
-    Attributes:
-      model: "transformer", "resnet" or "mlp" (``hybrid.models``), or yours:
-        "package.module:fn" (``hybrid.run.user_model``).
-      data: "synthetic", "text:PATH", "text:python-docs" or "package.module:fn"
-        (``hybrid.run.data``).
-      tfrecord_features, tfrecord_label: a "tfrecord:PATTERN" source's feature spec (JSON)
-        and the name of its label feature.
-      validation_data, validation_steps: data in ``data``'s grammar evaluated at the end of
-        the run (``fit``'s ``validation_data``; a reference source draws with ``seed + 1``),
-        and how many batches of it; None: no validation.
-      optimizer, optimizer_config: a Keras optimizer's name and its other arguments (JSON).
-      precision: the Keras dtype policy the model is built under.
-      mesh: mesh spec, e.g. "stage:2;replica:2".
-      platform: "cpu", "gpu" or "tpu": the device type the mesh is made of.
-      micro_batches: micro-batches per replica per step, or "auto": the first step times
-        every M the schedule accepts and keeps the fastest (``Pipeline``'s "auto").
-      schedule: pipeline schedule name.
-      virtual_stages: model stages per device (interleaved schedule).
-      remat: "never", "except_last" or "always".
-      balance: layers per stage ("params", "time", or counts such as (3, 2)).
-      global_batch_size: examples per step over all replicas.
-      train_steps: the step to train up to (a resumed run continues to it).
-      learning_rate: the optimizer's learning rate; a resumed run applies
-        it (``hybrid.run.resume``).
-      seed: initial weights, data order and random layers.
-      width, depth: model width (d_model, channels, units) and depth (blocks).
-      seq_len, num_heads, dropout: the Transformer's context, heads and dropout rate.
-      tie_embeddings: the Transformer's output head reads the token embedding matrix.
-      jit_compile: XLA-compile the stage programs.
-      prefetch: batches prepared on the mesh's devices ahead of the step (0: none).
-      boundary_dtype: what crosses a stage boundary in training (``Pipeline``'s
-        ``boundary_dtype``: "bfloat16" and "int8" compress, inexactly).
-      defer_weight_gradients: ``Pipeline``'s: weight gradients once per step and stage.
-      timeline_every: time every this many steps: per device compute, transfers,
-        all-reduce and idle to the log, TensorBoard and a PNG (0: never).
-      log_every: log and write TensorBoard scalars every this many steps.
-      model_dir: checkpoints and TensorBoard events; None keeps nothing.
-      checkpoint_every: save every this many steps (0: only at the end).
-      keep_checkpoints: how many recent checkpoints to keep.
-      profile_steps: (first, last) steps to capture in a TF profiler trace, or None.
-      progress_bar: show Keras's progress bar instead of the log lines.
-      export_dir: at the end, a SavedModel of the model here and one per stage under
-        ``export_dir/stages``; None writes none.
-      keras_file: at the end, the trained model saved as this ``.keras`` file; None: none.
-      fresh_start: move the model_dir's checkpoints aside (``aside-<time>/``) and start
-        from step 1, instead of resuming (or stopping, when none can be restored).
-      take_over_lock: take the model_dir's lock even when it names a run on another host.
-    """
-
-    model: str = "transformer"
-    data: str = "text:" + data.BUILTIN_TEXT
-    tfrecord_features: str | None = None
-    tfrecord_label: str = "label"
-    validation_data: str | None = None
-    validation_steps: int | None = None
-    optimizer: str = "adam"
-    optimizer_config: str = "{}"
-    precision: str = "float32"
-    mesh: str = "stage:2;replica:2"
-    platform: str = "cpu"
-    micro_batches: int | str = 4
-    schedule: str = "gpipe"
-    virtual_stages: int = 1
-    remat: str = "except_last"
-    balance: str | tuple[int, ...] | None = None
-    global_batch_size: int = 32
-    train_steps: int = 60
-    learning_rate: float = 3e-3
-    seed: int = 0
-    width: int = 64
-    depth: int = 2
-    seq_len: int = 64
-    num_heads: int = 4
-    dropout: float = 0.0
-    tie_embeddings: bool = False
-    jit_compile: bool = True
-    prefetch: int = 2
-    boundary_dtype: str = "float32"
-    defer_weight_gradients: bool = False
-    timeline_every: int = 0
-    log_every: int = 10
-    model_dir: str | None = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
-    profile_steps: tuple[int, int] | None = None
-    progress_bar: bool = False
-    export_dir: str | None = None
-    keras_file: str | None = None
-    fresh_start: bool = False
-    take_over_lock: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,14 +93,9 @@ def pipeline_for(
     pipe = kind(
         model,
         mesh,
-        micro_batches=config.micro_batches,
-        balance=config.balance,
-        schedule=config.schedule,
-        virtual_stages=config.virtual_stages,
-        remat=config.remat,
+        **dataclasses.asdict(config.layout),
         prefetch=config.prefetch,
         boundary_dtype=config.boundary_dtype,
-        defer_weight_gradients=config.defer_weight_gradients,
     )
     pipe.compile(
         optimizer=optimizer_for(config), loss=loss, metrics=metrics, jit_compile=config.jit_compile
@@ -215,7 +115,8 @@ def train(
     strategy: Any = None,
     stop: threading.Event | None = None,
 ) -> TrainResult:
-    """Trains ``config.model`` on ``config.data`` on ``config.mesh``; resumes from model_dir.
+    """Trains ``config.model.name`` on ``config.data.source`` on ``config.mesh``; resumes
+    from ``config.outputs.model_dir``.
 
     Before any work the output paths are checked and the model_dir's lock is taken
     (``hybrid.run.resume``: one run per directory; the record of the run compared).
@@ -242,7 +143,9 @@ def train(
       RunLockError: another run holds the model_dir.
       CheckpointError: no checkpoint there can be restored, or one cannot be written.
     """
-    check_output_paths(config.model_dir, config.export_dir, config.keras_file)
+    check_output_paths(
+        config.outputs.model_dir, config.outputs.export_dir, config.outputs.keras_file
+    )
     with resume.lock(config, log):
         resume.start_afresh(config, log)
         return _train(config, log, step_callback, devices, checkpoint_io_device, strategy, stop)
@@ -260,23 +163,27 @@ def _train(
     pipe, input_shape, summary = pipeline_for(config, mesh_for(config, devices), strategy)
     saver = (
         Checkpointer(
-            pipe, config.model_dir, config.keep_checkpoints, config.seed, checkpoint_io_device
+            pipe,
+            config.outputs.model_dir,
+            config.outputs.keep_checkpoints,
+            config.seed,
+            checkpoint_io_device,
         )
-        if config.model_dir
+        if config.outputs.model_dir
         else None
     )
     restored = resume.resume(config, pipe, saver, summary, log)
     start = restored.step if restored else 0
     position = restored.data_position if restored else 0
-    batches = _batches(config, config.data, config.seed, position, input_shape)
+    batches = _batches(config, config.data.source, config.seed, position, input_shape)
     validation = (
-        _batches(config, config.validation_data, config.seed + 1, 0, input_shape)
-        if config.validation_data
+        _batches(config, config.data.validation_data, config.seed + 1, 0, input_shape)
+        if config.data.validation_data
         else None
     )
     writer = (
-        tf.summary.create_file_writer(os.path.join(config.model_dir, "train"))
-        if config.model_dir
+        tf.summary.create_file_writer(os.path.join(config.outputs.model_dir, "train"))
+        if config.outputs.model_dir
         else None
     )
     steps = Steps(config, pipe, start, saver, writer, log, step_callback, stop)
@@ -290,7 +197,7 @@ def _train(
             shuffle=False,  # the batches are a function of (seed, step)
             callbacks=[steps],
             validation_data=validation,
-            validation_steps=config.validation_steps,
+            validation_steps=config.data.validation_steps,
         )
     if writer is not None:
         writer.flush()
@@ -311,32 +218,32 @@ def _batches(
 ) -> tf.data.Dataset:
     """The global batches ``spec`` names (``--data``'s grammar), from batch ``position`` on."""
     if is_function_spec(spec):  # yours: the batches after the ones already taken
-        return call_user("data", spec, config.global_batch_size).skip(position)
+        return call_user("data", spec, config.data.global_batch_size).skip(position)
     if spec.startswith("tfrecord:"):
         return data.tfrecord_dataset(
             spec.partition(":")[2],
-            config.tfrecord_features or "",
-            config.tfrecord_label,
-            config.global_batch_size,
+            config.data.tfrecord_features or "",
+            config.data.tfrecord_label,
+            config.data.global_batch_size,
             position,
         )
     return data.dataset(
         spec,
-        config.model,
-        config.global_batch_size,
+        config.model.name,
+        config.data.global_batch_size,
         seed,
         start_step=position,
-        seq_len=config.seq_len,
+        seq_len=config.model.seq_len,
         input_shape=input_shape,
     )
 
 
 def _export(config: TrainConfig, pipe: Pipeline, log: Callable[[str], None]) -> None:
     """The trained model as SavedModels (whole and per stage) and as a .keras file."""
-    if config.export_dir:
-        pipe.export(config.export_dir)
-        pipe.export(os.path.join(config.export_dir, "stages"), per_stage=True)
-        log(f"exported SavedModels to {config.export_dir} (per stage: stages/)")
-    if config.keras_file:
-        pipe.save(config.keras_file)
-        log(f"saved the Keras model to {config.keras_file}")
+    if config.outputs.export_dir:
+        pipe.export(config.outputs.export_dir)
+        pipe.export(os.path.join(config.outputs.export_dir, "stages"), per_stage=True)
+        log(f"exported SavedModels to {config.outputs.export_dir} (per stage: stages/)")
+    if config.outputs.keras_file:
+        pipe.save(config.outputs.keras_file)
+        log(f"saved the Keras model to {config.outputs.keras_file}")

@@ -18,7 +18,7 @@ from hybrid.run import data
 from hybrid.run.data_sources import is_function_spec
 
 if TYPE_CHECKING:
-    from hybrid.run.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
 
 __all__ = [
     "UserFunctionError",
@@ -39,27 +39,33 @@ class UserFunctionError(ValueError):
 
 def build_model(config: TrainConfig) -> tuple[list[keras.layers.Layer], tuple[int, ...], str]:
     """The reference model's layers, its input shape (without batch) and input dtype."""
-    if config.model == "transformer":
+    if config.model.name == "transformer":
         layers = models.transformer(
             vocab_size=data.VOCAB_SIZE,
-            seq_len=config.seq_len,
-            d_model=config.width,
-            num_heads=config.num_heads,
-            num_blocks=config.depth,
-            dropout=config.dropout,
+            seq_len=config.model.seq_len,
+            d_model=config.model.width,
+            num_heads=config.model.num_heads,
+            num_blocks=config.model.depth,
+            dropout=config.model.dropout,
             seed=config.seed,
-            tie_embeddings=config.tie_embeddings,
+            tie_embeddings=config.model.tie_embeddings,
         )
-        return layers, (config.seq_len,), "int32"
-    if config.model == "resnet":
+        return layers, (config.model.seq_len,), "int32"
+    if config.model.name == "resnet":
         return (
-            models.resnet(10, config.width, config.depth, seed=config.seed),
+            models.resnet(10, config.model.width, config.model.depth, seed=config.seed),
             _IMAGE_SHAPE,
             ("float32"),
         )
-    if config.model == "mlp":
-        return models.mlp(10, config.width, config.depth, seed=config.seed), (64,), "float32"
-    raise ValueError(f"unknown model {config.model!r}; choose one of {list(models.MODEL_NAMES)}")
+    if config.model.name == "mlp":
+        return (
+            models.mlp(10, config.model.width, config.model.depth, seed=config.seed),
+            (64,),
+            "float32",
+        )
+    raise ValueError(
+        f"unknown model {config.model.name!r}; choose one of {list(models.MODEL_NAMES)}"
+    )
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -95,16 +101,16 @@ def call_user(option: str, spec: str, *args: Any) -> Any:
 
 
 def _user_model(config: TrainConfig) -> tuple[keras.Model, Any, Any]:
-    """Your model, loss and metrics from ``config.model`` (``package.module:fn``): fn()
+    """Your model, loss and metrics from ``config.model.name`` (``package.module:fn``): fn()
     returns a dict ``{"model", "loss", "metrics"}`` or a model compiled with its loss."""
-    made = call_user("model", config.model)
+    made = call_user("model", config.model.name)
     if isinstance(made, dict):
         model, loss, metrics = made.get("model"), made.get("loss"), made.get("metrics")
     else:
         model, loss, metrics = made, getattr(made, "loss", None), None
     if not isinstance(model, keras.Model) or loss is None:
         raise ValueError(
-            f"--model={config.model} must return a Keras model compiled with its loss, or "
+            f"--model={config.model.name} must return a Keras model compiled with its loss, or "
             f"{{'model': ..., 'loss': ..., 'metrics': ...}}; got {type(made).__name__}"
         )
     return model, loss, metrics
@@ -122,11 +128,11 @@ def optimizer_for(config: TrainConfig) -> keras.optimizers.Optimizer:
     """``--optimizer`` at ``--learning_rate`` with ``--optimizer_config``'s arguments, under
     a LossScaleOptimizer for ``mixed_float16`` (as ``compile`` wraps it: a list of layers
     carries no model policy for the Pipeline to see)."""
-    cls = optimizer_class(config.optimizer)
-    arguments = json.loads(config.optimizer_config)
-    _check_optimizer_arguments(cls, arguments, config.optimizer_config)
-    made = cls(learning_rate=config.learning_rate, **arguments)
-    if config.precision == "mixed_float16":
+    cls = optimizer_class(config.optimizer.name)
+    arguments = json.loads(config.optimizer.config)
+    _check_optimizer_arguments(cls, arguments, config.optimizer.config)
+    made = cls(learning_rate=config.optimizer.learning_rate, **arguments)
+    if config.model.precision == "mixed_float16":
         return keras.optimizers.LossScaleOptimizer(made)
     return made
 
@@ -164,9 +170,9 @@ def model_for(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
     """The config's model built under its dtype policy (the global policy is restored after),
     its loss, metrics, input shape(s) with the batch and dtype(s)."""
     previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(config.precision)
+    keras.mixed_precision.set_global_policy(config.model.precision)
     try:
-        if is_function_spec(config.model):
+        if is_function_spec(config.model.name):
             model, loss, metrics = _user_model(config)
             shapes = [(None, *t.shape[1:]) for t in model.inputs]
             dtypes = [t.dtype for t in model.inputs]
