@@ -588,7 +588,9 @@ def _trainer():
 
 
 def tiny_config(trainer, model_dir):
-    return trainer.TrainConfig.of(
+    from hybrid.run import train_config
+
+    return train_config.TrainConfig.of(
         model="mlp",
         data="synthetic",
         mesh="stage:2;replica:1",

@@ -44,7 +44,6 @@ from hybrid.run.user_model import call_user, model_for, optimizer_for
 
 __all__ = [
     "NonFiniteLossError",
-    "TrainConfig",
     "TrainResult",
     "mesh_for",
     "pipeline_for",
