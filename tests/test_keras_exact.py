@@ -408,11 +408,10 @@ def test_add_loss_of_a_batch_mean_is_keras_s(stages, replicas, micro_batches):
 
 
 def build(model_layers, **kwargs):
+    optimizer = kwargs.pop("optimizer", keras.optimizers.SGD(0.1))
+    loss = kwargs.pop("loss", loss_for("sum_over_batch_size"))
     pipe = hybrid.Pipeline(model_layers, mesh=hybrid.DeviceMesh.create(2, 1), **kwargs)
-    pipe.compile(
-        optimizer=kwargs.pop("optimizer", keras.optimizers.SGD(0.1)),
-        loss=kwargs.pop("loss", loss_for("sum_over_batch_size")),
-    )
+    pipe.compile(optimizer=optimizer, loss=loss)
     pipe.build((None, ref.IN_FEATURES))
     return pipe
 

@@ -299,13 +299,17 @@ def test_an_internal_error_shows_its_traceback_and_says_it_is_a_bug(capsys):
 
 def pipeline(**arguments):
     arguments = {"mesh": "stage:2;replica:1", "loss": "mse", "optimizer": "sgd", **arguments}
-    return hybrid.Pipeline(reference.mlp_layers(), **arguments)
+    compiling = reference.compile_options(arguments)
+    pipe = hybrid.Pipeline(reference.mlp_layers(), **arguments)
+    pipe.compile(**compiling)
+    return pipe
 
 
 @pytest.mark.parametrize(
     "arguments,error,message",
     [
-        ({"mesh": None}, TypeError, "mesh=None (NoneType): give a hybrid.DeviceMesh or a spec"),
+        ({"mesh": 3}, TypeError, "mesh=3 (int): give a hybrid.DeviceMesh or a spec"),
+        ({"mesh": None}, ValueError, "Pipeline(model, mesh=None) needs a config"),
         ({"mesh": "stages:2"}, ValueError, "mesh='stages:2': bad mesh spec 'stages:2'"),
         ({"jit_compile": "no"}, TypeError, "jit_compile='no' (str): give True or False"),
         ({"micro_batches": 2.0}, ValueError, "micro_batches must be a positive integer, got 2.0"),

@@ -21,6 +21,77 @@ def make(stages=2, replicas=1, micro_batches=2, layers=None, **kwargs):
     return ref.pipeline(stages, replicas, layers=layers, micro_batches=micro_batches, **kwargs)
 
 
+def test_layout_in_the_constructor_and_keras_compile_trains_as_keras():
+    """Pipeline(model, mesh, **layout) then compile(...) as keras.Model.compile: the same
+    step as Keras's on one device, with compile's defaults (RMSprop)."""
+    keras_model = keras.Sequential([keras.Input((ref.IN_FEATURES,)), *ref.mlp_layers()])
+    keras_model.compile(loss=ref.loss_fn())  # optimizer="rmsprop", Keras's default
+    template = keras.Sequential([keras.Input((ref.IN_FEATURES,)), *ref.mlp_layers()])
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(template, hybrid.DeviceMesh.create(2, 2), micro_batches=2)
+    assert not pipe.compiled
+    pipe.compile(loss=ref.loss_fn(), jit_compile=False)
+    assert pipe.compiled
+    for step in range(2):
+        x, y = ref.batch(16, seed=step)
+        want = keras_model.train_on_batch(x, y)
+        np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-5)
+    assert type(pipe.optimizer.copies[0]) is keras.optimizers.RMSprop
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
+def test_a_planned_config_is_taken_whole():
+    config = hybrid.RunConfig(stages=2, replicas=1, micro_batches=4, schedule="1f1b", remat="never")
+    pipe = hybrid.Pipeline(ref.mlp_layers(), config=config)  # the mesh from the config
+    assert pipe.mesh == hybrid.DeviceMesh.create(2, 1)
+    assert (pipe.micro_batches, pipe.config.schedule, pipe.remat) == (4, "1f1b", "never")
+    with pytest.raises(TypeError, match=r"comes with \['micro_batches'\]; give the layout once"):
+        hybrid.Pipeline(ref.mlp_layers(), config=config, micro_batches=2)
+    with pytest.raises(ValueError, match="the config is for 2 stage.* and the mesh is 1 × 2"):
+        hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 2), config=config)
+    with pytest.raises(TypeError, match="config=.* give a hybrid.RunConfig"):
+        hybrid.Pipeline(ref.mlp_layers(), config={"stages": 2})
+
+
+def test_uncompiled_and_uncompilable_are_refused_as_keras_refuses():
+    pipe = hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(2, 1))
+    x, y = ref.batch(8)
+    for name, call in (
+        ("fit", lambda: pipe.fit(x, y, verbose=0)),
+        ("evaluate", lambda: pipe.evaluate(x, y, verbose=0)),
+        ("predict", lambda: pipe.predict(x, verbose=0)),
+        ("train_step", lambda: pipe.train_step(x, y)),
+        ("build", lambda: pipe.build((None, ref.IN_FEATURES))),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"You must call `compile\(\)` before calling `{name}\(\)`"
+        ):
+            call()
+    for arguments, match in (
+        ({"loss": None}, "loss=None"),
+        ({"loss": "mse", "run_eagerly": True}, "run_eagerly=True"),
+        ({"loss": "mse", "steps_per_execution": 4}, "steps_per_execution=4"),
+        ({"loss": "mse", "jit_compile": "yes"}, "jit_compile='yes'"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            pipe.compile(**arguments)
+    pipe.compile(loss=ref.loss_fn(), jit_compile=False)
+    pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="compile\\(\\) after the pipeline was built"):
+        pipe.compile(loss="mse")
+
+
+def test_a_strategy_gives_the_replicated_step():
+    from hybrid.engine.api.strategy_pipeline import StrategyPipeline
+
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    pipe = hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 1), strategy=strategy)
+    assert isinstance(pipe, StrategyPipeline) and pipe.strategy is strategy
+    assert (
+        type(hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 1))) is hybrid.Pipeline
+    )
+
+
 def test_predict_and_evaluate_match_keras():
     model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + ref.mlp_layers())
     pipe = make(stages=4, replicas=2, micro_batches=2)

@@ -411,6 +411,7 @@ class Pipeline(Workflow):
           x, y: the global batch of inputs and labels.
           sample_weight: per-example (or per-timestep) weights; None weighs every example 1.
         """
+        self._require_compiled("train_step")
         self._metrics.reset()
         self._steps.train(self._batch(x, y, sample_weight))
         return self._metrics.result()
