@@ -87,6 +87,16 @@ def test_a_strategy_gives_the_replicated_step():
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     pipe = hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 1), strategy=strategy)
     assert isinstance(pipe, StrategyPipeline) and pipe.strategy is strategy
+    # what the replicated step cannot do yet is refused when asked for, with the reason
+    with pytest.raises(ValueError, match="timeline_every: timed steps need the devices' clocks"):
+        pipe.timeline_every = 2
+    pipe.timeline_every = 0
+    pipe.compile(optimizer="sgd", loss=ref.loss_fn())
+    x, y = ref.batch(4)
+    with pytest.raises(ValueError, match="gradients: a replicated step applies its gradients"):
+        pipe.gradients(x, y)
+    with pytest.raises(ValueError, match="timed_train_step: timed steps need"):
+        pipe.timed_train_step(x, y)
     assert (
         type(hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 1))) is hybrid.Pipeline
     )

@@ -422,6 +422,7 @@ class Pipeline(Workflow):
         """A real training step that also records when each of replica 0's actions ran
         (``timing.py``: seconds from its first start); ``last_timeline`` gets the breakdown."""
         self._require_compiled("timed_train_step")
+        self._refuse("timed_train_step")
         self._metrics.reset()
         view = self._timed_step(self._batch(x, y, sample_weight))
         return self._metrics.result(), view.actions
@@ -449,6 +450,7 @@ class Pipeline(Workflow):
         """The gradients of the batch's loss as :meth:`train_step` computes them (replica
         0's, in the order of ``model.trainable_variables``), without updating anything."""
         self._require_compiled("gradients")
+        self._refuse("gradients")
         _, grads = self._steps.gradients(self._batch(x, y, sample_weight))
         return [tf.convert_to_tensor(g).numpy() for g in grads]  # a sparse one densified
 

@@ -91,6 +91,12 @@ def _component(variable: Any, replica: int) -> np.ndarray:
     return np.asarray((copies[replica] if copies else held).numpy())
 
 
+_TIMED = (
+    "timed steps need the devices' clocks, which a replicated program does not read; "
+    "time a Pipeline on a mesh"
+)
+
+
 class StrategyPipeline(Pipeline):
     """A :class:`Pipeline` whose step runs as one program per replica under ``strategy``.
 
@@ -131,6 +137,12 @@ class StrategyPipeline(Pipeline):
                 f"has {mesh.num_replicas}; give the strategy one replica per mesh column"
             )
         self.strategy = strategy
+        self.cannot = {
+            "timed_train_step": _TIMED,
+            "timeline_every": _TIMED,
+            "gradients": "a replicated step applies its gradients inside the program and does "
+            "not return them; compute gradients with a Pipeline on a mesh",
+        }
         self._logical = logical_devices(strategy, mesh.num_stages)
         # XLA compiles a TPU step whole and schedules by data: each action's inputs also
         # wait, through an optimization barrier, for its core's previous action. Elsewhere
@@ -196,11 +208,6 @@ class StrategyPipeline(Pipeline):
     # -- the step every replica runs ---------------------------------------------------
 
     def _train_step(self, parts: Shards, record: bool = False) -> list[list[tf.Tensor]]:
-        if record:
-            raise NotImplementedError(
-                "timed steps (timeline_every, timed_train_step) need the devices' clocks, "
-                "which a replicated program does not read; time a Pipeline on a mesh"
-            )
         loss, output_losses, predictions = self.strategy.run(
             self._replica_train, args=(self._distributed(parts),)
         )
@@ -300,10 +307,4 @@ class StrategyPipeline(Pipeline):
         )
         return lowering.lower_inference(
             self._steps.inference, self._steps.inference_order, stages, xs, labels, seed
-        )
-
-    def _gradient_step(self, parts: Shards) -> Any:
-        raise NotImplementedError(
-            "a StrategyPipeline applies its gradients inside the replicated step and does not "
-            "return them; compute gradients with a Pipeline on a mesh"
         )

@@ -107,12 +107,32 @@ class Workflow(abc.ABC):
     _graph: Graph
     _specs: list[TensorSpec]
 
+    # What this kind of step cannot do yet: method or setting -> the reason (refused when
+    # asked for, before anything runs).
+    cannot: dict[str, str] = {}
+
     def __init__(self) -> None:
-        self.timeline_every = 0
+        self._timeline_every = 0
         self.last_timeline: Any = None
         self.stop_training = False
         self.history: Any = None
         self.train_function = None  # no graph for TensorBoard's write_graph to write
+
+    @property
+    def timeline_every(self) -> int:
+        """Every this many training steps of ``fit``, one is run timed (0: none)."""
+        return self._timeline_every
+
+    @timeline_every.setter
+    def timeline_every(self, every: int) -> None:
+        if every:
+            self._refuse("timeline_every")
+        self._timeline_every = every
+
+    def _refuse(self, what: str) -> None:
+        """Raises ValueError with the reason when this step cannot do ``what`` yet."""
+        if what in self.cannot:
+            raise ValueError(f"{what}: {self.cannot[what]}")
 
     # -- the contract ---------------------------------------------------------------------
 
