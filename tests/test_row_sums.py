@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import hybrid
 from hybrid.engine.programs import deferral, row_sums, shape_values, split_programs
+from hybrid.engine.programs.residuals import Kept
 
 ROWS, M, WIDTH = 4, 3, 5
 
@@ -70,7 +71,7 @@ def _traces(body, need_dx=True):
 def _kept(micro, x, weights, dy, need_dx=True):
     args = [x] + weights
     _, residuals = micro.forward(args)
-    kept = residuals.Kept(micro, args, residuals, need_dx)
+    kept = Kept(micro, args, residuals, need_dx)
     if need_dx:
         kept.backward([dy], [True], need_dx=True, need_dw=False)  # B: keeps what W reads
     return kept

@@ -140,9 +140,9 @@ def check_program(pipe, graph):
 def check_order(pipe, by_action):
     """On each core, every action depends by data alone on the one before it."""
     schedule = pipe.schedule
-    fused = {(b.stage, b.microbatch) for b in pipe._fused}
+    fused = {(b.stage, b.microbatch) for b in pipe._steps.fused}
     per_device = collections.defaultdict(list)
-    for a in pipe._order:  # the order the step was lowered in
+    for a in pipe._steps.order:  # the order the step was lowered in
         key = (a.op.name, a.stage, a.microbatch)
         if a.op.name != "F" and (a.stage, a.microbatch) in fused:
             continue  # run inside the fused forward's scope
@@ -398,10 +398,11 @@ def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_p
     template.set_weights(keras_model.get_weights())
 
     def replicated(model):
-        return StrategyPipeline(
-            model, hybrid.DeviceMesh.create(2, 2), strategy=ref.mirrored_strategy(),
-            micro_batches=2, **fit_tests.compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)),
-        )  # fmt: skip
+        pipe = StrategyPipeline(
+            model, hybrid.DeviceMesh.create(2, 2), strategy=ref.mirrored_strategy(), micro_batches=2
+        )
+        pipe.compile(**fit_tests.compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)))
+        return pipe
 
     pipe = replicated(template)
     x, y = fit_tests.data()

@@ -26,9 +26,8 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
 import keras
 import numpy as np
@@ -45,6 +44,7 @@ from hybrid.core.config import (
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine.api import batches, feed
 from hybrid.engine.api.compiled import Compiled
+from hybrid.engine.api.mesh_step import MeshStep, StepResult
 from hybrid.engine.api.micro_batching import (
     AUTO,
     Steps,
@@ -59,7 +59,7 @@ from hybrid.engine.model.graph import graph_of
 from hybrid.engine.model.losses import LossLike
 from hybrid.engine.model.sparse import flat_tensors
 from hybrid.engine.model.template import OptimizerLike
-from hybrid.engine.model.variables import Placement, sum_tied
+from hybrid.engine.model.variables import Placement
 from hybrid.engine.step import assembly, compression, lowering, reduction
 from hybrid.engine.step import clocks as timing
 from hybrid.engine.step.clocks import TimedAction
@@ -70,26 +70,6 @@ __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
 
 Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
 Shards: TypeAlias = list[batches.Shard]  # the global batch, one shard per replica
-
-
-class StepResult(NamedTuple):
-    """What a pipelined training step computes before any update.
-
-    Attributes:
-      loss: the step's loss as Keras reports it (regularization included).
-      output_losses: each output's own loss, before its ``loss_weights``.
-      grads: ``grads[k][r]``: model stage k's gradients on replica r's device.
-      events: replica 0's timing events (when recorded).
-      stats: ``stats[k][r]``: stage k's BatchNormalization statistics (empty without).
-      predictions: the batch's model outputs, per output (None unless returned).
-    """
-
-    loss: tf.Tensor
-    output_losses: tf.Tensor
-    grads: list[list[list[tf.Tensor]]]
-    events: list[Any]
-    stats: list[Any]
-    predictions: list[tf.Tensor] | None
 
 
 class Pipeline(Workflow):
@@ -546,63 +526,28 @@ class Pipeline(Workflow):
         step = self._pipelined_gradients(parts, record=False)
         return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
 
+    def _mesh_step(self) -> MeshStep:
+        """The step over the mesh's devices as it stands (``mesh_step.py``)."""
+        return MeshStep(
+            stages=self._stages,
+            groups=self._groups,
+            ties=self._ties,
+            objective=self._loss,
+            steps=self._steps,
+            mesh=self.mesh,
+            codec=self._codec,
+            remat=self.remat,
+            defer=self._defer,
+            seeds=self._seeds,
+            clocks=self._clocks,
+            devices=self._shard_devices(),
+        )
+
     def _pipelined_gradients(self, parts: Shards, record: bool) -> StepResult:
-        """Runs the schedule on every replica, then reduces over the mesh: the loss of the
-        global batch, each stage's gradients of it on each replica's device (a tied
-        variable's: the sum over its stages), BatchNormalization statistics summed over the
-        global batch, timing events when ``record``, the predictions when returned."""
-        R = self.mesh.num_replicas
-        firsts, lasts = self._shard_devices()
-        xs = batches.micro_inputs(self.config, parts, firsts)
-        labels = batches.micro_labels(self.config, parts, lasts)
-        divisors = reduction.loss_divisors(self._loss, self._stages[-1], labels)
-        loss_scale = reduction.loss_scale(self._stages[-1][0])  # LossScaleOptimizer
-        seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
-        lower = functools.partial(lowering.lower_training, codec=self._codec, defer=self._defer)
-        remat = lowering.remat_policy(self.remat, self.micro_batches)
-        steps = [
-            lower(
-                self.schedule,
-                self._steps.order,
-                self._steps.fused,
-                [row[r] for row in self._stages],
-                xs[r],
-                labels[r],
-                self._seeds(r),
-                remat,
-                seed,
-                clocks=self._clocks if record and r == 0 else None,
-            )
-            for r in range(R)
-        ]
-        loss, divisors, output_losses = reduction.global_loss(
-            self._loss, [t for s in steps for t in s.losses], divisors
-        )
-        rows = [self.schedule.device_of(k) for k in range(len(self._stages))]
-        starts = timing.reduce_starts(self._clocks, steps[0].tails) if record else []
-        grads, stats, penalty = reduction.all_stages(
-            steps, self._stages, self._groups, rows, self._loss.late_scale(divisors), loss_scale
-        )
-        if penalty is not None:  # the regularization Keras adds to the loss, once per step
-            loss = loss + penalty
-        for r in range(R):
-            sum_tied([g[r] for g in grads], [row[r].device for row in self._stages], self._ties)
-        pieces = [s.predictions[m] for s in steps for m in range(self.micro_batches)]
-        predictions = batches.joined(pieces)
-        events: list[Any] = list(steps[0].events)
-        if record:  # replica 0's devices: from their last action to their reduced gradients
-            events += timing.reduce_events(self._clocks, starts, rows, [g[0] for g in grads])
-        return StepResult(loss, output_losses, grads, events, stats, predictions)
+        return self._mesh_step().gradients(parts, record)
 
     def _forward_pass(self, parts: Shards) -> Any:
-        """The forward-only schedule on every replica (``lower_replicas_inference``)."""
-        firsts, lasts = self._shard_devices()
-        labelled = parts[0].ys is not None
-        labels = batches.micro_labels(self.config, parts, lasts) if labelled else None
-        copies = [[row[r] for row in self._stages] for r in range(self.mesh.num_replicas)]
-        xs = batches.micro_inputs(self.config, parts, firsts)
-        inference, order = self._steps.inference, self._steps.inference_order
-        return lowering.lower_replicas_inference(inference, order, copies, xs, labels, self._seeds)
+        return self._mesh_step().forward(parts)
 
     def _eval_step(self, parts: Shards) -> None:
         outs, activity = self._forward_pass(parts)
