@@ -110,6 +110,40 @@ def test_no_two_modules_share_a_name():
     assert not shared, f"modules that share a name: {shared}"
 
 
+def top_level_imports(path: str, module: str) -> set[str]:
+    """The ``hybrid`` modules ``path`` imports when it is imported (not inside functions or
+    ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(open(path).read())
+    body = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    probe = ast.Module(body=body, type_ignores=[])
+    scratch = os.path.join(ROOT, "tests", f"_cycle_probe_{os.getpid()}.py")
+    with open(scratch, "w") as f:
+        f.write(ast.unparse(probe))
+    try:
+        return imported(scratch, module if not path.endswith("__init__.py") else module + ".x")
+    finally:
+        os.remove(scratch)
+
+
+def test_no_import_cycles():
+    graph = {m: top_level_imports(p, m) - {m} for m, p in MODULES if m != "hybrid"}
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            raise AssertionError(f"import cycle: {' -> '.join(trail[trail.index(module) :])}")
+        if module in done or module not in graph:
+            return
+        for child in sorted(graph[module]):
+            # a package's own modules importing it back is how a package entry works
+            if not module.startswith(child + "."):
+                visit(child, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
 def test_the_check_can_fail():
     source = "from hybrid.engine.api import pipeline\nimport hybrid.platforms.cluster\n"
     path = os.path.join(ROOT, "tests", "_layout_probe.py")

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.model.objective import Objective
-from hybrid.engine.model.template import optimizer_copies
+from hybrid.engine.model.optimizers import optimizer_copies
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.planning.layer_programs import (
     PROGRAMS,

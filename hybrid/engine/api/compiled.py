@@ -13,7 +13,7 @@ from hybrid.engine.api.metrics import StepMetrics
 from hybrid.engine.model.graph import Graph
 from hybrid.engine.model.losses import LossLike
 from hybrid.engine.model.objective import Objective
-from hybrid.engine.model.template import OptimizerCopies, OptimizerLike, optimizer_copies
+from hybrid.engine.model.optimizers import OptimizerCopies, OptimizerLike, optimizer_copies
 
 __all__ = ["Compiled"]
 

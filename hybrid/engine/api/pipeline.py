@@ -57,8 +57,8 @@ from hybrid.engine.api.workflow import Workflow
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.model.graph import graph_of
 from hybrid.engine.model.losses import LossLike
+from hybrid.engine.model.optimizers import OptimizerLike
 from hybrid.engine.model.sparse import flat_tensors
-from hybrid.engine.model.template import OptimizerLike
 from hybrid.engine.model.variables import Placement
 from hybrid.engine.step import assembly, compression, lowering, reduction
 from hybrid.engine.step import clocks as timing

@@ -28,9 +28,10 @@ from hybrid.engine import keras_private
 from hybrid.engine.devices import host_cpu
 from hybrid.engine.model import batch_norm, layer_costs, sparse
 from hybrid.engine.model.graph import Graph, Segment
+from hybrid.engine.model.layer_checks import adds_loss, check_layer, warn_added_losses
 from hybrid.engine.model.losses import per_element
 from hybrid.engine.model.objective import Objective
-from hybrid.engine.model.template import OptimizerCopies, adds_loss, check_layer, warn_added_losses
+from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.variables import Placement
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.engine.step.synced_norm import Member, NormGroup

@@ -20,8 +20,8 @@ import keras
 import tensorflow as tf
 
 from hybrid.engine.model.objective import Objective
+from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.sparse import all_finite, scaled, square_sum
-from hybrid.engine.model.template import OptimizerCopies
 from hybrid.engine.step.collectives import ReplicaGroup
 from hybrid.engine.step.lowering import ReplicaStep
 from hybrid.engine.step.stage import Labels, StageReplica

@@ -40,8 +40,8 @@ import tensorflow as tf
 from hybrid.engine import keras_private, programs
 from hybrid.engine.model import batch_norm, sparse
 from hybrid.engine.model.graph import Segment, TensorSpec
+from hybrid.engine.model.layer_checks import adds_loss, seed_generators
 from hybrid.engine.model.objective import Objective
-from hybrid.engine.model.template import adds_loss, seed_generators
 from hybrid.engine.model.variables import device_copy
 from hybrid.engine.programs import (
     Grads,
