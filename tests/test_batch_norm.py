@@ -255,7 +255,7 @@ def test_synchronized_with_deferred_weight_gradients_is_the_undeferred_step(sche
 
 
 def test_synchronized_in_a_strategy_program_is_the_meshs():
-    """StrategyPipeline (MirroredStrategy over 2 devices): Keras's own synchronized moments
+    """Pipeline(strategy=MirroredStrategy over 2 devices): Keras's own synchronized moments
     all-reduce through the replica context, with the same step as on the 2×2 mesh."""
     keras_model, mesh = pair(2, 2, 2, True, remat="never")
     template = model(seed=1, synchronized=True)

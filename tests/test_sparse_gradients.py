@@ -195,7 +195,7 @@ def test_slices_are_gathered_in_replica_order_by_every_method():
 
 
 def test_the_strategy_executor_gathers_slices_as_mirrored_strategy_does():
-    """The step as one program per replica (``StrategyPipeline`` over ``MirroredStrategy``):
+    """The step as one program per replica (``Pipeline(strategy=MirroredStrategy)``):
     the replica context's all_gather carries the slices."""
     from reference import mirrored_strategy
 

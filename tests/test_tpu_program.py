@@ -1,4 +1,4 @@
-"""The pipeline's step as one program per replica (``StrategyPipeline``): traced by a real
+"""The pipeline's step as one program per replica (``Pipeline(strategy=...)``): traced by a real
 ``TPUStrategy`` on an offline slice, and run on CPUs under ``MirroredStrategy``.
 
 Traces (``hybrid.platforms.tpu_offline``: no TPU, the program is never run), for every
@@ -36,7 +36,6 @@ from test_tpu_mesh import build_topology
 
 import hybrid
 from hybrid.core import schedule as sched
-from hybrid.engine.api.strategy_pipeline import StrategyPipeline
 from hybrid.platforms.tpu_offline import offline_strategy
 
 import reference as ref
@@ -68,7 +67,7 @@ def traced(
 ):
     strategy, tpu = offline_strategy(topology(stages * replicas), stages, replicas)
     virtual = 2 if schedule == "interleaved" else 1
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         model if model is not None else ref.mlp_layers(),
         tpu.mesh,
         strategy=strategy,
@@ -260,11 +259,11 @@ def test_traced_tpu_step_of_the_keras_recipes(recipe):
 def test_a_strategy_that_does_not_fit_the_mesh_is_refused():
     strategy, tpu = offline_strategy(topology(4), 2, 2)
     with pytest.raises(ValueError, match="runs 2 replica"):
-        StrategyPipeline(
+        hybrid.Pipeline(
             ref.mlp_layers(), hybrid.DeviceMesh.create(2, 4), strategy=strategy
         ).compile(optimizer="adam", loss=ref.loss_fn())
     with pytest.raises(ValueError, match="2 core.* per replica and the pipeline 1 stages"):
-        StrategyPipeline(
+        hybrid.Pipeline(
             ref.mlp_layers(), hybrid.DeviceMesh.create(1, 2), strategy=strategy
         ).compile(optimizer="adam", loss=ref.loss_fn())
 
@@ -297,7 +296,7 @@ def test_mirrored_program_matches_keras(recipe, micro_batches, schedule):
     )
     template = exact.model(seed=1, recipe=recipe)
     template.set_weights(keras_model.get_weights())
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         template,
         hybrid.DeviceMesh.create(2, 2),
         strategy=ref.mirrored_strategy(),
@@ -342,7 +341,7 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
     keras_model.compile(optimizer=optimizer(), **any_model.objective(name))
     template = any_model.build(make, seed=1)
     template.set_weights(keras_model.get_weights())
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         template,
         hybrid.DeviceMesh.create(2, 2),
         strategy=ref.mirrored_strategy(),
@@ -370,7 +369,7 @@ def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     program_model.set_weights(mesh_model.get_weights())
     on_mesh = hybrid.Pipeline(mesh_model, hybrid.DeviceMesh.create(2, 2), micro_batches=2)
     on_mesh.compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn(), jit_compile=False)
-    program = StrategyPipeline(
+    program = hybrid.Pipeline(
         program_model,
         hybrid.DeviceMesh.create(2, 2),
         strategy=ref.mirrored_strategy(),
@@ -398,7 +397,7 @@ def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_p
     template.set_weights(keras_model.get_weights())
 
     def replicated(model):
-        pipe = StrategyPipeline(
+        pipe = hybrid.Pipeline(
             model, hybrid.DeviceMesh.create(2, 2), strategy=ref.mirrored_strategy(), micro_batches=2
         )
         pipe.compile(**fit_tests.compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)))
@@ -434,7 +433,7 @@ def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_p
 
 def test_the_launcher_builds_the_tpu_step_and_says_where_a_tpu_is_needed(tmp_path):
     """``--platform=tpu``'s attempt on a TPU system (here an offline one): the mesh placed
-    on the topology, the StrategyPipeline built under the layout's TPUStrategy; running
+    on the topology, the Pipeline built under the layout's TPUStrategy; running
     the first step needs the TPU, and the error says so."""
     from hybrid.launch.train import train_on_tpu
     from hybrid.platforms.cloud_tpu.node import TPUSystem

@@ -170,7 +170,7 @@ def train_on_tpu(
 ) -> Any:
     """Trains on a connected TPU system (``tpu_node.TPUSystem``): the mesh placed on its
     topology (``tpu_mesh.layout``), each step one TPU program per replica under the
-    layout's ``TPUStrategy`` (``StrategyPipeline``)."""
+    layout's ``TPUStrategy`` (``Pipeline(strategy=)``)."""
     import tensorflow as tf
 
     from hybrid.core.mesh import parse_spec

@@ -23,7 +23,6 @@ the weights of an uninterrupted run, and a checkpoint restores onto any mesh.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -33,7 +32,6 @@ import tensorflow as tf
 
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.engine.api.pipeline import Pipeline
-from hybrid.engine.api.strategy_pipeline import StrategyPipeline
 from hybrid.run import data, resume
 from hybrid.run.callbacks import NonFiniteLossError, StepCallback, Steps
 from hybrid.run.checkpoint import Checkpointer
@@ -84,14 +82,14 @@ def mesh_for(config: TrainConfig, devices: Sequence[str] | None = None) -> Devic
 def pipeline_for(
     config: TrainConfig, mesh: DeviceMesh, strategy: Any = None
 ) -> tuple[Pipeline, Any, tuple[list[str], str]]:
-    """The pipeline of the config's model, built (a StrategyPipeline under ``strategy``);
+    """The pipeline of the config's model, built (its step under ``strategy`` when given);
     the input shape (one, without the batch) the reference data needs (None for a
     model of several inputs); the model's summary for the run's record."""
     model, loss, metrics, shape, dtype = model_for(config)
-    kind = Pipeline if strategy is None else functools.partial(StrategyPipeline, strategy=strategy)
-    pipe = kind(
+    pipe = Pipeline(
         model,
         mesh,
+        strategy=strategy,
         **dataclasses.asdict(config.layout),
         prefetch=config.prefetch,
         boundary_dtype=config.boundary_dtype,
@@ -131,7 +129,7 @@ def train(
       checkpoint_io_device: the device whose host writes the checkpoint files (a
         multi-host client passes its own CPU).
       strategy: run each step as one program per replica under this ``tf.distribute``
-        strategy (a ``TPUStrategy`` on the layout of ``devices``: ``StrategyPipeline``).
+        strategy (a ``TPUStrategy`` on the layout of ``devices``: ``Pipeline(strategy=)``).
       stop: once set, the step in flight finishes, is checkpointed (with a model_dir) and
         the run ends early (``TrainResult.interrupted_at``; nothing is exported).
 

@@ -5,8 +5,8 @@ then the reductions across the mesh (``Pipeline``'s executor without a strategy)
     the loss of the global batch from every replica's terms
     each stage's gradients all-reduced inside its replica group, tied ones summed
 
-``StrategyPipeline`` runs the same lowering for one replica under a ``tf.distribute``
-strategy instead (``strategy_pipeline.py``).
+``Pipeline(strategy=...)`` runs the same lowering for one replica under a ``tf.distribute``
+strategy instead (``strategy_step.py``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ import tensorflow as tf
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine.api import batches
 from hybrid.engine.api.micro_batching import Steps
+from hybrid.engine.devices import host_cpu
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.variables import sum_tied
+from hybrid.engine.step import assembly, lowering, reduction
 from hybrid.engine.step import clocks as timing
-from hybrid.engine.step import lowering, reduction
 from hybrid.engine.step.collectives import ReplicaGroup
 from hybrid.engine.step.compression import Codec
 from hybrid.engine.step.stage import StageReplica
 
-__all__ = ["MeshStep", "StepResult"]
+__all__ = ["MeshExecutor", "MeshStep", "Placing", "StepResult", "TrainOutputs"]
 
 Shards = list[batches.Shard]
 
@@ -132,3 +133,88 @@ class MeshStep:
         xs = batches.micro_inputs(config, parts, firsts)
         inference, order = self.steps.inference, self.steps.inference_order
         return lowering.lower_replicas_inference(inference, order, copies, xs, labels, self.seeds)
+
+
+class TrainOutputs(NamedTuple):
+    """What a training step gives the metrics (and, timed, the timeline).
+
+    Attributes:
+      loss, output_losses: the step's loss and each output's, as Keras reports them.
+      predictions: the batch's model outputs per output (None unless returned).
+      events: replica 0's (device, action, start, end) timing events (when recorded).
+    """
+
+    loss: tf.Tensor
+    output_losses: Any
+    predictions: list[tf.Tensor] | None
+    events: list[Any]
+
+
+Apply = Callable[[list[list[list[tf.Tensor]]], list[Any]], None]
+Placed = tuple[list[list[StageReplica]], list[ReplicaGroup]]
+
+
+class Placing(NamedTuple):
+    """What placing the stage copies takes besides the layout (``assembly.place``)."""
+
+    schedule: Any
+    mesh: DeviceMesh
+    optimizers: Any
+    objective: Objective
+    jit_compile: bool
+    defer: bool
+    batch: int | None
+
+
+class MeshExecutor:
+    """Runs the pipeline's steps over the mesh's own devices: every copy a device of the
+    mesh, every replica's schedule in the one program, all-reduces between named devices.
+    The executor without a strategy (``strategy_step.StrategyExecutor`` is the other)."""
+
+    strategy = None
+    cannot: dict[str, str] = {}  # everything is possible here
+
+    def step_variable(self, mesh: DeviceMesh) -> tf.Variable:
+        """The optimizer step counter, on the host of the first device (the step reads it
+        for the random seeds, the caller's host resets and reads it between steps)."""
+        with tf.device(host_cpu(mesh.device(0, 0))):
+            return tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+
+    def place(self, layout: assembly.Layout, placing: Placing) -> Placed:
+        """Every stage's copies (``stages[k][r]``: ``assembly.place``) and each stage's
+        replica group on the mesh."""
+        schedule, mesh = placing.schedule, placing.mesh
+        rows = [schedule.device_of(k) for k in range(schedule.num_model_stages)]
+        groups = [ReplicaGroup(mesh.replica_group(d)) for d in rows]
+        stages = assembly.place(
+            layout,
+            schedule,
+            mesh,
+            placing.optimizers,
+            placing.objective,
+            placing.jit_compile,
+            defer=placing.defer,
+            batch=placing.batch,
+        )
+        return stages, groups
+
+    def input_devices(
+        self, stages: list[list[StageReplica]], mesh: DeviceMesh
+    ) -> tuple[list[str], list[str]]:
+        """Each replica's first-stage device (its inputs) and last-stage device (labels)."""
+        return [s.device for s in stages[0]], [s.device for s in stages[-1]]
+
+    def replica_weights(self, stages: list[list[StageReplica]], replica: int) -> list[list[Any]]:
+        """Replica ``replica``'s weights, per stage."""
+        return [row[replica].get_weights() for row in stages]
+
+    def train(self, step: MeshStep, parts: Shards, record: bool, apply: Apply) -> TrainOutputs:
+        """The training step: gradients over the mesh (:meth:`MeshStep.gradients`), then
+        every device's update (``apply``)."""
+        result = step.gradients(parts, record)
+        apply(result.grads, result.stats)
+        return TrainOutputs(result.loss, result.output_losses, result.predictions, result.events)
+
+    def forward(self, step: MeshStep, parts: Shards) -> Any:
+        """The forward-only schedule on every replica."""
+        return step.forward(parts)

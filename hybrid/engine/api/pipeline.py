@@ -44,7 +44,7 @@ from hybrid.core.config import (
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine.api import batches, feed
 from hybrid.engine.api.compiled import Compiled
-from hybrid.engine.api.mesh_step import MeshStep, StepResult
+from hybrid.engine.api.mesh_step import MeshExecutor, MeshStep, Placing
 from hybrid.engine.api.micro_batching import (
     AUTO,
     Steps,
@@ -53,8 +53,8 @@ from hybrid.engine.api.micro_batching import (
     initial_micro_batches,
     steps_for,
 )
+from hybrid.engine.api.strategy_step import StrategyExecutor
 from hybrid.engine.api.workflow import Workflow
-from hybrid.engine.devices import host_cpu
 from hybrid.engine.model.graph import graph_of
 from hybrid.engine.model.losses import LossLike
 from hybrid.engine.model.optimizers import OptimizerLike
@@ -63,7 +63,6 @@ from hybrid.engine.model.variables import Placement
 from hybrid.engine.step import assembly, compression, lowering, reduction
 from hybrid.engine.step import clocks as timing
 from hybrid.engine.step.clocks import TimedAction
-from hybrid.engine.step.collectives import ReplicaGroup
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
@@ -91,7 +90,7 @@ class Pipeline(Workflow):
         None: ``config``'s S × R on the local devices.
       strategy: a ``tf.distribute`` strategy (a ``TPUStrategy`` on the mesh's layout, or a
         ``MirroredStrategy``) that runs the step as one program per replica
-        (``strategy_pipeline.py``); None: the step runs over the mesh's devices.
+        (``strategy_step.py``); None: the step runs over the mesh's devices.
       config: a whole layout as the planner gives it (a ``RunConfig``, e.g. ``hybrid.plan
         (...).best.config``): its mesh shape, micro-batches, schedule, virtual stages,
         remat, balance and deferral. Then none of those may be given as keywords.
@@ -117,13 +116,6 @@ class Pipeline(Workflow):
       ValueError: ``config`` together with layout keywords, or a mesh of another shape.
     """
 
-    def __new__(cls, *args: Any, strategy: Any = None, **kwargs: Any) -> Pipeline:
-        if strategy is not None and cls is Pipeline:  # the step under a tf.distribute strategy
-            from hybrid.engine.api.strategy_pipeline import StrategyPipeline
-
-            return super().__new__(StrategyPipeline)
-        return super().__new__(cls)
-
     def __init__(
         self,
         model: keras.Model | Sequence[keras.layers.Layer],
@@ -140,8 +132,6 @@ class Pipeline(Workflow):
         prefetch: int = 2,
         boundary_dtype: str | None = None,
     ) -> None:
-        if strategy is not None and not hasattr(self, "strategy"):
-            raise TypeError(f"{type(self).__name__} takes no strategy; use hybrid.Pipeline")
         super().__init__()
         layout = layout_of(
             config,
@@ -166,6 +156,10 @@ class Pipeline(Workflow):
                 f"and the mesh is {mesh.num_stages} × {mesh.num_replicas}; give a mesh of "
                 "the config's shape, or mesh=None to make one on the local devices"
             )
+        self._executor: MeshExecutor | StrategyExecutor = (
+            MeshExecutor() if strategy is None else StrategyExecutor(strategy, mesh, layout)
+        )
+        self.cannot = self._executor.cannot
         self.prefetch = feed.check_depth(prefetch)
         self._codec = compression.codec_for(compression.check_boundary_dtype(boundary_dtype))
         self._model = model
@@ -196,8 +190,7 @@ class Pipeline(Workflow):
         self._stages: list[list[StageReplica]] = []
         self._placement: Placement | None = None
         self._compiled: Compiled | None = None
-        with tf.device(host_cpu(mesh.device(0, 0))):  # see step_counter
-            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self._step = self._executor.step_variable(mesh)  # see step_counter
         self._steps = self._steps_for(M)
 
     def compile(
@@ -374,11 +367,35 @@ class Pipeline(Workflow):
                 copy.returns_predictions()
 
     def _place(self, layout: assembly.Layout, batch: int | None = None) -> list[list[StageReplica]]:
-        """Every stage's copies (``stages[k][r]``) and replica groups (``batch``: see place)."""
-        rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
-        self._groups = [ReplicaGroup(self.mesh.replica_group(d)) for d in rows]
-        args = (layout, self.schedule, self.mesh, self._optimizers, self._loss, self.jit_compile)
-        return assembly.place(*args, defer=self._defer, batch=batch)
+        """Every stage's copies (``stages[k][r]``) and replica groups, as the executor
+        places them (``batch``: see ``assembly.place``)."""
+        placing = Placing(
+            self.schedule,
+            self.mesh,
+            self._optimizers,
+            self._loss,
+            self.jit_compile,
+            self._defer,
+            batch,
+        )
+        stages, self._groups = self._executor.place(layout, placing)
+        return stages
+
+    @property
+    def strategy(self) -> Any:
+        """The ``tf.distribute`` strategy the step runs under (None: over the mesh)."""
+        return self._executor.strategy
+
+    def replica_weights(self, replica: int) -> list[np.ndarray]:
+        """The weights held by one replica's devices (all replicas should be identical)."""
+        return self.placement.read(self._executor.replica_weights(self._stages, replica))
+
+    def traced_train_step(self, x: Any, y: Any, sample_weight: Any = None) -> tf.Graph:
+        """The graph of the training step on this batch, traced and never run
+        (``get_concrete_function``): under an offline ``TPUStrategy``
+        (``hybrid.platforms.tpu_offline``) the TPU program a slice would compile."""
+        self._require_compiled("traced_train_step")
+        return self._steps.train.get_concrete_function(self._batch(x, y, sample_weight)).graph
 
     # -- public steps ----------------------------------------------------------------------
 
@@ -481,8 +498,8 @@ class Pipeline(Workflow):
         return batches.shards(self.config, *batches.prepare(self.config, xs, ys, ws), valid)
 
     def _shard_devices(self) -> tuple[list[str], list[str]]:
-        """Each replica's first-stage device (its inputs) and last-stage device (labels)."""
-        return [s.device for s in self._stages[0]], [s.device for s in self._stages[-1]]
+        """Where each replica's shard goes: its inputs' and its labels' devices."""
+        return self._executor.input_devices(self._stages, self.mesh)
 
     @property
     def placement(self) -> Placement:
@@ -497,8 +514,7 @@ class Pipeline(Workflow):
         return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
 
     def _train_step(self, parts: Shards, record: bool = False) -> list[list[tf.Tensor]]:
-        step = self._pipelined_gradients(parts, record)
-        self._apply(step.grads, step.stats)
+        step = self._executor.train(self._mesh_step(), parts, record, self._apply)
         y, w = batches.whole_labels(parts)
         examples = batches.examples(parts)
         self._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
@@ -523,7 +539,7 @@ class Pipeline(Workflow):
             self._step.assign_add(1)
 
     def _gradient_step(self, parts: Shards) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        step = self._pipelined_gradients(parts, record=False)
+        step = self._mesh_step().gradients(parts, record=False)
         return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
 
     def _mesh_step(self) -> MeshStep:
@@ -543,11 +559,8 @@ class Pipeline(Workflow):
             devices=self._shard_devices(),
         )
 
-    def _pipelined_gradients(self, parts: Shards, record: bool) -> StepResult:
-        return self._mesh_step().gradients(parts, record)
-
     def _forward_pass(self, parts: Shards) -> Any:
-        return self._mesh_step().forward(parts)
+        return self._executor.forward(self._mesh_step(), parts)
 
     def _eval_step(self, parts: Shards) -> None:
         outs, activity = self._forward_pass(parts)

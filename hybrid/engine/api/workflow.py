@@ -203,9 +203,9 @@ class Workflow(abc.ABC):
             for copy in row:
                 copy.set_weights(values)
 
+    @abc.abstractmethod
     def replica_weights(self, replica: int) -> list[np.ndarray]:
         """The weights held by one replica's devices (all replicas should be identical)."""
-        return self.placement.read([row[replica].get_weights() for row in self.stages])
 
     def to_keras(self) -> keras.Model:
         """The user's Keras model with the pipeline's weights (trainable and non-trainable

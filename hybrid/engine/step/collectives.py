@@ -13,7 +13,7 @@ of that stage. How it is done is chosen by where the devices are (one rule, ``me
   (a ring: each device sends and receives 2(R-1)/R of the vector), and every device unpacks
   the result. The ops run outside XLA (XLA on CPU has no collectives).
 - ``"cross_replica"``, a program every replica runs (a ``tf.distribute`` strategy's
-  ``run``; ``strategy_pipeline.py``): the group is one logical device (on a TPU, one core
+  ``run``; ``strategy_step.py``): the group is one logical device (on a TPU, one core
   of every replica's pipeline), each replica passes its own tensors, and they are packed
   into one vector summed by the replica context's ``all_reduce``: on a TPU one
   ``CrossReplicaSum`` inside the step's XLA program, on that core.

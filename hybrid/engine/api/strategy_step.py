@@ -1,9 +1,9 @@
-"""StrategyPipeline: the pipeline's step as one program every replica runs, under a
-``tf.distribute`` strategy: on a Cloud TPU, one XLA program per step spanning the S cores of
-each replica's pipeline.
+"""The pipeline's step as one program every replica runs, under a ``tf.distribute``
+strategy (``Pipeline(model, mesh, strategy=...)``): on a Cloud TPU, one XLA program per step
+spanning the S cores of each replica's pipeline.
 
-The same engine as :class:`~hybrid.engine.api.pipeline.Pipeline` (its stages, schedule,
-lowering and reductions); what changes is who runs the replicas. ``Pipeline`` writes every
+The same engine as over a mesh (``mesh_step.py``: its stages, schedule, lowering and
+reductions); what changes is who runs the replicas. ``Pipeline`` writes every
 replica's ops into one program and all-reduces between devices it names. Here the step is
 written once, for one replica, and ``strategy.run`` runs it on each::
 
@@ -32,21 +32,23 @@ Evaluation and prediction run the forward-only schedule the same way and reduce 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from hybrid.core.config import Layout
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine import keras_private
 from hybrid.engine.api import batches
-from hybrid.engine.api.pipeline import Pipeline, Shards
+from hybrid.engine.api.mesh_step import Apply, MeshStep, Placed, Placing, Shards, TrainOutputs
 from hybrid.engine.model.variables import sum_tied
 from hybrid.engine.step import assembly, lowering, reduction
 from hybrid.engine.step.collectives import ReplicaGroup
 from hybrid.engine.step.stage import StageReplica
 
-__all__ = ["StrategyPipeline", "logical_devices"]
+__all__ = ["StrategyExecutor", "logical_devices"]
 
 
 def _is_tpu(strategy: Any) -> bool:
@@ -97,39 +99,40 @@ _TIMED = (
 )
 
 
-class StrategyPipeline(Pipeline):
-    """A :class:`Pipeline` whose step runs as one program per replica under ``strategy``.
+class StrategyExecutor:
+    """Runs the pipeline's steps as one program per replica under ``strategy``.
 
     Args:
-      model, mesh: as for ``Pipeline``; ``mesh`` names S × R devices of the strategy (a TPU
-        layout's ``mesh``), and R must be its ``num_replicas_in_sync``.
       strategy: a ``TPUStrategy`` built on the layout's device assignment (S cores per
         replica), or a ``MirroredStrategy`` over R devices (every stage of a replica on its
         device: the same program with the CPU/GPU all-reduce).
-      kwargs: the rest of ``Pipeline``'s layout; then :meth:`compile` as for a Pipeline.
+      mesh: the S × R devices of the strategy (a TPU layout's ``mesh``); R must be its
+        ``num_replicas_in_sync``.
+      layout: the pipeline's layout, checked against what a replicated step can run.
 
     Raises:
-      ValueError: the strategy's replicas or cores do not match the mesh.
+      ValueError: micro_batches="auto" or deferred weight gradients (refused with the
+        reason), or a strategy whose replicas or cores do not match the mesh.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        mesh: DeviceMesh,
-        *,
-        strategy: Any,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs.get("micro_batches") == "auto":
+    cannot = {
+        "timed_train_step": _TIMED,
+        "timeline_every": _TIMED,
+        "gradients": "a replicated step applies its gradients inside the program and does "
+        "not return them; compute gradients with a Pipeline on a mesh",
+    }
+
+    def __init__(self, strategy: Any, mesh: DeviceMesh, layout: Layout) -> None:
+        if layout.micro_batches == "auto":
             raise ValueError(
-                "micro_batches='auto' times the gradient step at each M, which a "
-                "StrategyPipeline does not run on its own; give an integer "
+                "micro_batches='auto' times the gradient step at each M, which a replicated "
+                "step does not run on its own; give an integer "
                 "(hybrid.planning.choose_mesh(..., stages=S) predicts the fastest)"
             )
-        if kwargs.get("defer_weight_gradients"):
+        if layout.defer_weight_gradients:
             raise ValueError(
-                "defer_weight_gradients=True needs stage programs of their own (Pipeline); a "
-                "StrategyPipeline compiles its step whole, stages inline; leave it False"
+                "defer_weight_gradients=True needs stage programs of their own (a Pipeline "
+                "on a mesh); a replicated step compiles whole, stages inline; leave it False"
             )
         if strategy.num_replicas_in_sync != mesh.num_replicas:
             raise ValueError(
@@ -137,67 +140,58 @@ class StrategyPipeline(Pipeline):
                 f"has {mesh.num_replicas}; give the strategy one replica per mesh column"
             )
         self.strategy = strategy
-        self.cannot = {
-            "timed_train_step": _TIMED,
-            "timeline_every": _TIMED,
-            "gradients": "a replicated step applies its gradients inside the program and does "
-            "not return them; compute gradients with a Pipeline on a mesh",
-        }
         self._logical = logical_devices(strategy, mesh.num_stages)
         # XLA compiles a TPU step whole and schedules by data: each action's inputs also
         # wait, through an optimization barrier, for its core's previous action. Elsewhere
         # TensorFlow's executor keeps the control dependencies (and the barrier, an XLA op,
         # may have no kernel outside XLA: TensorFlow 2.20's TPU build on CPUs).
         self._by_data = _is_tpu(strategy)
-        super().__init__(model, mesh, **kwargs)
-        with strategy.scope(), self._logical.scope(0):
+
+    def step_variable(self, mesh: DeviceMesh) -> tf.Variable:
+        """The step counter, one per replica under the strategy (replica 0's is read)."""
+        with self.strategy.scope(), self._logical.scope(0):
             aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
-            self._step = tf.Variable(
+            return tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="step", aggregation=aggregation
             )
 
-    def _place(self, layout: assembly.Layout, batch: int | None = None) -> list[list[StageReplica]]:
+    def place(self, layout: assembly.Layout, placing: Placing) -> Placed:
         """One copy per stage on its logical device, replicated by the strategy; each
         stage's group is the replica context's all-reduce on that device."""
-        rows = [self.schedule.device_of(k) for k in range(self.schedule.num_model_stages)]
-        self._groups = [ReplicaGroup([self._logical.names[d]], "cross_replica") for d in rows]
+        schedule = placing.schedule
+        rows = [schedule.device_of(k) for k in range(schedule.num_model_stages)]
+        groups = [ReplicaGroup([self._logical.names[d]], "cross_replica") for d in rows]
         with self.strategy.scope():
             stages = assembly.place(
                 layout,
-                self.schedule,
-                self.mesh,
-                self._optimizers,
-                self._loss,
-                self.jit_compile,
+                schedule,
+                placing.mesh,
+                placing.optimizers,
+                placing.objective,
+                placing.jit_compile,
                 self._logical,
-                batch=batch,
+                batch=placing.batch,
             )
         for row in stages:
             if row[0].optimizer is not None:  # the step hands it reduced gradients
                 keras_private.keep_gradients_local(row[0].optimizer)
-        return stages
+        return stages, groups
 
-    def replica_weights(self, replica: int) -> list[np.ndarray]:
-        """Replica ``replica``'s copy of every weight: the strategy's component of each
-        variable on that replica."""
-        return self.placement.read(
-            [[_component(v, replica) for v in row[0].variables] for row in self.stages]
-        )
-
-    def traced_train_step(self, x: Any, y: Any, sample_weight: Any = None) -> tf.Graph:
-        """The graph of the training step on this batch, traced and never run
-        (``get_concrete_function``): under an offline ``TPUStrategy``
-        (``hybrid.platforms.tpu_offline``) the TPU program a slice would compile."""
-        return self._steps.train.get_concrete_function(self._batch(x, y, sample_weight)).graph
-
-    def _shard_devices(self) -> tuple[list[str], list[str]]:
+    def input_devices(
+        self, stages: list[list[StageReplica]], mesh: DeviceMesh
+    ) -> tuple[list[str], list[str]]:
         """The feed keeps each shard on the host: the strategy sends it to its replica."""
         host = [
-            tf.DeviceSpec.from_string(self.mesh.device(0, 0))
+            tf.DeviceSpec.from_string(mesh.device(0, 0))
             .replace(device_type="CPU", device_index=0)
             .to_string()
-        ] * self.mesh.num_replicas
+        ] * mesh.num_replicas
         return host, host
+
+    def replica_weights(self, stages: list[list[StageReplica]], replica: int) -> list[list[Any]]:
+        """Replica ``replica``'s weights, per stage: the strategy's component of each
+        variable on that replica."""
+        return [[_component(v, replica) for v in row[0].variables] for row in stages]
 
     def _distributed(self, parts: Shards) -> Any:
         """The shards as the strategy's per-replica value (replica r's is ``parts[r]``)."""
@@ -207,67 +201,71 @@ class StrategyPipeline(Pipeline):
 
     # -- the step every replica runs ---------------------------------------------------
 
-    def _train_step(self, parts: Shards, record: bool = False) -> list[list[tf.Tensor]]:
+    def train(self, step: MeshStep, parts: Shards, record: bool, apply: Apply) -> TrainOutputs:
+        """Every replica's training step (see the module docstring); the loss of replica 0
+        (every replica holds the global one) and every replica's predictions."""
+        replica_step = functools.partial(self._replica_train, step, apply)
         loss, output_losses, predictions = self.strategy.run(
-            self._replica_train, args=(self._distributed(parts),)
+            replica_step, args=(self._distributed(parts),)
         )
         local = self.strategy.experimental_local_results
         joined = batches.joined([list(p) for p in local(predictions)])
-        y, w = batches.whole_labels(parts)
-        self._metrics.update(
-            batches.examples(parts), local(loss)[0], local(output_losses)[0], y, joined, w
-        )
-        return []
+        return TrainOutputs(local(loss)[0], local(output_losses)[0], joined, [])
 
-    def _replica_train(self, shard: batches.Shard) -> tuple[Any, Any, list[tf.Tensor]]:
-        """One replica's training step (see the module docstring): the global batch's loss,
-        each output's loss, and this replica's predictions (for metrics). Ops outside a
-        stage's scope (the step counter, seeds) go on the first stage's device; the loss
-        is reduced on the last stage's."""
-        with tf.device(self._stages[0][0].device):
-            return self._replica_train_on(shard)
+    def _replica_train(
+        self, step: MeshStep, apply: Apply, shard: batches.Shard
+    ) -> tuple[Any, Any, list[tf.Tensor]]:
+        """One replica's training step: the global batch's loss, each output's loss, and
+        this replica's predictions (for metrics). Ops outside a stage's scope (the step
+        counter, seeds) go on the first stage's device; the loss is reduced on the last
+        stage's."""
+        with tf.device(step.stages[0][0].device):
+            return self._replica_train_on(step, apply, shard)
 
-    def _replica_train_on(self, shard: batches.Shard) -> tuple[Any, Any, list[tf.Tensor]]:
+    def _replica_train_on(
+        self, step: MeshStep, apply: Apply, shard: batches.Shard
+    ) -> tuple[Any, Any, list[tf.Tensor]]:
         context = tf.distribute.get_replica_context()
-        stages = [row[0] for row in self._stages]
-        K, M = len(stages), self.micro_batches
-        rows = [self.schedule.device_of(k) for k in range(K)]
-        xs = batches.micro_inputs(self.config, [shard], [stages[0].device])[0]
-        labels = batches.micro_labels(self.config, [shard], [stages[-1].device])[0]
-        last = self._groups[-1]
+        config, schedule, objective = step.steps.config, step.steps.schedule, step.objective
+        stages = [row[0] for row in step.stages]
+        K, M = len(stages), config.micro_batches
+        rows = [schedule.device_of(k) for k in range(K)]
+        xs = batches.micro_inputs(config, [shard], [stages[0].device])[0]
+        labels = batches.micro_labels(config, [shard], [stages[-1].device])[0]
+        last = step.groups[-1]
         divisors = reduction.loss_divisors(
-            self._loss, stages[-1:], [labels], lambda t: last.all_reduce_sum([[t]])[0][0]
+            objective, stages[-1:], [labels], lambda t: last.all_reduce_sum([[t]])[0][0]
         )
         loss_scale = reduction.loss_scale(stages[-1])
-        seed = self._loss.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
-        step = lowering.lower_training(
-            self.schedule,
-            self._steps.order,
-            self._steps.fused,
+        seed = objective.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
+        lowered = lowering.lower_training(
+            schedule,
+            step.steps.order,
+            step.steps.fused,
             stages,
             xs,
             labels,
-            lowering.seeds(self._step.read_value(), context.replica_id_in_sync_group, M),
-            lowering.remat_policy(self.remat, M),
+            step.seeds(context.replica_id_in_sync_group),
+            lowering.remat_policy(step.remat, M),
             seed,
-            codec=self._codec,
+            codec=step.codec,
             order_by_data=self._by_data,
         )
         summed, stats, extra = [], [], []
         for k, stage in enumerate(stages):  # one all-reduce per stage, after its last action
             with tf.device(stage.device):
-                bn = [tf.add_n(step.stats[k])] if step.stats[k] else []
-                tail = [tf.add_n(step.losses)] if k == K - 1 else []
-                tail += [tf.add_n(step.activity)] if k == K - 1 and step.activity else []
-                with tf.control_dependencies(step.tails[rows[k]]):
-                    out = self._groups[k].all_reduce_sum([step.grads[k] + bn + tail])[0]
-            n = len(step.grads[k])
+                bn = [tf.add_n(lowered.stats[k])] if lowered.stats[k] else []
+                tail = [tf.add_n(lowered.losses)] if k == K - 1 else []
+                tail += [tf.add_n(lowered.activity)] if k == K - 1 and lowered.activity else []
+                with tf.control_dependencies(lowered.tails[rows[k]]):
+                    out = step.groups[k].all_reduce_sum([lowered.grads[k] + bn + tail])[0]
+            n = len(lowered.grads[k])
             summed.append(out[:n])
             stats.append(out[n : n + len(bn)])
             extra = out[n + len(bn) :]
         with tf.device(stages[-1].device):
-            loss, divisors, output_losses = reduction.global_loss(self._loss, extra[:1], divisors)
-            scale = self._loss.late_scale(divisors)
+            loss, divisors, output_losses = reduction.global_loss(objective, extra[:1], divisors)
+            scale = objective.late_scale(divisors)
         grads, penalties = [], []
         for stage, stage_grads in zip(stages, summed, strict=True):
             [one], penalty = reduction.stage_gradients([stage], [stage_grads], scale, loss_scale)
@@ -276,35 +274,32 @@ class StrategyPipeline(Pipeline):
         with tf.device(stages[-1].device):
             penalties += [extra[1] * stages[0].activity_scale] if len(extra) > 1 else []
             loss = loss + tf.add_n(penalties) if penalties else loss
-        # As on a mesh: tied gradients summed first, then Pipeline._apply (global finite
-        # check and clipping over every stage, the updates, the step counter).
-        sum_tied([g[0] for g in grads], [s.device for s in stages], self._ties)
-        self._apply(grads, [[found] if found else [] for found in stats])
+        # As on a mesh: tied gradients summed first, then the pipeline's update (global
+        # finite check and clipping over every stage, the updates, the step counter).
+        sum_tied([g[0] for g in grads], [s.device for s in stages], step.ties)
+        apply(grads, [[found] if found else [] for found in stats])
         with tf.device(stages[-1].device):
-            predictions = batches.joined([step.predictions[m] for m in range(M)]) or []
+            predictions = batches.joined([lowered.predictions[m] for m in range(M)]) or []
         return loss, output_losses, predictions
 
     # -- evaluation and prediction: the forward-only schedule, reduced on the host -----
 
-    def _forward_pass(self, parts: Shards) -> Any:
-        outs, activity = self.strategy.run(self._replica_forward, args=(self._distributed(parts),))
+    def forward(self, step: MeshStep, parts: Shards) -> Any:
+        """The forward-only schedule on every replica; every replica's outputs in order."""
+        replica_forward = functools.partial(self._replica_forward, step)
+        outs, activity = self.strategy.run(replica_forward, args=(self._distributed(parts),))
         local = self.strategy.experimental_local_results
         return [o for r in local(outs) for o in r], [a for r in local(activity) for a in r]
 
-    def _replica_forward(self, shard: batches.Shard) -> Any:
-        with tf.device(self._stages[0][0].device):
-            return self._replica_forward_on(shard)
-
-    def _replica_forward_on(self, shard: batches.Shard) -> Any:
-        context = tf.distribute.get_replica_context()
-        stages = [row[0] for row in self._stages]
-        xs = batches.micro_inputs(self.config, [shard], [stages[0].device])[0]
-        labels = None
-        if shard.ys is not None:
-            labels = batches.micro_labels(self.config, [shard], [stages[-1].device])[0]
-        seed = lowering.seeds(
-            self._step.read_value(), context.replica_id_in_sync_group, self.micro_batches
-        )
-        return lowering.lower_inference(
-            self._steps.inference, self._steps.inference_order, stages, xs, labels, seed
-        )
+    def _replica_forward(self, step: MeshStep, shard: batches.Shard) -> Any:
+        with tf.device(step.stages[0][0].device):
+            context = tf.distribute.get_replica_context()
+            config = step.steps.config
+            stages = [row[0] for row in step.stages]
+            xs = batches.micro_inputs(config, [shard], [stages[0].device])[0]
+            labels = None
+            if shard.ys is not None:
+                labels = batches.micro_labels(config, [shard], [stages[-1].device])[0]
+            seed = step.seeds(context.replica_id_in_sync_group)
+            inference, order = step.steps.inference, step.steps.inference_order
+            return lowering.lower_inference(inference, order, stages, xs, labels, seed)
