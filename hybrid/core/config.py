@@ -119,6 +119,7 @@ class Layout:
     balance: Any = None
     virtual_stages: int = 1
     defer_weight_gradients: bool = False
+    shard_optimizer_states: bool = False
 
 
 def layout_of(config: RunConfig | None, **given: Any) -> Layout:
@@ -184,6 +185,9 @@ class RunConfig:
       num_layers: the layers the model is cut along; None when not known yet.
       defer_weight_gradients: compute each stage's weight gradients once per step over
         all its micro-batches (``hybrid.engine.programs.deferral``); needs ``remat="never"``.
+      shard_optimizer_states: each of a stage's R replicas holds the optimizer state of,
+        and updates, its share of the stage's variables, then sends them to the other
+        replicas (ZeRO-1: optimizer state ÷ R per device; ``hybrid.engine.step.sharding``).
     """
 
     stages: int
@@ -196,6 +200,7 @@ class RunConfig:
     global_batch: int | None = None
     num_layers: int | None = None
     defer_weight_gradients: bool = False
+    shard_optimizer_states: bool = False
 
     @property
     def devices(self) -> int:
@@ -215,6 +220,7 @@ class RunConfig:
         """Short form for tables: ``2x1 M=8 interleaved(v=2) except_last``."""
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         defer = " deferred-W" if self.defer_weight_gradients else ""
+        defer += " sharded-optimizer" if self.shard_optimizer_states else ""
         return f"{self.stages}x{self.replicas} M={self.micro_batches} {sched} {self.remat}{defer}"
 
 
@@ -329,7 +335,10 @@ def validate_run(config: RunConfig) -> RunConfig:
     """
     for name in ("stages", "replicas", "micro_batches", "virtual_stages"):
         _positive(name, getattr(config, name))
-    check_switches(defer_weight_gradients=config.defer_weight_gradients)
+    check_switches(
+        defer_weight_gradients=config.defer_weight_gradients,
+        shard_optimizer_states=config.shard_optimizer_states,
+    )
     _check_names(config)
     _check_schedule(config)
     _check_model(config)

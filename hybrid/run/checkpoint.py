@@ -11,8 +11,9 @@ What one checkpoint holds (``tf.train.Checkpoint`` object graph)::
 Keys name model variables, never devices or stages: a checkpoint written on a 2×2 mesh
 restores onto a 4×1 mesh or a 1×2 mesh with another balance, because every device's copy is
 found by its variable's index in the model. Replicas (and the copies of a tied variable) are
-identical, so only the owning stage's replica-0 copy is written; a restore fills it and
-copies it to the others.
+identical, so only the owning stage's replica-0 copy is written (a slot from the replica
+that holds it when optimizer states are sharded: the form is the same, so a checkpoint moves
+between sharded and unsharded runs); a restore fills it and copies it to the others.
 
 Writing goes through ``tf.train.CheckpointManager``: the data and index files of
 ``ckpt-<step>`` are complete before the ``checkpoint`` state file names them (TensorFlow
@@ -130,12 +131,23 @@ def _trackables(pipe: Pipeline, meta: dict[str, tf.Variable]) -> dict[str, Any]:
         k, j = copies[0]
         model[_variable_key(i)] = pipe.stages[k][0].variables[j].value
     for k, row in enumerate(pipe.stages):
-        for (i, slot), variable in _slots(row[0], indices[k]).items():
+        for (i, slot), variable in _row_slots(row, indices[k]).items():
             if pipe.placement.holders[i][0][0] == k:
                 slots.setdefault(_variable_key(i), {})[slot] = variable.value
     for path, variable in _scalars(pipe.stages[0][0]).items():
         slots[path] = variable.value
     return {"model": model, "optimizer": slots, "meta": meta}
+
+
+def _row_slots(row: list[StageReplica], indices: list[int]) -> dict[tuple[int, str], Any]:
+    """(model variable index, slot name) -> its optimizer variable on the first replica
+    that holds it: replica 0 for every variable, unless optimizer states are sharded over
+    the replicas (each then holds its share's)."""
+    found: dict[tuple[int, str], Any] = {}
+    for copy in row:
+        for key, variable in _slots(copy, indices).items():
+            found.setdefault(key, variable)
+    return found
 
 
 def _is_scalar(variable: Any) -> bool:
@@ -170,7 +182,8 @@ def _copy_owners(pipe: Pipeline) -> None:
                     variable.assign(scalars[path])
     for i, ((k0, j0), *_) in enumerate(pipe.placement.holders):
         source = pipe.stages[k0][0].variables[j0]
-        source_slots = {s: v for (n, s), v in slots[k0][0].items() if n == i}
+        held = _row_slots(pipe.stages[k0], indices[k0])
+        source_slots = {s: v for (n, s), v in held.items() if n == i}
         for k, j in pipe.placement.holders[i]:
             for r, copy in enumerate(pipe.stages[k]):
                 if copy.variables[j] is not source:

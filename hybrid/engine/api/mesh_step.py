@@ -164,6 +164,7 @@ class Placing(NamedTuple):
     jit_compile: bool
     defer: bool
     batch: int | None
+    shard: bool = False
 
 
 class MeshExecutor:
@@ -195,6 +196,7 @@ class MeshExecutor:
             placing.jit_compile,
             defer=placing.defer,
             batch=placing.batch,
+            shard=placing.shard,
         )
         return stages, groups
 

@@ -60,7 +60,7 @@ from hybrid.engine.model.losses import LossLike
 from hybrid.engine.model.optimizers import OptimizerLike
 from hybrid.engine.model.sparse import flat_tensors
 from hybrid.engine.model.variables import Placement
-from hybrid.engine.step import assembly, compression, lowering, reduction
+from hybrid.engine.step import assembly, compression, lowering, reduction, sharding
 from hybrid.engine.step import clocks as timing
 from hybrid.engine.step.clocks import TimedAction
 from hybrid.engine.step.stage import StageReplica, TensorSpec
@@ -106,6 +106,9 @@ class Pipeline(Workflow):
       virtual_stages: model stages per device (the interleaved schedule).
       defer_weight_gradients: each stage's weight gradients once per step over all its
         micro-batches' rows (``deferral.py``; exact; needs ``remat="never"``; memory).
+      shard_optimizer_states: each of a stage's R replicas holds the optimizer state of,
+        and updates, its share of the stage's variables and sends them to the others
+        (ZeRO-1, ``sharding.py``; exact; optimizer state ÷ R per device).
       prefetch: batches ``fit``, ``evaluate`` and ``predict`` prepare and copy onto the
         replicas' devices ahead of the step (``feed.py``); 0 prepares each at its step.
       boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
@@ -129,6 +132,7 @@ class Pipeline(Workflow):
         balance: str | Sequence[int] | None = None,
         virtual_stages: int | None = None,
         defer_weight_gradients: bool | None = None,
+        shard_optimizer_states: bool | None = None,
         prefetch: int = 2,
         boundary_dtype: str | None = None,
     ) -> None:
@@ -141,6 +145,7 @@ class Pipeline(Workflow):
             balance=balance,
             virtual_stages=virtual_stages,
             defer_weight_gradients=defer_weight_gradients,
+            shard_optimizer_states=shard_optimizer_states,
         )
         if mesh is None:
             if config is None:
@@ -180,6 +185,7 @@ class Pipeline(Workflow):
                 balance=counts if counts is not None else str(balance) if balance else None,
                 num_layers=len(self._graph.calls),
                 defer_weight_gradients=layout.defer_weight_gradients,
+                shard_optimizer_states=layout.shard_optimizer_states,
                 global_batch=config.global_batch if config is not None else None,
             )
         )
@@ -377,6 +383,7 @@ class Pipeline(Workflow):
             self.jit_compile,
             self._defer,
             batch,
+            self.config.shard_optimizer_states,
         )
         stages, self._groups = self._executor.place(layout, placing)
         return stages
@@ -534,6 +541,8 @@ class Pipeline(Workflow):
                     stage.apply_gradients(grads[k][r])
                     if stats[k]:
                         stage.update_norms(stats[k][r][0], parts)
+        for row in self._stages:  # sharded optimizer states: owners send their updates
+            sharding.broadcast(row)
         done = [g for row in grads for per in row for g in flat_tensors(per)]
         with tf.control_dependencies(done):
             self._step.assign_add(1)

@@ -134,6 +134,12 @@ class StrategyExecutor:
                 "defer_weight_gradients=True needs stage programs of their own (a Pipeline "
                 "on a mesh); a replicated step compiles whole, stages inline; leave it False"
             )
+        if layout.shard_optimizer_states:
+            raise ValueError(
+                "shard_optimizer_states=True: under a strategy every replica's optimizer is "
+                "one mirrored copy, which cannot be split between replicas yet; leave it "
+                "False, or run the Pipeline on a mesh (no strategy) to shard them"
+            )
         if strategy.num_replicas_in_sync != mesh.num_replicas:
             raise ValueError(
                 f"the strategy runs {strategy.num_replicas_in_sync} replica(s) and the mesh "

@@ -35,6 +35,7 @@ from hybrid.engine.api import batches, export, feed
 from hybrid.engine.api.metrics import StepMetrics
 from hybrid.engine.model.graph import Graph, TensorSpec
 from hybrid.engine.model.variables import Placement
+from hybrid.engine.step import sharding
 from hybrid.engine.step.stage import StageReplica
 
 __all__ = ["LogicalOptimizer", "Workflow"]
@@ -387,7 +388,8 @@ class Workflow(abc.ABC):
             for row in self.stages:
                 for copy in row:
                     if copy.optimizer is not None:
-                        copy.optimizer.finalize_variable_values(copy.trainable_variables)
+                        copy.optimizer.finalize_variable_values(copy.updated_variables)
+                sharding.broadcast(row)
         callbacks.on_train_end(logs=training_logs)
         return self.history
 

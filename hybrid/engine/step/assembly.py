@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from hybrid.core import partition
@@ -33,6 +34,7 @@ from hybrid.engine.model.losses import per_element
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.variables import Placement
+from hybrid.engine.step import sharding
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.engine.step.synced_norm import Member, NormGroup
 
@@ -184,13 +186,15 @@ def place(
     logical: LogicalDevices | None = None,
     defer: bool = False,
     batch: int | None = None,
+    shard: bool = False,
 ) -> list[list[StageReplica]]:
     """``stages[k][r]``: model stage k's copy on replica r's device of its pipeline row; with
     ``logical``, ``stages[k] == [copy]``: one copy on row ``device_of(k)``'s logical device
     (its ops inline in the replicated program), which the strategy replicates.
 
     Warns when BatchNormalization or ``add_loss`` layers see part of the global batch (of
-    ``batch`` examples, when known).
+    ``batch`` examples, when known). With ``shard``, each replica's copy updates its share
+    of the stage's variables (``sharding.py``).
 
     """
     K = schedule.num_model_stages
@@ -200,6 +204,7 @@ def place(
         devices = [mesh.device(d, r) for r in range(mesh.num_replicas)]
         group = _synced_group(layout.segments[k], k, devices, logical, jit_compile)
         where = contextlib.nullcontext() if logical is None else logical.scope(d)
+        updates = _shares(layout.variables[k], len(devices), k) if shard else None
         with where:
             row = [
                 StageReplica(
@@ -216,6 +221,7 @@ def place(
                     inline=logical is not None,
                     sparse=layout.sparse,
                     unused=layout.unused,
+                    updates=None if updates is None else updates[r],
                 )
                 for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]
@@ -234,6 +240,19 @@ def place(
             copy.split_batch(mesh.num_replicas, schedule.num_microbatches, defer)
     warn_parts(stages, mesh.num_replicas, schedule.num_microbatches, batch)
     return stages
+
+
+def _shares(variables: Sequence[Any], replicas: int, stage: int) -> list[frozenset[int]] | None:
+    """Each replica's share of the stage's trainable variables (ids), or None with one
+    replica (nothing to share)."""
+    if replicas == 1:
+        return None
+    trainable = [v for v in variables if v.trainable]
+    found = sharding.owners([int(np.prod(v.shape)) for v in trainable], replicas, stage)
+    return [
+        frozenset(id(v) for v, o in zip(trainable, found, strict=True) if o == r)
+        for r in range(replicas)
+    ]
 
 
 def _synced_group(

@@ -103,6 +103,7 @@ class StageReplica:
         inline: bool = False,
         sparse: frozenset[int] = frozenset(),
         unused: frozenset[int] = frozenset(),
+        updates: frozenset[int] | None = None,
     ) -> None:
         self.index = index
         self.inline = inline
@@ -122,6 +123,9 @@ class StageReplica:
         self.unused = [id(v) in unused for v in self._trainable]
         if all(self.unused):
             self.unused = [False] * len(self.unused)
+        # The trainable variables this copy's optimizer updates (all, unless optimizer
+        # states are sharded over the replicas: ``sharding.py``).
+        self.updates = [updates is None or id(v) in updates for v in self._trainable]
         specs = [input_specs] if isinstance(input_specs, TensorSpec) else list(input_specs)
         self.input_specs = specs
         with tf.device(device):
@@ -129,13 +133,12 @@ class StageReplica:
             copies = dict(zip(map(id, self.templates), self.variables, strict=True))
             self.trainable_variables = [copies[id(v)] for v in self._trainable]
             self._state_copies = [copies[id(v)] for v in self._state]
+            mine = [t for t, u in zip(self._trainable, self.updates, strict=True) if u]
             self.optimizer = (
-                make_optimizer(self._trainable, self.trainable_variables)
-                if make_optimizer
-                else None
+                make_optimizer(mine, self.updated_variables) if make_optimizer else None
             )
             if self.optimizer is not None:
-                self.optimizer.build(self.trainable_variables)
+                self.optimizer.build(self.updated_variables)
         # Whether this stage counts each trainable variable's regularization and norm (the
         # pipeline clears it for a variable an earlier stage also reads).
         self.owned = [True] * len(self._trainable)
@@ -374,9 +377,15 @@ class StageReplica:
         self._cut[key] = programs.split(joint, args, dys + sums, data, jit, first)
         return self._cut[key], args
 
+    @property
+    def updated_variables(self) -> list[Any]:
+        """The trainable variables this copy's optimizer updates (and holds state for)."""
+        return [v for v, u in zip(self.trainable_variables, self.updates, strict=True) if u]
+
     def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
         assert self.optimizer is not None
-        self.optimizer.apply(grads, self.trainable_variables)
+        mine = [g for g, u in zip(grads, self.updates, strict=True) if u]
+        self.optimizer.apply(mine, self.updated_variables)
 
     # -- what the engine calls, inside its step function, under tf.device(self.device) --
 
