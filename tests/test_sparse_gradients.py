@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
+from hybrid.engine.step import sharding
 
 import runner
 
@@ -86,7 +87,8 @@ def pipeline_run(
     if optimizer == "adam_ema":  # as fit ends: the averages replace the trained weights
         for row in pipe.stages:
             for copy in row:
-                copy.optimizer.finalize_variable_values(copy.trainable_variables)
+                copy.optimizer.finalize_variable_values(copy.updated_variables)
+            sharding.broadcast(row)
     return losses, pipe.get_weights(), pipe
 
 
@@ -112,6 +114,14 @@ def test_sparse_gradients_train_as_keras(optimizer, mesh):
         return
     got = pipeline_run(optimizer, S, R, M, balance=[1, 4] if S == 2 else None)
     assert_as_keras(got[:2], keras_run(optimizer))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw_excluded", "adam_global_clipnorm"])
+def test_sharded_optimizer_states_apply_slices_as_keras(optimizer):
+    """ZeRO-1: the embedding's owner applies the gathered slices, the others take its rows."""
+    got = pipeline_run(optimizer, 2, 2, 2, balance=[2, 3], shard_optimizer_states=True)
+    assert_as_keras(got[:2], keras_run(optimizer))
+    assert not all(all(copy.updates) for row in got[2].stages for copy in row)
 
 
 @pytest.mark.parametrize(
