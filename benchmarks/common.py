@@ -179,7 +179,8 @@ def instrumented_step(
     pipe: Any, x: Any, y: Any
 ) -> tuple[list[Any], list[tuple[Any, float, float]]]:
     """The events of one instrumented step of ``pipe`` (after two that trace and warm it), and
-    the same as (action, start, end) triples, the measured timeline ``hybrid.timeline`` takes."""
+    the same as (action, start, end) triples, the measured
+    timeline ``hybrid.run.timeline`` takes."""
     for _ in range(2):
         pipe.timed_train_step(x, y)
     _, events = pipe.timed_train_step(x, y)
@@ -238,9 +239,9 @@ def dense_pipeline(
 
     if loss is None:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    pipe = hybrid.Pipeline(
-        dense_stack(width, depth), mesh=mesh, loss=loss, optimizer=optimizer, **options
-    )
+    compiling = {k: options.pop(k) for k in ("jit_compile", "metrics") if k in options}
+    pipe = hybrid.Pipeline(dense_stack(width, depth), mesh=mesh, **options)
+    pipe.compile(optimizer=optimizer, loss=loss, **compiling)
     pipe.build((None, width))
     return pipe
 

@@ -173,7 +173,7 @@ def planned_micro_batches(counts: list[int]) -> tuple[str, dict[str, float]]:
 
     import keras
 
-    from hybrid.planning import planner
+    from hybrid import planning as planner
 
     result = planner.plan(
         common.dense_stack(FLAGS.width, FLAGS.depth),

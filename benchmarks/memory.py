@@ -41,6 +41,7 @@ DEFERRED = "never+deferred"  # remat "never", weight gradients deferred
 def measure(schedule: str, remat: str) -> dict:
     """In this process: the peak bytes one training step allocates beyond the resident ones."""
     import hybrid
+    from hybrid.core import schedule as schedule_lib
 
     hybrid.simulate_cpu_devices(2)
     import tensorflow as tf
@@ -65,7 +66,7 @@ def measure(schedule: str, remat: str) -> dict:
         "remat": remat,
         "peak_activation_mib": (peak - resident) / MB,
         "resident_mib": resident / MB,
-        "simulated_peak_in_flight": list(hybrid.schedule.simulate(pipe.schedule).peak_in_flight),
+        "simulated_peak_in_flight": list(schedule_lib.simulate(pipe.schedule).peak_in_flight),
     }
 
 

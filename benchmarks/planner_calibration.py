@@ -16,7 +16,7 @@
                                than one alone) and the all-reduce's hand-over latency
      pipeline latency, C       grid search on the 2×1 rows of one schedule (1F1B), C
                                again (it ends as what the pipelined rows say)
-   Every row is then predicted with ``hybrid.planning.planner.evaluate`` at the balance it ran with;
+   Every row is then predicted with ``hybrid.planning.evaluate`` at the balance it ran with;
    the 2×1 rows of GPipe, interleaved and ZB-H1 are the held-out check.
 4. Projections from the cost model alone (no profiling, stated hardware): the GPipe
    Transformer scaling (K = 2, 4, 8 partitions, M = 32; published 1.8 / 3.4 / 6.3), and
@@ -43,8 +43,8 @@ from absl import app, flags
 import common  # first: it sets TensorFlow's environment and puts the source tree on sys.path
 
 # isort: split
-from hybrid.planning import planner
-from hybrid.planning.planner import Config, CostProfile, Hardware, LayerCost, Link
+from hybrid import planning as planner
+from hybrid.planning import Config, CostProfile, Hardware, LayerCost, Link
 
 flags.DEFINE_string("sweep", "mesh_scaling", "Name of the sweep's results (benchmarks/results).")
 flags.DEFINE_bool("run_sweep", False, "Run mesh_scaling.py first even if its JSON exists.")

@@ -64,8 +64,8 @@ def build_pipelines() -> dict[str, Any]:
 def compare_timelines(name: str, pipe: Any, x: Any, y: Any) -> dict[str, Any]:
     """One instrumented step of ``pipe`` beside the simulation of its schedule with the
     measured action costs: bubbles and step times, both timelines drawn in a PNG."""
-    from hybrid import timeline
     from hybrid.core import schedule as sched
+    from hybrid.run import timeline
 
     events, measured = common.instrumented_step(pipe, x, y)
     s = pipe.schedule

@@ -1,12 +1,12 @@
 """Serving throughput: the whole model's SavedModel on one device vs the per-stage export
-served pipelined on 2 devices (``hybrid.serving``), side by side in one process.
+served pipelined on 2 devices (``hybrid.run.serving``), side by side in one process.
 
 The model (--depth × Dense(--width)) is trained for one step by a 2-stage pipeline, exported
 both ways, and each export is loaded back and timed on the same batch of --batch examples:
 
     whole       the ``serving_default`` signature of ``pipe.export(path)`` (what TF Serving
                 runs), on one logical device
-    pipelined   ``hybrid.serving.load(path/stages).predict(x, micro_batches=M)``: stage i on
+    pipelined   ``hybrid.run.serving.load(path/stages).predict(x, micro_batches=M)``: stage i on
                 device i, micro-batches flowing through them
 
 Each logical device has one intra-op thread, so on 2 cores the two stages really run in
@@ -40,7 +40,7 @@ def candidates(directory: str) -> dict[str, Callable[[], Any]]:
     import tensorflow as tf
 
     import hybrid
-    from hybrid import serving
+    from hybrid.run import serving
 
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     pipe = common.dense_pipeline(

@@ -54,7 +54,8 @@ def pipeline(dense: bool) -> Any:
     import keras
 
     import hybrid
-    from hybrid.engine import assembly, sparse
+    from hybrid.engine.model import sparse
+    from hybrid.engine.step import assembly
 
     found = sparse.gradient_kinds
     if dense:  # no variable sparse; the unused ones as found
@@ -63,9 +64,11 @@ def pipeline(dense: bool) -> Any:
         pipe = hybrid.Pipeline(
             build_model(),
             mesh=hybrid.DeviceMesh.create(FLAGS.stages, FLAGS.replicas),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.Adam(1e-3),
             micro_batches=FLAGS.micro_batches,
+        )
+        pipe.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         pipe.build((None, FLAGS.seq_len), "int32")
     finally:

@@ -1,7 +1,7 @@
 """TPU smoke test: what a user with a Cloud TPU slice runs first.
 
 For each mesh shape S × R (``--meshes``, default every shape the slice can hold), the
-pipeline's step as one TPU program per replica (``StrategyPipeline`` under the layout's
+pipeline's step as one TPU program per replica (``Pipeline(strategy=)`` under the layout's
 ``TPUStrategy``) trains --steps steps of a --depth × Dense(--width) MLP, and the same steps
 run in plain Keras on the host CPU from the same initial weights (the one-device
 reference). Reported per mesh:
@@ -103,22 +103,21 @@ def check(stages: int, replicas: int, strategy: Any, mesh: Any) -> dict[str, Any
     """Trains the mesh and the reference on the same batches; errors and step time."""
     import keras
 
-    from hybrid.engine.strategy_pipeline import StrategyPipeline
+    import hybrid
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference = keras.Sequential(
         [keras.Input((FLAGS.width,)), *common.dense_stack(FLAGS.width, FLAGS.depth)]
     )
     reference.compile(optimizer=keras.optimizers.SGD(1e-2, momentum=0.9), loss=loss)
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         common.dense_stack(FLAGS.width, FLAGS.depth, seed=1),
         mesh,
-        loss,
-        keras.optimizers.SGD(1e-2, momentum=0.9),
         strategy=strategy,
         micro_batches=FLAGS.micro_batches,
         schedule=FLAGS.schedule,
     )
+    pipe.compile(optimizer=keras.optimizers.SGD(1e-2, momentum=0.9), loss=loss)
     pipe.build((None, FLAGS.width))
     pipe.set_weights(reference.get_weights())
     loss_error = 0.0
@@ -173,7 +172,7 @@ def main(argv: list[str]) -> None:
         "tpu_smoke",
         {f"{r['stages']}x{r['replicas']}": r["step_ms"] for r in rows},
         "ms per step",
-        f"StrategyPipeline step per mesh ({FLAGS.platform})",
+        f"replicated step per mesh ({FLAGS.platform})",
     )
     fine = sum(r["ok"] for r in rows)
     print(f"SUMMARY tpu_smoke platform={FLAGS.platform} meshes={len(rows)} ok={fine}")

@@ -145,18 +145,15 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
 
     def pipeline_step() -> Any:
         model, x, y = build(name)
-        pipes.append(
-            hybrid.Pipeline(
-                model,
-                mesh=hybrid.DeviceMesh.create(stages, replicas),
-                loss=loss(),
-                optimizer=keras.optimizers.Adam(1e-3),
-                micro_batches=int(micro),
-                schedule="1f1b",
-                remat="never",
-                jit_compile=FLAGS.jit_compile,
-            )
+        pipe = hybrid.Pipeline(
+            model,
+            hybrid.DeviceMesh.create(stages, replicas),
+            micro_batches=int(micro),
+            schedule="1f1b",
+            remat="never",
         )
+        pipe.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=FLAGS.jit_compile)
+        pipes.append(pipe)
         return lambda: pipes[0].train_step(x, y)
 
     keras_first, keras_ms = timed(keras_step)

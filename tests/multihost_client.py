@@ -8,7 +8,7 @@ its simulated devices, so the client runs as its own process:
 It sets the initial weights from ``--init``, trains ``--steps`` steps on ``reference.batch``
 batches (printing ``step N loss L`` after each), and writes ``DIR/result.npz`` (``losses``
 and the final weights ``w0, w1, ...``), ``DIR/mesh.json`` and, with ``--checkpoint_dir``, a
-``hybrid.checkpoint`` checkpoint of the final state. A lost worker (an error from
+``hybrid.run.checkpoint`` checkpoint of the final state. A lost worker (an error from
 ``Cluster.guard``, or ``Cluster.watch`` finding a task that stopped answering) is reported
 as ``client: ...`` on stderr with exit code 3.
 """
@@ -82,7 +82,7 @@ def main() -> int:
                 print(f"step {step} loss {losses[-1]:.6f}", flush=True)
             weights = pipe.get_weights()
             if args.checkpoint_dir:
-                from hybrid import checkpoint
+                from hybrid.run import checkpoint
 
                 checkpoint.Checkpointer(pipe, args.checkpoint_dir).save(args.steps)
     except cluster.UnreachableTaskError as err:

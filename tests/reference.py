@@ -64,6 +64,21 @@ OPTIMIZERS: dict[str, Callable[[], keras.optimizers.Optimizer]] = {
 }
 
 
+COMPILE_ARGUMENTS = (
+    "optimizer",
+    "loss",
+    "loss_weights",
+    "metrics",
+    "weighted_metrics",
+    "jit_compile",
+)
+
+
+def compile_options(kwargs: dict) -> dict:
+    """Takes ``Pipeline.compile``'s arguments out of ``kwargs`` (the rest are the layout)."""
+    return {k: kwargs.pop(k) for k in COMPILE_ARGUMENTS if k in kwargs}
+
+
 def pipeline(
     stages: int = 2,
     replicas: int = 1,
@@ -88,14 +103,18 @@ def pipeline(
       kwargs: the rest of ``Pipeline``'s arguments.
     """
     kwargs.setdefault("virtual_stages", 2 if schedule == "interleaved" else 1)
+    options = compile_options(kwargs)
     pipe = hybrid.Pipeline(
         layers if layers is not None else mlp_layers(),
         mesh=mesh or hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss_fn(),
-        optimizer=OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer,
         micro_batches=micro_batches,
         schedule=schedule,
         **kwargs,
+    )
+    pipe.compile(
+        optimizer=OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer,
+        loss=loss_fn(),
+        **options,
     )
     if build or weights is not None:
         pipe.build((None, IN_FEATURES))

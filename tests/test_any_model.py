@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import hybrid
-from hybrid.engine import row_sums
+from hybrid.engine.programs import row_sums
 
 import reference as ref
 import runner
@@ -251,14 +251,14 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        **objective(name),
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         micro_batches=micro_batches,
         schedule=schedule,
         virtual_stages=2 if schedule == "interleaved" else 1,
         balance=balance if schedule != "interleaved" else None,
-        jit_compile=False,
         **DEFERRED if schedule == "1f1b" else {},
+    )
+    pipe.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9), jit_compile=False, **objective(name)
     )
     for step in range(STEPS):
         x, y = batch(step)
@@ -294,13 +294,9 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
 
 def sgd_pipeline(template):
     """``template`` on a 2×1 mesh with plain SGD, without XLA."""
-    return hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss(),
-        optimizer=keras.optimizers.SGD(0.1),
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(template, mesh=hybrid.DeviceMesh.create(2, 1))
+    pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss(), jit_compile=False)
+    return pipe
 
 
 def test_tied_variable_is_one_variable_held_by_two_stages():
@@ -351,9 +347,8 @@ def test_to_keras_writes_the_training_into_the_users_model(tmp_path):
     loaded = keras.saving.load_model(tmp_path / "trained.keras")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), pipe.predict(x, verbose=0), atol=1e-5)
     layers = ref.mlp_layers()  # a list of layers comes back as a Sequential of them
-    listed = hybrid.Pipeline(
-        layers, mesh=hybrid.DeviceMesh.create(2, 1), loss=loss(), optimizer="sgd"
-    )
+    listed = hybrid.Pipeline(layers, mesh=hybrid.DeviceMesh.create(2, 1))
+    listed.compile(optimizer="sgd", loss=loss())
     listed.train_step(x, y)
     sequential = listed.to_keras()
     assert isinstance(sequential, keras.Sequential) and sequential.layers == layers
@@ -364,11 +359,8 @@ def test_to_keras_writes_the_training_into_the_users_model(tmp_path):
 
 def test_layers_of_a_model_with_merges_are_refused():
     with pytest.raises(ValueError, match="pass the Keras model itself"):
-        hybrid.Pipeline(
-            skip_model().layers,
-            mesh=hybrid.DeviceMesh.create(2, 1),
-            loss=loss(),
-            optimizer=keras.optimizers.SGD(0.1),
+        hybrid.Pipeline(skip_model().layers, mesh=hybrid.DeviceMesh.create(2, 1)).compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=loss()
         )
 
 
@@ -382,21 +374,14 @@ def test_a_subclassed_model_is_refused_with_the_way_out():
             return self.b(self.a(x))
 
     with pytest.raises(TypeError, match="Express it as a functional model"):
-        hybrid.Pipeline(
-            Net(),
-            mesh=hybrid.DeviceMesh.create(2, 1),
-            loss=loss(),
-            optimizer=keras.optimizers.SGD(0.1),
+        hybrid.Pipeline(Net(), mesh=hybrid.DeviceMesh.create(2, 1)).compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=loss()
         )
 
 
 def test_a_dict_model_names_the_inputs_it_expects():
-    pipe = hybrid.Pipeline(
-        two_inputs_model(),
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss(),
-        optimizer=keras.optimizers.SGD(0.1),
-    )
+    pipe = hybrid.Pipeline(two_inputs_model(), mesh=hybrid.DeviceMesh.create(2, 1))
+    pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
     x, y = dict_batch(0)
     expected = r"inputs named \['features', 'ids'\], got a dict of \['ids'\]"
     with pytest.raises(ValueError, match=expected):

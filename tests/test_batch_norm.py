@@ -63,15 +63,14 @@ def pair(stages, replicas, micro_batches, synchronized=False, strategy=None, con
         keras_model.compile(optimizer=sgd(), loss=loss(), jit_compile=False)
     template = model(seed=1, synchronized=synchronized, conv=conv)
     template.set_weights(keras_model.get_weights())
-    kwargs.setdefault("jit_compile", False)
+    jit_compile = kwargs.pop("jit_compile", False)
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=sgd(),
         micro_batches=micro_batches,
         **kwargs,
     )
+    pipe.compile(optimizer=sgd(), loss=loss(), jit_compile=jit_compile)
     return keras_model, pipe
 
 
@@ -256,15 +255,19 @@ def test_synchronized_with_deferred_weight_gradients_is_the_undeferred_step(sche
 
 
 def test_synchronized_in_a_strategy_program_is_the_meshs():
-    """StrategyPipeline (MirroredStrategy over 2 devices): Keras's own synchronized moments
+    """Pipeline(strategy=MirroredStrategy over 2 devices): Keras's own synchronized moments
     all-reduce through the replica context, with the same step as on the 2×2 mesh."""
     keras_model, mesh = pair(2, 2, 2, True, remat="never")
     template = model(seed=1, synchronized=True)
     template.set_weights(keras_model.get_weights())
-    program = hybrid.StrategyPipeline(
-        template, hybrid.DeviceMesh.create(2, 2), loss=loss(), optimizer=sgd(),
-        strategy=ref.mirrored_strategy(), micro_batches=2, remat="never", jit_compile=False,
-    )  # fmt: skip
+    program = hybrid.Pipeline(
+        template,
+        hybrid.DeviceMesh.create(2, 2),
+        strategy=ref.mirrored_strategy(),
+        micro_batches=2,
+        remat="never",
+    )
+    program.compile(optimizer=sgd(), loss=loss(), jit_compile=False)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (micro-batches)
         for step in range(2):
@@ -272,6 +275,7 @@ def test_synchronized_in_a_strategy_program_is_the_meshs():
             want = mesh.train_step(x, y)["loss"]
             np.testing.assert_allclose(program.train_step(x, y)["loss"], want, rtol=1e-6)
     ref.assert_weights_close(program.get_weights(), mesh.get_weights(), 1e-6, 1e-6)
+
 
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

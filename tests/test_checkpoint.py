@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hybrid.checkpoint import Checkpointer, CheckpointError
+from hybrid.run.checkpoint import Checkpointer, CheckpointError
 
 import reference
 import runner

@@ -578,17 +578,19 @@ def test_bad_flags_are_refused(argv, match):
 
 
 def _trainer():
-    from hybrid import trainer
+    from hybrid.run import train_config, trainer
 
-    names = {f.name for f in dataclasses.fields(trainer.TrainConfig)}
+    names = set(train_config.FIELDS)
     takes_callback = "step_callback" in inspect.signature(trainer.train).parameters
     if not {"model_dir", "checkpoint_every"} <= names or not takes_callback:
-        pytest.skip("hybrid.trainer.train has no model_dir/checkpoint_every/step_callback yet")
+        pytest.skip("hybrid.run.trainer.train has no model_dir/checkpoint_every/step_callback yet")
     return trainer
 
 
 def tiny_config(trainer, model_dir):
-    return trainer.TrainConfig(
+    from hybrid.run import train_config
+
+    return train_config.TrainConfig.of(
         model="mlp",
         data="synthetic",
         mesh="stage:2;replica:1",

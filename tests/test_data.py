@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from hybrid import data
+from hybrid.run import data
 
 import runner
 

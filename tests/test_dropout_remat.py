@@ -36,14 +36,14 @@ def make(schedule, remat, dropout_seed=7):
     pipe = hybrid.Pipeline(
         dropout_layers(dropout_seed=dropout_seed),
         mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=ref.loss_fn(),
-        optimizer=keras.optimizers.Adam(1e-2),
         micro_batches=4,
         schedule=schedule,
         remat=remat,
         virtual_stages=2 if schedule == "interleaved" else 1,
-        # XLA's own random kernels for one plain and one split-backward schedule; the
-        # others run TensorFlow's (compiling each program costs more than the test).
+    )
+    pipe.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=ref.loss_fn(),
         jit_compile=schedule in ("gpipe", "zb-h1"),
     )
     pipe.build((None, ref.IN_FEATURES))

@@ -4,7 +4,7 @@
 ``model.save`` / ``keras.saving.load_model`` round-trip; a checkpoint becomes a Keras model
 without a mesh; ``export`` writes a SavedModel whose ``serving_default`` (called through
 ``saved_model_cli run``, as TF Serving calls it) equals ``pipe.predict``; ``per_stage=True``
-writes one SavedModel per stage whose chain, and ``hybrid.serving``'s pipelined run of it,
+writes one SavedModel per stage whose chain, and ``hybrid.run.serving``'s pipelined run of it,
 equal ``pipe.predict``.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid import checkpoint, serving
+from hybrid.run import checkpoint, serving
 
 import reference as ref
 import runner
@@ -39,12 +39,11 @@ def skip_model(seed=0):
 
 def trained(model, stages=2, replicas=1, balance=None):
     pipe = hybrid.Pipeline(
-        model,
-        hybrid.DeviceMesh.create(stages, replicas),
-        loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+        model, hybrid.DeviceMesh.create(stages, replicas), micro_batches=2, balance=balance
+    )
+    pipe.compile(
         optimizer=keras.optimizers.Adam(0.01),
-        micro_batches=2,
-        balance=balance,
+        loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
         jit_compile=False,
     )
     for step in range(2):

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import feed
+from hybrid.engine.api import feed
 
 import reference as ref
 import runner
@@ -63,10 +63,9 @@ def pair(stages, replicas, micro_batches, schedule="gpipe", optimizer=None, pref
         mesh=hybrid.DeviceMesh.create(stages, replicas),
         micro_batches=micro_batches,
         schedule=schedule,
-        jit_compile=False,
         prefetch=prefetch,
-        **compiled(optimizer()),
     )
+    pipe.compile(jit_compile=False, **compiled(optimizer()))
     return keras_model, pipe
 
 
@@ -204,14 +203,9 @@ def test_a_batch_of_any_size_trains_as_keras_trains_it(reduction):
     keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=["accuracy"])
     template = model(seed=1)
     template.set_weights(keras_model.get_weights())
-    pipe = hybrid.Pipeline(
-        template,
-        hybrid.DeviceMesh.create(2, 2),
-        loss,
-        keras.optimizers.SGD(0.1),
-        micro_batches=2,
-        metrics=["accuracy"],
-        jit_compile=False,
+    pipe = hybrid.Pipeline(template, hybrid.DeviceMesh.create(2, 2), micro_batches=2)
+    pipe.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=["accuracy"], jit_compile=False
     )
     x, y = data(13)
     w = np.random.default_rng(5).uniform(0, 2, 13).astype("float32")
@@ -244,14 +238,8 @@ def test_fit_of_a_model_with_two_outputs_logs_what_keras_logs():
     keras_model.compile(optimizer=keras.optimizers.SGD(0.1), **options)
     template = two_outputs(seed=1)
     template.set_weights(keras_model.get_weights())
-    pipe = hybrid.Pipeline(
-        template,
-        hybrid.DeviceMesh.create(2, 1),
-        optimizer=keras.optimizers.SGD(0.1),
-        micro_batches=2,
-        jit_compile=False,
-        **options,
-    )
+    pipe = hybrid.Pipeline(template, hybrid.DeviceMesh.create(2, 1), micro_batches=2)
+    pipe.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False, **options)
     x, _ = data()
     y = [np.random.default_rng(1).integers(0, ref.CLASSES, EXAMPLES), x[:, :1]]
     kwargs = dict(batch_size=BATCH, epochs=2, validation_data=(x[:20], [y[0][:20], y[1][:20]]))
@@ -268,11 +256,10 @@ def test_padding_warns_when_a_layer_sees_the_whole_batch():
         keras.layers.BatchNormalization(name="bn"),
         keras.layers.Dense(1),
     ]
-    pipe = hybrid.Pipeline(
-        layers,
-        hybrid.DeviceMesh.create(1, 2),
-        keras.losses.BinaryCrossentropy(from_logits=True),
-        keras.optimizers.SGD(0.1),
+    pipe = hybrid.Pipeline(layers, hybrid.DeviceMesh.create(1, 2))
+    pipe.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
         jit_compile=False,
     )
     x, y = data(16)
@@ -304,9 +291,7 @@ def test_prefetched_shards_are_on_their_replicas_devices():
     to its last-stage device (2×2 mesh: replica r's stages are on devices (0, r), (1, r))."""
     _, pipe = pair(2, 2, 2)
     x, y = data(30)  # padded to 32
-    parts = feed.on_devices(
-        pipe._batch(x, y, np.ones(30)), *pipe._shard_devices()
-    )
+    parts = feed.on_devices(pipe._batch(x, y, np.ones(30)), *pipe._shard_devices())
     for r, part in enumerate(parts):
         first, last = pipe.stages[0][r].device, pipe.stages[-1][r].device
         assert first != last

@@ -35,7 +35,8 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import reduction, row_sums
+from hybrid.engine.programs import row_sums
+from hybrid.engine.step import reduction
 
 import covering
 import reference as ref
@@ -152,13 +153,13 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule,
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss_for(recipe),
-        optimizer=optimizer_for(recipe, template),
         micro_batches=micro_batches,
         schedule=schedule,
-        jit_compile=False,
         remat="never" if deferred else "except_last",
         defer_weight_gradients=deferred,
+    )
+    pipe.compile(
+        optimizer=optimizer_for(recipe, template), loss=loss_for(recipe), jit_compile=False
     )
     weighted = recipe in ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
     for step in range(STEPS):
@@ -239,14 +240,12 @@ def policy_pair(make_model, make_optimizer, stages, replicas, micro_batches, sch
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss_for(None),
-        optimizer=make_optimizer(),
         micro_batches=micro_batches,
         schedule=schedule,
-        jit_compile=False,
         remat="never" if defer else "except_last",
         defer_weight_gradients=defer,
     )
+    pipe.compile(optimizer=make_optimizer(), loss=loss_for(None), jit_compile=False)
     return keras_model, initial, pipe
 
 
@@ -331,13 +330,8 @@ def test_mixed_float16_has_one_loss_scale_as_keras_does(
 
 
 def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_stage():
-    pipe = hybrid.Pipeline(
-        float16_model(),
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss_for(None),
-        optimizer=scaled_sgd(),
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(float16_model(), mesh=hybrid.DeviceMesh.create(2, 1))
+    pipe.compile(optimizer=scaled_sgd(), loss=loss_for(None), jit_compile=False)
     pipe.build((None, ref.IN_FEATURES))
     copies = [row[0] for row in pipe.stages]
     grads = [[np.ones((2, 2), "float32")], [np.array([1.0, np.inf], "float32")]]
@@ -354,13 +348,9 @@ def test_the_comparison_can_fail():
     keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_for("sum"))
     template = model(seed=1)
     template.set_weights(keras_model.get_weights())
-    pipe = hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss_for("sum_over_batch_size"),
-        optimizer=keras.optimizers.SGD(0.1),
-        micro_batches=2,
-        jit_compile=False,
+    pipe = hybrid.Pipeline(template, mesh=hybrid.DeviceMesh.create(2, 1), micro_batches=2)
+    pipe.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss=loss_for("sum_over_batch_size"), jit_compile=False
     )
     x, y = ref.batch(BATCH, seed=1)
     want = keras_model.train_on_batch(x, y)
@@ -400,13 +390,9 @@ def test_add_loss_of_a_batch_mean_is_keras_s(stages, replicas, micro_batches):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = hybrid.Pipeline(
-            template,
-            mesh=hybrid.DeviceMesh.create(stages, replicas),
-            loss=loss_for(None),
-            optimizer=keras.optimizers.SGD(0.1),
-            micro_batches=micro_batches,
-            jit_compile=False,
+            template, mesh=hybrid.DeviceMesh.create(stages, replicas), micro_batches=micro_batches
         )
+        pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_for(None), jit_compile=False)
         pipe.build((None, ref.IN_FEATURES))
     said = [str(w.message) for w in caught if "add_loss" in str(w.message)]
     assert len(said) == (1 if replicas * micro_batches > 1 else 0), said
@@ -422,13 +408,10 @@ def test_add_loss_of_a_batch_mean_is_keras_s(stages, replicas, micro_batches):
 
 
 def build(model_layers, **kwargs):
-    pipe = hybrid.Pipeline(
-        model_layers,
-        mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=kwargs.pop("loss", loss_for("sum_over_batch_size")),
-        optimizer=kwargs.pop("optimizer", keras.optimizers.SGD(0.1)),
-        **kwargs,
-    )
+    optimizer = kwargs.pop("optimizer", keras.optimizers.SGD(0.1))
+    loss = kwargs.pop("loss", loss_for("sum_over_batch_size"))
+    pipe = hybrid.Pipeline(model_layers, mesh=hybrid.DeviceMesh.create(2, 1), **kwargs)
+    pipe.compile(optimizer=optimizer, loss=loss)
     pipe.build((None, ref.IN_FEATURES))
     return pipe
 
@@ -477,7 +460,9 @@ def test_optimizers_and_losses_the_pipeline_cannot_honour_are_refused():
     inputs = keras.Input((ref.IN_FEATURES,))
     two = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(3)(inputs)])
     with pytest.raises(ValueError, match="reduction None on a model with 2 outputs"):
-        hybrid.Pipeline(two, hybrid.DeviceMesh.create(1, 1), [none, "mse"], "sgd")
+        hybrid.Pipeline(two, hybrid.DeviceMesh.create(1, 1)).compile(
+            optimizer="sgd", loss=[none, "mse"]
+        )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hybrid.engine import keras_private, losses
+from hybrid.engine import keras_private
+from hybrid.engine.model import losses
 
 import reference as ref
 import runner
@@ -112,7 +113,7 @@ def test_the_launchers_optimizer_names_are_kerass():
     """--optimizer is checked against a list (no Keras import while flags are parsed): it
     must be every optimizer class of keras.optimizers, each made from its name."""
     from hybrid.launch.model_flags import KERAS_OPTIMIZERS
-    from hybrid.run_model import optimizer_class
+    from hybrid.run.user_model import optimizer_class
 
     classes = {
         name.lower()
@@ -125,14 +126,13 @@ def test_the_launchers_optimizer_names_are_kerass():
 
 
 def test_the_launchers_mixed_float16_scales_the_loss_as_compile_does():
-    from hybrid.run_model import optimizer_for
-    from hybrid.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
+    from hybrid.run.user_model import optimizer_for
 
-    scaled = optimizer_for(TrainConfig(optimizer="adamw", precision="mixed_float16"))
+    scaled = optimizer_for(TrainConfig.of(optimizer="adamw", precision="mixed_float16"))
     assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)
     assert isinstance(scaled.inner_optimizer, keras.optimizers.AdamW)
     assert not isinstance(optimizer_for(TrainConfig()), keras.optimizers.LossScaleOptimizer)
-
 
 
 @pytest.mark.parametrize("local", [False, True])

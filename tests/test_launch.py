@@ -94,7 +94,7 @@ EXPORTS_AGREE = """
 import sys, numpy as np, tensorflow as tf
 import hybrid
 hybrid.simulate_cpu_devices(2)
-from hybrid import serving
+from hybrid.run import serving
 path = sys.argv[1]
 tokens = np.random.default_rng(0).integers(0, 256, size=(4, 32)).astype("int32")
 signature = tf.saved_model.load(path + "/export").signatures["serving_default"]

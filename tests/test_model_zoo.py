@@ -46,13 +46,9 @@ def fit_both(
     model = build()
     model.set_weights(start)
     pipe = hybrid.Pipeline(
-        model,
-        mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=optimizer(),
-        micro_batches=micro_batches,
-        jit_compile=False,
+        model, mesh=hybrid.DeviceMesh.create(stages, replicas), micro_batches=micro_batches
     )
+    pipe.compile(optimizer=optimizer(), loss=loss(), jit_compile=False)
     got = pipe.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
     moved = max(np.abs(a - b).max() for a, b in zip(reference.get_weights(), start, strict=True))
@@ -140,7 +136,7 @@ def test_a_nested_model_keras_would_rearrange_or_convert_stays_one_call():
     h = by_name({"b_in": x, "a_in": keras.layers.Dense(4)(y)})
     h = keras.layers.Concatenate()([h, keras.layers.Flatten()(cast(keras.layers.Dense(4)(x)))])
     model = keras.Model([x, y], keras.layers.Dense(2)(h))
-    calls = [type(c.layer).__name__ for c in hybrid.engine.graph.graph_of(model).calls]
+    calls = [type(c.layer).__name__ for c in hybrid.engine.model.graph.graph_of(model).calls]
     assert calls.count("Functional") == 2, calls
 
 
@@ -156,7 +152,7 @@ def test_a_nested_subclassed_model_stays_one_call():
     keras.utils.set_random_seed(0)
     x_in = keras.Input((4,))
     model = keras.Model(x_in, keras.layers.Dense(2)(Block()(keras.layers.Dense(4)(x_in))))
-    graph = hybrid.engine.graph.graph_of(model)
+    graph = hybrid.engine.model.graph.graph_of(model)
     assert [type(c.layer).__name__ for c in graph.calls] == ["Dense", "Block", "Dense"]
 
 

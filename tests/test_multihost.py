@@ -182,7 +182,7 @@ def test_two_tasks_train_like_one_process(job, tmp_path):
     assert "SIGTERM, shutting down" in job.log("worker1")
 
     # The checkpoint the client wrote restores on one process, onto another mesh.
-    from hybrid import checkpoint
+    from hybrid.run import checkpoint
 
     pipe = ref.pipeline(1, 2, layers=ref.mlp_layers(seed=7), optimizer=OPTIMIZER, build=True)
     restored = checkpoint.Checkpointer(pipe, checkpoints).restore_latest()

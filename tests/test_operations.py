@@ -1,12 +1,11 @@
 """Operating a run: nothing is lost silently, one run per model_dir, config drift refused,
 interrupts checkpointed, one-line errors. Tiny MLPs, few steps, no XLA.
 
-In-process runs call ``hybrid.trainer.train``; the launcher's own behaviour (signals, exit
+In-process runs call ``hybrid.run.trainer.train``; the launcher's own behaviour (signals, exit
 codes, its one-line messages) runs in real processes driven by events: the pause hook
 (``pause.py``) and the files the runs write, never by timing.
 """
 
-import dataclasses
 import os
 import resource
 import signal
@@ -20,19 +19,20 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid import run_record
-from hybrid.checkpoint import UnreadableCheckpointsError
-from hybrid.output_paths import check_output_paths
-from hybrid.run_lock import LOCK_FILE, RunLock, RunLockError
-from hybrid.run_model import UserFunctionError, optimizer_for
-from hybrid.trainer import TrainConfig, train
+from hybrid.run import run_record
+from hybrid.run.checkpoint import UnreadableCheckpointsError
+from hybrid.run.output_paths import check_output_paths
+from hybrid.run.run_lock import LOCK_FILE, RunLock, RunLockError
+from hybrid.run.train_config import TrainConfig
+from hybrid.run.trainer import train
+from hybrid.run.user_model import UserFunctionError, optimizer_for
 
 import pause
 import reference
 import runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = TrainConfig(
+CONFIG = TrainConfig.of(
     model="mlp",
     data="synthetic",
     mesh="stage:2;replica:1",
@@ -56,7 +56,7 @@ FLAGS = [
 
 def run(model_dir, log=None, **changes):
     """CONFIG (with ``changes``) trained in this process in ``model_dir``."""
-    config = dataclasses.replace(CONFIG, model_dir=str(model_dir), **changes)
+    config = CONFIG.replace(model_dir=str(model_dir), **changes)
     return train(config, log=(log.append if log is not None else lambda _: None))
 
 
@@ -223,7 +223,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path, paths, message):
     given = {k: v.format(**values) for k, v in paths.items()}
     for check in (
         lambda: check_output_paths(**given),
-        lambda: train(dataclasses.replace(CONFIG, **given)),  # before any work
+        lambda: train(CONFIG.replace(**given)),  # before any work
     ):
         with pytest.raises(ValueError) as error:
             check()
@@ -248,7 +248,7 @@ def broken_model():
 
 
 def test_your_function_that_raises_is_named_with_its_message():
-    config = dataclasses.replace(CONFIG, model="test_operations:broken_model")
+    config = CONFIG.replace(model="test_operations:broken_model")
     with pytest.raises(UserFunctionError) as error:
         train(config)
     assert str(error.value) == (
@@ -267,7 +267,7 @@ def test_your_function_that_raises_is_named_with_its_message():
 )
 def test_optimizer_arguments_of_the_wrong_name_or_type_name_the_flag(arguments, message):
     with pytest.raises(ValueError) as error:
-        optimizer_for(TrainConfig(optimizer_config=arguments))
+        optimizer_for(TrainConfig.of(optimizer_config=arguments))
     assert str(error.value).startswith(f"--optimizer_config={arguments}: "), str(error.value)
     assert message in str(error.value)
 
@@ -299,13 +299,17 @@ def test_an_internal_error_shows_its_traceback_and_says_it_is_a_bug(capsys):
 
 def pipeline(**arguments):
     arguments = {"mesh": "stage:2;replica:1", "loss": "mse", "optimizer": "sgd", **arguments}
-    return hybrid.Pipeline(reference.mlp_layers(), **arguments)
+    compiling = reference.compile_options(arguments)
+    pipe = hybrid.Pipeline(reference.mlp_layers(), **arguments)
+    pipe.compile(**compiling)
+    return pipe
 
 
 @pytest.mark.parametrize(
     "arguments,error,message",
     [
-        ({"mesh": None}, TypeError, "mesh=None (NoneType): give a hybrid.DeviceMesh or a spec"),
+        ({"mesh": 3}, TypeError, "mesh=3 (int): give a hybrid.DeviceMesh or a spec"),
+        ({"mesh": None}, ValueError, "Pipeline(model, mesh=None) needs a config"),
         ({"mesh": "stages:2"}, ValueError, "mesh='stages:2': bad mesh spec 'stages:2'"),
         ({"jit_compile": "no"}, TypeError, "jit_compile='no' (str): give True or False"),
         ({"micro_batches": 2.0}, ValueError, "micro_batches must be a positive integer, got 2.0"),

@@ -54,9 +54,9 @@ def test_installed_package_imports_and_its_commands_run(installed, tmp_path):
     _, target = installed
     env = {**os.environ, "PYTHONPATH": target, "TF_CPP_MIN_LOG_LEVEL": "2"}
     code = (
-        "import hybrid, hybrid.models, hybrid.launch.train\n"
+        "import hybrid, hybrid.core.schedule, hybrid.models, hybrid.launch.train\n"
         "print(hybrid.__file__)\n"
-        "print(hybrid.models.num_layers('mlp', 2), hybrid.schedule.names())\n"
+        "print(hybrid.models.num_layers('mlp', 2), hybrid.core.schedule.names())\n"
     )
     shown = run(sys.executable, "-c", code, cwd=tmp_path, env=env).stdout.splitlines()
     assert shown[0].startswith(target), shown  # the installed copy, not the checkout
@@ -73,8 +73,8 @@ def test_without_tensorflow_a_feature_names_the_install_command(installed, tmp_p
     code = (
         "import sys\n"
         "sys.modules['tensorflow'] = sys.modules['keras'] = None  # as if not installed\n"
-        "import hybrid\n"
-        "print(hybrid.schedule.names())  # the core needs neither\n"
+        "import hybrid, hybrid.core.schedule\n"
+        "print(hybrid.core.schedule.names())  # the core needs neither\n"
         "try:\n"
         "    hybrid.Pipeline\n"
         "except ModuleNotFoundError as err:\n"

@@ -70,14 +70,8 @@ def test_a_padded_batch_steps_as_keras_on_the_real_examples(name, build, per_tok
     batches = [data(7, per_token, 0), data(5 if R * M == 4 else 7, per_token, 1)]
     reference = build()
     reference.compile(keras.optimizers.Adam(1e-2), loss())
-    pipe = hybrid.Pipeline(
-        build(),
-        mesh=hybrid.DeviceMesh.create(S, R),
-        loss=loss(),
-        micro_batches=M,
-        optimizer=keras.optimizers.Adam(1e-2),
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(build(), mesh=hybrid.DeviceMesh.create(S, R), micro_batches=M)
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     for x, y in batches:
         w = (np.arange(y.size).reshape(y.shape) % 3).astype("float32") if weights else None
         want = reference.train_on_batch(x, y, sample_weight=w)
@@ -92,13 +86,8 @@ def test_fit_with_a_partial_last_batch_of_fully_masked_padding_is_finite():
     reference = pooled_model()
     reference.compile(keras.optimizers.Adam(1e-2), loss())
     want = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
-    pipe = hybrid.Pipeline(
-        pooled_model(),
-        mesh=hybrid.DeviceMesh.create(1, 1),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-2),
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(pooled_model(), mesh=hybrid.DeviceMesh.create(1, 1))
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     got = pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(

@@ -21,6 +21,83 @@ def make(stages=2, replicas=1, micro_batches=2, layers=None, **kwargs):
     return ref.pipeline(stages, replicas, layers=layers, micro_batches=micro_batches, **kwargs)
 
 
+def test_layout_in_the_constructor_and_keras_compile_trains_as_keras():
+    """Pipeline(model, mesh, **layout) then compile(...) as keras.Model.compile: the same
+    step as Keras's on one device, with compile's defaults (RMSprop)."""
+    keras_model = keras.Sequential([keras.Input((ref.IN_FEATURES,)), *ref.mlp_layers()])
+    keras_model.compile(loss=ref.loss_fn())  # optimizer="rmsprop", Keras's default
+    template = keras.Sequential([keras.Input((ref.IN_FEATURES,)), *ref.mlp_layers()])
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(template, hybrid.DeviceMesh.create(2, 2), micro_batches=2)
+    assert not pipe.compiled
+    pipe.compile(loss=ref.loss_fn(), jit_compile=False)
+    assert pipe.compiled
+    for step in range(2):
+        x, y = ref.batch(16, seed=step)
+        want = keras_model.train_on_batch(x, y)
+        np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=1e-5)
+    assert type(pipe.optimizer.copies[0]) is keras.optimizers.RMSprop
+    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+
+
+def test_a_planned_config_is_taken_whole():
+    config = hybrid.RunConfig(stages=2, replicas=1, micro_batches=4, schedule="1f1b", remat="never")
+    pipe = hybrid.Pipeline(ref.mlp_layers(), config=config)  # the mesh from the config
+    assert pipe.mesh == hybrid.DeviceMesh.create(2, 1)
+    assert (pipe.micro_batches, pipe.config.schedule, pipe.remat) == (4, "1f1b", "never")
+    with pytest.raises(TypeError, match=r"comes with \['micro_batches'\]; give the layout once"):
+        hybrid.Pipeline(ref.mlp_layers(), config=config, micro_batches=2)
+    with pytest.raises(ValueError, match="the config is for 2 stage.* and the mesh is 1 × 2"):
+        hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 2), config=config)
+    with pytest.raises(TypeError, match="config=.* give a hybrid.RunConfig"):
+        hybrid.Pipeline(ref.mlp_layers(), config={"stages": 2})
+
+
+def test_uncompiled_and_uncompilable_are_refused_as_keras_refuses():
+    pipe = hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(2, 1))
+    x, y = ref.batch(8)
+    for name, call in (
+        ("fit", lambda: pipe.fit(x, y, verbose=0)),
+        ("evaluate", lambda: pipe.evaluate(x, y, verbose=0)),
+        ("predict", lambda: pipe.predict(x, verbose=0)),
+        ("train_step", lambda: pipe.train_step(x, y)),
+        ("build", lambda: pipe.build((None, ref.IN_FEATURES))),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"You must call `compile\(\)` before calling `{name}\(\)`"
+        ):
+            call()
+    for arguments, match in (
+        ({"loss": None}, "loss=None"),
+        ({"loss": "mse", "run_eagerly": True}, "run_eagerly=True"),
+        ({"loss": "mse", "steps_per_execution": 4}, "steps_per_execution=4"),
+        ({"loss": "mse", "jit_compile": "yes"}, "jit_compile='yes'"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            pipe.compile(**arguments)
+    pipe.compile(loss=ref.loss_fn(), jit_compile=False)
+    pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="compile\\(\\) after the pipeline was built"):
+        pipe.compile(loss="mse")
+
+
+def test_a_strategy_gives_the_replicated_step():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    pipe = hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 1), strategy=strategy)
+    assert pipe.strategy is strategy
+    # what the replicated step cannot do yet is refused when asked for, with the reason
+    with pytest.raises(ValueError, match="timeline_every: timed steps need the devices' clocks"):
+        pipe.timeline_every = 2
+    pipe.timeline_every = 0
+    pipe.compile(optimizer="sgd", loss=ref.loss_fn())
+    x, y = ref.batch(4)
+    with pytest.raises(ValueError, match="gradients: a replicated step applies its gradients"):
+        pipe.gradients(x, y)
+    with pytest.raises(ValueError, match="timed_train_step: timed steps need"):
+        pipe.timed_train_step(x, y)
+    assert hybrid.Pipeline(ref.mlp_layers(), hybrid.DeviceMesh.create(1, 1)).strategy is None
+
+
 def test_predict_and_evaluate_match_keras():
     model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + ref.mlp_layers())
     pipe = make(stages=4, replicas=2, micro_batches=2)
@@ -72,12 +149,11 @@ def test_summary_and_repr_say_what_the_pipeline_is():
     h = keras.layers.Add(name="join")([h, r])
     model = keras.Model(x_in, keras.layers.Dense(3, name="out")(h))
     pipe = hybrid.Pipeline(
-        model, mesh=hybrid.DeviceMesh.create(2, 2), loss="mse", optimizer="sgd",
-        micro_batches=4, balance=[2, 3], schedule="1f1b", jit_compile=False,
-    )  # fmt: skip
+        model, mesh=hybrid.DeviceMesh.create(2, 2), micro_batches=4, balance=[2, 3], schedule="1f1b"
+    )
+    pipe.compile(optimizer="sgd", loss="mse", jit_compile=False)  # fmt: skip
     assert repr(pipe) == (
-        "Pipeline(mesh stage:2;replica:2, M=4, 1f1b, remat=except_last, balance (2, 3), "
-        "not built)"
+        "Pipeline(mesh stage:2;replica:2, M=4, 1f1b, remat=except_last, balance (2, 3), not built)"
     )
     with pytest.raises(RuntimeError, match="call pipe.build"):
         pipe.summary()
@@ -118,14 +194,12 @@ def test_balance_time_profiles_layers():
 
 
 def test_optimizer_factory_and_plain_callable_loss():
-    pipe = hybrid.Pipeline(
-        ref.mlp_layers(),
-        mesh=hybrid.DeviceMesh.create(2, 1),
+    pipe = hybrid.Pipeline(ref.mlp_layers(), mesh=hybrid.DeviceMesh.create(2, 1), micro_batches=2)
+    pipe.compile(
+        optimizer=lambda: keras.optimizers.SGD(0.1),
         loss=lambda y_true, y_pred: keras.losses.sparse_categorical_crossentropy(
             y_true, y_pred, from_logits=True
         ),
-        optimizer=lambda: keras.optimizers.SGD(0.1),
-        micro_batches=2,
     )
     x, y = ref.batch(8)
     model = keras.Sequential([keras.Input((ref.IN_FEATURES,))] + ref.mlp_layers())
@@ -230,7 +304,7 @@ def test_micro_batches_auto_times_every_m_on_the_first_batch_and_trains_as_keras
 
 def test_micro_batches_auto_candidates_and_refusals(monkeypatch):
     from hybrid.core.config import RunConfig
-    from hybrid.engine import micro_batching
+    from hybrid.engine.api import micro_batching
 
     interleaved = RunConfig(2, 1, 2, "interleaved", "never", 2)
     assert micro_batching.candidates(interleaved, 16) == [2, 4, 8, 16]  # M % S == 0
@@ -243,14 +317,12 @@ def test_micro_batches_auto_candidates_and_refusals(monkeypatch):
             *ref.batch(1)
         )
     with pytest.raises(ValueError, match="micro_batches='auto' times the gradient step"):
-        hybrid.StrategyPipeline(
+        hybrid.Pipeline(
             ref.mlp_layers(),
             hybrid.DeviceMesh.create(1, 1),
-            ref.loss_fn(),
-            keras.optimizers.SGD(0.1),
             strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
             micro_batches="auto",
-        )
+        ).compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn())
     # a BatchNormalization model whose choice splits the batch is warned, as a given M is
     monkeypatch.setattr(micro_batching, "candidates", lambda config, examples: [2])
     norm = [keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(10)]
@@ -280,7 +352,7 @@ def test_the_all_reduce_is_chosen_by_where_the_devices_are_and_both_agree():
     """CPU devices of one process add the group's tensors themselves; GPUs and devices on
     several hosts use a collective; on 4 simulated devices both give the same sums on every
     device, bit for bit."""
-    from hybrid.engine import collectives
+    from hybrid.engine.step import collectives
 
     local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
     assert collectives.method_for(local) == "sum"
@@ -327,7 +399,7 @@ def test_boundary_codecs_round_trip_within_their_error():
     """bfloat16 keeps 8 mantissa bits (relative error ≤ 2⁻⁸); int8 one scale per tensor
     (absolute error ≤ scale / 2, zeros stay zeros); integer tensors and None cross as they
     are."""
-    from hybrid.engine import compression
+    from hybrid.engine.step import compression
 
     t = tf.constant(np.random.default_rng(0).normal(size=(64, 16)).astype("float32"))
     ids = tf.constant([[1, 2, 3]])

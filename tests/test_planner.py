@@ -10,11 +10,12 @@ import keras
 import pytest
 
 import hybrid
-from hybrid.core import generators, schedule
-from hybrid.core.actions import Action, Op
+from hybrid import planning as planner
+from hybrid.core import config, schedule
 from hybrid.core.config import ConfigError, RunConfig, validate_run
-from hybrid.planning import planner, search
-from hybrid.planning.planner import CostProfile, Hardware, LayerCost, Link
+from hybrid.core.schedule import generators
+from hybrid.core.schedule.actions import Action, Op
+from hybrid.planning import CostProfile, Hardware, LayerCost, Link, search
 from hybrid.planning.stage_costs import StageCost, action_costs, deferred_schedule
 
 import runner
@@ -29,7 +30,7 @@ def uniform(num_layers=4, **kwargs):
 
 
 def test_remat_modes_are_the_engines():
-    assert planner.REMAT_MODES == hybrid.REMAT_MODES
+    assert planner.REMAT_MODES == config.REMAT_MODES
     assert planner.Config is RunConfig  # the callers' old name for the one configuration
 
 
@@ -435,7 +436,7 @@ def test_the_planner_never_proposes_what_pipeline_refuses(num_layers):
                 devices,
                 batch,
                 num_layers,
-                hybrid.schedule.names(),
+                schedule.names(),
                 planner.REMAT_MODES,
                 None,
                 8,

@@ -1,4 +1,4 @@
-"""The proof behind deferred weight gradients (``hybrid.engine.row_sums``): a traced weight
+"""The proof behind deferred weight gradients (``hybrid.engine.programs.row_sums``): a traced weight
 program run once on M micro-batches' rows joined computes the sum of its M runs, or the
 proof names what stops it; and ``deferral.run`` feeds it."""
 
@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine import deferral, records, row_sums, shape_values, split_programs
+from hybrid.engine.programs import deferral, row_sums, shape_values, split_programs
+from hybrid.engine.programs.residuals import Kept
 
 ROWS, M, WIDTH = 4, 3, 5
 
@@ -70,7 +71,7 @@ def _traces(body, need_dx=True):
 def _kept(micro, x, weights, dy, need_dx=True):
     args = [x] + weights
     _, residuals = micro.forward(args)
-    kept = records.Kept(micro, args, residuals, need_dx)
+    kept = Kept(micro, args, residuals, need_dx)
     if need_dx:
         kept.backward([dy], [True], need_dx=True, need_dw=False)  # B: keeps what W reads
     return kept
@@ -153,13 +154,15 @@ def _twins(template, micro_batches):
         pipes[defer] = hybrid.Pipeline(
             twin,
             mesh=hybrid.DeviceMesh.create(2, 1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.SGD(0.1),
             micro_batches=micro_batches,
             balance=[2, 3],
             remat="never",
-            jit_compile=False,
             defer_weight_gradients=defer,
+        )
+        pipes[defer].compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
         )
     return pipes
 
@@ -219,14 +222,12 @@ def test_a_convolutional_model_defers_and_trains_as_keras_trains_it():
     pipe = hybrid.Pipeline(
         twin,
         mesh=hybrid.DeviceMesh.create(2, 1),
-        loss=loss,
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         micro_batches=4,
         schedule="1f1b",
         remat="never",
-        jit_compile=False,
         defer_weight_gradients=True,
     )
+    pipe.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss, jit_compile=False)
     rng = np.random.default_rng(0)
     for _ in range(2):
         x = rng.normal(size=(16, 8, 8, 3)).astype("float32")

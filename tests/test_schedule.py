@@ -5,9 +5,9 @@ from fractions import Fraction
 
 import pytest
 
-from hybrid import timeline
 from hybrid.core import schedule as sched
 from hybrid.core.schedule import Action, Costs, Op, Schedule, ScheduleError
+from hybrid.run import timeline
 
 import runner
 

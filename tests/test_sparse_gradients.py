@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
+from hybrid.engine.step import sharding
 
 import runner
 
@@ -74,20 +75,20 @@ def keras_run(optimizer: str, steps: int = 2, jit_compile: bool = False) -> tupl
 def pipeline_run(
     optimizer: str, stages: int, replicas: int, micro_batches: int, steps: int = 2, **kwargs
 ) -> tuple[list, list, hybrid.Pipeline]:
+    jit_compile = kwargs.pop("jit_compile", False)
     pipe = hybrid.Pipeline(
         embedding_model(),
         mesh=hybrid.DeviceMesh.create(stages, replicas),
-        loss=loss(),
-        optimizer=OPTIMIZERS[optimizer](),
         micro_batches=micro_batches,
-        jit_compile=kwargs.pop("jit_compile", False),
         **kwargs,
     )
+    pipe.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss(), jit_compile=jit_compile)
     losses = [pipe.train_step(*tokens(step))["loss"] for step in range(steps)]
     if optimizer == "adam_ema":  # as fit ends: the averages replace the trained weights
         for row in pipe.stages:
             for copy in row:
-                copy.optimizer.finalize_variable_values(copy.trainable_variables)
+                copy.optimizer.finalize_variable_values(copy.updated_variables)
+            sharding.broadcast(row)
     return losses, pipe.get_weights(), pipe
 
 
@@ -115,6 +116,14 @@ def test_sparse_gradients_train_as_keras(optimizer, mesh):
     assert_as_keras(got[:2], keras_run(optimizer))
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw_excluded", "adam_global_clipnorm"])
+def test_sharded_optimizer_states_apply_slices_as_keras(optimizer):
+    """ZeRO-1: the embedding's owner applies the gathered slices, the others take its rows."""
+    got = pipeline_run(optimizer, 2, 2, 2, balance=[2, 3], shard_optimizer_states=True)
+    assert_as_keras(got[:2], keras_run(optimizer))
+    assert not all(all(copy.updates) for row in got[2].stages for copy in row)
+
+
 @pytest.mark.parametrize(
     "schedule,remat,micro_batches,defer",
     [("1f1b", "never", 4, False), ("zb-h1", "never", 4, False), ("1f1b", "never", 4, True)],
@@ -123,7 +132,7 @@ def test_sparse_gradients_on_xla_schedules(schedule, remat, micro_batches, defer
     """Compiled stage programs, split backwards (B then W) and deferral: the slices come out
     of each micro-batch's program and are joined outside it; deferred, the embedding's W
     runs once over the step's rows, its slices the micro-batches' joined (no fallback)."""
-    from hybrid.engine.row_sums import Plan
+    from hybrid.engine.programs.row_sums import Plan
 
     kwargs = dict(schedule=schedule, remat=remat, defer_weight_gradients=defer, jit_compile=True)
     with warnings.catch_warnings():
@@ -140,14 +149,9 @@ def test_a_sparse_gradient_is_what_keras_hands_the_optimizer():
     """The stage holds which gradients are slices; a densified path is really different
     (so the comparisons above can fail), and ``gradients()`` returns Keras's sums."""
     pipe = hybrid.Pipeline(
-        embedding_model(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer="adam",
-        micro_batches=2,
-        balance=[1, 4],
-        jit_compile=False,
+        embedding_model(), mesh=hybrid.DeviceMesh.create(2, 2), micro_batches=2, balance=[1, 4]
     )
+    pipe.compile(optimizer="adam", loss=loss(), jit_compile=False)
     pipe.build((None, SEQ), "int32")
     assert [row[0].sparse for row in pipe.stages] == [[True], [False] * 4]
     model = embedding_model()
@@ -173,7 +177,7 @@ def test_a_sparse_gradient_is_what_keras_hands_the_optimizer():
 def test_slices_are_gathered_in_replica_order_by_every_method():
     """Across a replica group IndexedSlices are concatenated in replica order on every
     device, by the local sum and by the collective alike (a mean divides the values)."""
-    from hybrid.engine import collectives
+    from hybrid.engine.step import collectives
 
     local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
     rng = np.random.default_rng(0)
@@ -201,19 +205,17 @@ def test_slices_are_gathered_in_replica_order_by_every_method():
 
 
 def test_the_strategy_executor_gathers_slices_as_mirrored_strategy_does():
-    """The step as one program per replica (``StrategyPipeline`` over ``MirroredStrategy``):
+    """The step as one program per replica (``Pipeline(strategy=MirroredStrategy)``):
     the replica context's all_gather carries the slices."""
     from reference import mirrored_strategy
 
-    pipe = hybrid.StrategyPipeline(
+    pipe = hybrid.Pipeline(
         embedding_model(),
         hybrid.DeviceMesh.create(1, 2),
-        loss(),
-        keras.optimizers.Adam(1e-2),
         strategy=mirrored_strategy(),
         micro_batches=2,
-        jit_compile=False,
     )
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     losses = [pipe.train_step(*tokens(step))["loss"] for step in range(2)]
     assert_as_keras((losses, pipe.get_weights()), keras_run("adam"))
 
@@ -240,14 +242,9 @@ def test_an_embedding_looked_up_on_two_stages_joins_both_stages_slices():
     model = two_lookups_model()
     model.set_weights(start)
     pipe = hybrid.Pipeline(
-        model,
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-2),
-        micro_batches=2,
-        balance=[2, 4],
-        jit_compile=False,
+        model, mesh=hybrid.DeviceMesh.create(2, 2), micro_batches=2, balance=[2, 4]
     )
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     for _ in range(2):
         pipe.train_step(xs, y)
     assert [row[0].sparse[0] for row in pipe.stages] == [True, True]  # held by both
@@ -290,14 +287,8 @@ def test_the_probe_sees_the_training_step_and_its_added_losses(layer):
 
     want = build()
     want.compile(keras.optimizers.Adam(1e-2), loss())
-    pipe = hybrid.Pipeline(
-        build(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer=keras.optimizers.Adam(1e-2),
-        balance=[1, 3],
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(build(), mesh=hybrid.DeviceMesh.create(2, 2), balance=[1, 3])
+    pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=False)
     for step in range(2):
         np.testing.assert_allclose(
             pipe.train_step(*tokens(step))["loss"], want.train_on_batch(*tokens(step)), rtol=1e-5
@@ -334,14 +325,8 @@ def test_a_variable_keras_gets_no_gradient_for_is_left_alone():
 
     want = build()
     want.compile(optimizer(), loss())
-    pipe = hybrid.Pipeline(
-        build(),
-        mesh=hybrid.DeviceMesh.create(2, 2),
-        loss=loss(),
-        optimizer=optimizer(),
-        balance=[2, 3],
-        jit_compile=False,
-    )
+    pipe = hybrid.Pipeline(build(), mesh=hybrid.DeviceMesh.create(2, 2), balance=[2, 3])
+    pipe.compile(optimizer=optimizer(), loss=loss(), jit_compile=False)
     for step in range(2):
         want.train_on_batch(*tokens(step))
         pipe.train_step(*tokens(step))
@@ -364,7 +349,7 @@ class TiedHead(keras.layers.Layer):
 
 def test_a_tied_or_regularized_embedding_keeps_the_dense_gradient_keras_forms():
     """Keras adds a dense use's (or a penalty's) gradient to the slices: dense, summed."""
-    from hybrid.engine import graph, sparse
+    from hybrid.engine.model import graph, sparse
 
     keras.utils.set_random_seed(0)
     ids = keras.Input((SEQ,), dtype="int32")

@@ -1,12 +1,13 @@
-"""A traced forward + backward cut into two programs (``hybrid.engine.split_programs``), and
-the stages that keep activations with it (``remat="never"``)."""
+"""A traced forward + backward cut into two programs
+(``hybrid.engine.programs.split_programs``), and the stages that keep activations with it
+(``remat="never"``)."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from hybrid.engine import split_programs
+from hybrid.engine.programs import split_programs
 
 import reference as ref
 

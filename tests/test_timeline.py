@@ -7,9 +7,10 @@ import keras
 import numpy as np
 import pytest
 
-from hybrid import timeline
 from hybrid.core import schedule as sched
-from hybrid.engine import row_sums, timing
+from hybrid.engine.programs import row_sums
+from hybrid.engine.step import clocks as timing
+from hybrid.run import timeline
 
 import reference as ref
 import runner

@@ -1,4 +1,4 @@
-"""The pipeline's step as one program per replica (``StrategyPipeline``): traced by a real
+"""The pipeline's step as one program per replica (``Pipeline(strategy=...)``): traced by a real
 ``TPUStrategy`` on an offline slice, and run on CPUs under ``MirroredStrategy``.
 
 Traces (``hybrid.platforms.tpu_offline``: no TPU, the program is never run), for every
@@ -36,7 +36,6 @@ from test_tpu_mesh import build_topology
 
 import hybrid
 from hybrid.core import schedule as sched
-from hybrid.engine.strategy_pipeline import StrategyPipeline
 from hybrid.platforms.tpu_offline import offline_strategy
 
 import reference as ref
@@ -68,16 +67,18 @@ def traced(
 ):
     strategy, tpu = offline_strategy(topology(stages * replicas), stages, replicas)
     virtual = 2 if schedule == "interleaved" else 1
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         model if model is not None else ref.mlp_layers(),
         tpu.mesh,
-        optimizer=optimizer or keras.optimizers.Adam(1e-3),
-        **(objective or {"loss": ref.loss_fn()}),
         strategy=strategy,
         micro_batches=micro_batches,
         schedule=schedule,
         virtual_stages=virtual,
         remat="never",
+    )
+    pipe.compile(
+        optimizer=optimizer or keras.optimizers.Adam(1e-3),
+        **objective or {"loss": ref.loss_fn()},
     )
     x, y = batch if batch is not None else ref.batch(8 * replicas * micro_batches)
     return pipe, pipe.traced_train_step(x, y)
@@ -138,9 +139,9 @@ def check_program(pipe, graph):
 def check_order(pipe, by_action):
     """On each core, every action depends by data alone on the one before it."""
     schedule = pipe.schedule
-    fused = {(b.stage, b.microbatch) for b in pipe._fused}
+    fused = {(b.stage, b.microbatch) for b in pipe._steps.fused}
     per_device = collections.defaultdict(list)
-    for a in pipe._order:  # the order the step was lowered in
+    for a in pipe._steps.order:  # the order the step was lowered in
         key = (a.op.name, a.stage, a.microbatch)
         if a.op.name != "F" and (a.stage, a.microbatch) in fused:
             continue  # run inside the fused forward's scope
@@ -258,21 +259,13 @@ def test_traced_tpu_step_of_the_keras_recipes(recipe):
 def test_a_strategy_that_does_not_fit_the_mesh_is_refused():
     strategy, tpu = offline_strategy(topology(4), 2, 2)
     with pytest.raises(ValueError, match="runs 2 replica"):
-        StrategyPipeline(
-            ref.mlp_layers(),
-            hybrid.DeviceMesh.create(2, 4),
-            ref.loss_fn(),
-            "adam",
-            strategy=strategy,
-        )
+        hybrid.Pipeline(
+            ref.mlp_layers(), hybrid.DeviceMesh.create(2, 4), strategy=strategy
+        ).compile(optimizer="adam", loss=ref.loss_fn())
     with pytest.raises(ValueError, match="2 core.* per replica and the pipeline 1 stages"):
-        StrategyPipeline(
-            ref.mlp_layers(),
-            hybrid.DeviceMesh.create(1, 2),
-            ref.loss_fn(),
-            "adam",
-            strategy=strategy,
-        )
+        hybrid.Pipeline(
+            ref.mlp_layers(), hybrid.DeviceMesh.create(1, 2), strategy=strategy
+        ).compile(optimizer="adam", loss=ref.loss_fn())
 
 
 # -- numerics: the same program on CPUs ----------------------------------------------------
@@ -303,16 +296,15 @@ def test_mirrored_program_matches_keras(recipe, micro_batches, schedule):
     )
     template = exact.model(seed=1, recipe=recipe)
     template.set_weights(keras_model.get_weights())
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         template,
         hybrid.DeviceMesh.create(2, 2),
-        exact.loss_for(recipe),
-        exact.optimizer_for(recipe, template),
         strategy=ref.mirrored_strategy(),
         micro_batches=micro_batches,
         schedule=schedule,
         virtual_stages=2 if schedule == "interleaved" else 1,
     )
+    pipe.compile(optimizer=exact.optimizer_for(recipe, template), loss=exact.loss_for(recipe))
     weighted = recipe in ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
     for step in range(exact.STEPS):
         x, y = ref.batch(exact.BATCH, seed=step + 1)
@@ -349,15 +341,14 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
     keras_model.compile(optimizer=optimizer(), **any_model.objective(name))
     template = any_model.build(make, seed=1)
     template.set_weights(keras_model.get_weights())
-    pipe = StrategyPipeline(
+    pipe = hybrid.Pipeline(
         template,
         hybrid.DeviceMesh.create(2, 2),
-        optimizer=optimizer(),
         strategy=ref.mirrored_strategy(),
         micro_batches=2,
         schedule="1f1b",
-        **any_model.objective(name),
     )
+    pipe.compile(optimizer=optimizer(), **any_model.objective(name))
     for step in range(exact.STEPS):
         x, y = batch(step)
         w = any_model.sample_weights(name, step)
@@ -369,8 +360,6 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
     np.testing.assert_equal(pipe.replica_weights(1), pipe.replica_weights(0))
 
 
-
-
 @pytest.mark.filterwarnings("ignore:.*BatchNormalization")
 def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     """BatchNormalization under micro-batching is defined, not Keras-exact (README): the
@@ -378,15 +367,15 @@ def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     engine does (statistics summed over the global batch across replicas)."""
     mesh_model, program_model = batch_norm_model(0), batch_norm_model(1)
     program_model.set_weights(mesh_model.get_weights())
-    common = dict(loss=ref.loss_fn(), micro_batches=2)
-    on_mesh = hybrid.Pipeline(
-        mesh_model, hybrid.DeviceMesh.create(2, 2), optimizer=keras.optimizers.SGD(0.1),
-        jit_compile=False, **common,
-    )  # fmt: skip
-    program = StrategyPipeline(
-        program_model, hybrid.DeviceMesh.create(2, 2), optimizer=keras.optimizers.SGD(0.1),
-        strategy=ref.mirrored_strategy(), **common,
-    )  # fmt: skip
+    on_mesh = hybrid.Pipeline(mesh_model, hybrid.DeviceMesh.create(2, 2), micro_batches=2)
+    on_mesh.compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn(), jit_compile=False)
+    program = hybrid.Pipeline(
+        program_model,
+        hybrid.DeviceMesh.create(2, 2),
+        strategy=ref.mirrored_strategy(),
+        micro_batches=2,
+    )
+    program.compile(optimizer=keras.optimizers.SGD(0.1), loss=ref.loss_fn())
     for step in range(exact.STEPS):
         x, y = ref.batch(exact.BATCH, seed=step)
         np.testing.assert_allclose(
@@ -396,7 +385,6 @@ def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
     mean, variance = program.get_weights()[4:6]  # Dense (kernel, bias), BN (gamma, beta, ...)
     assert mean.shape == variance.shape == (16,)
     assert not np.allclose(mean, 0.0) and not np.allclose(variance, 1.0)  # they moved
-
 
 
 def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_path):
@@ -409,10 +397,11 @@ def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_p
     template.set_weights(keras_model.get_weights())
 
     def replicated(model):
-        return StrategyPipeline(
-            model, hybrid.DeviceMesh.create(2, 2), strategy=ref.mirrored_strategy(),
-            micro_batches=2, **fit_tests.compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)),
-        )  # fmt: skip
+        pipe = hybrid.Pipeline(
+            model, hybrid.DeviceMesh.create(2, 2), strategy=ref.mirrored_strategy(), micro_batches=2
+        )
+        pipe.compile(**fit_tests.compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)))
+        return pipe
 
     pipe = replicated(template)
     x, y = fit_tests.data()
@@ -444,17 +433,17 @@ def test_mirrored_program_fits_evaluates_predicts_and_checkpoints_as_keras(tmp_p
 
 def test_the_launcher_builds_the_tpu_step_and_says_where_a_tpu_is_needed(tmp_path):
     """``--platform=tpu``'s attempt on a TPU system (here an offline one): the mesh placed
-    on the topology, the StrategyPipeline built under the layout's TPUStrategy; running
+    on the topology, the Pipeline built under the layout's TPUStrategy; running
     the first step needs the TPU, and the error says so."""
     from hybrid.launch.train import train_on_tpu
-    from hybrid.platforms.tpu_node import TPUSystem
+    from hybrid.platforms.cloud_tpu.node import TPUSystem
     from hybrid.platforms.tpu_offline import offline_resolver
-    from hybrid.trainer import TrainConfig
+    from hybrid.run.train_config import TrainConfig
 
     slice_ = topology(4)
     resolver = offline_resolver(slice_)
     tpus = tuple(d.name for d in resolver.get_tpu_system_metadata().devices if "TPU" in d.name)
-    config = TrainConfig(
+    config = TrainConfig.of(
         mesh="stage:2;replica:2", micro_batches=2, train_steps=2, model="mlp",
         data="synthetic", platform="tpu", model_dir=str(tmp_path),
     )  # fmt: skip

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
-from hybrid.core import generators
+from hybrid.core import schedule as schedule_lib
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.core.partition import check_balance
 
@@ -30,7 +31,9 @@ __all__ = [
     "ConfigError",
     "RunConfig",
     "as_mesh",
+    "Layout",
     "check_switches",
+    "layout_of",
     "pipeline_arguments",
     "check_global_batch",
     "least_micro_batches",
@@ -38,7 +41,7 @@ __all__ = [
 ]
 
 REMAT_MODES = ("never", "except_last", "always")
-# What crosses a stage boundary in training (hybrid.engine.compression); float32: as it is.
+# What crosses a stage boundary in training (hybrid.engine.step.compression); float32: as it is.
 BOUNDARY_DTYPES = ("float32", "bfloat16", "int8")
 BALANCE_MODES = ("params", "time")
 # The fewest examples a training-mode BatchNormalization should normalize over: Keras
@@ -104,11 +107,52 @@ def check_switches(**switches: object) -> None:
             )
 
 
-def pipeline_arguments(mesh: object, jit_compile: object, balance: object = None) -> DeviceMesh:
-    """Checks the ``Pipeline`` arguments before a RunConfig holds them: ``jit_compile`` is a
-    bool (:func:`check_switches`), ``balance`` None, a string or layer counts; returns
-    ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
-    check_switches(jit_compile=jit_compile)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The parallel layout a Pipeline takes as keywords, or whole as a :class:`RunConfig`;
+    each field's default is the Pipeline's (fields as in RunConfig; ``micro_batches`` may
+    also be "auto")."""
+
+    micro_batches: int | str = 1
+    schedule: str = "gpipe"
+    remat: str = "except_last"
+    balance: Any = None
+    virtual_stages: int = 1
+    defer_weight_gradients: bool = False
+    shard_optimizer_states: bool = False
+
+
+def layout_of(config: RunConfig | None, **given: Any) -> Layout:
+    """The pipeline's :class:`Layout` from ``config`` or from the keywords ``given`` (None:
+    not given, the default).
+
+    Raises:
+      ArgumentTypeError: ``config`` is not a RunConfig, or comes with layout keywords.
+    """
+    fields = [f.name for f in dataclasses.fields(Layout)]
+    named = {k: v for k, v in given.items() if v is not None}
+    if config is None:
+        return Layout(**named)
+    if not isinstance(config, RunConfig):
+        raise ArgumentTypeError(
+            "config of the wrong type",
+            f"config={config!r} ({type(config).__name__}): give a hybrid.RunConfig (a "
+            "planner's Prediction holds one as .config)",
+            ["config"],
+        )
+    if named:
+        raise ArgumentTypeError(
+            "config and layout keywords together",
+            f"config={config} comes with {sorted(named)}; give the layout once: either "
+            f"the config alone, or dataclasses.replace(config, {next(iter(named))}=...)",
+            ["config", *sorted(named)],
+        )
+    return Layout(**{k: getattr(config, k) for k in fields})
+
+
+def pipeline_arguments(mesh: object, balance: object = None) -> DeviceMesh:
+    """Checks the ``Pipeline`` arguments before a RunConfig holds them: ``balance`` None, a
+    string or layer counts; returns ``mesh`` as a DeviceMesh (:func:`as_mesh`)."""
     counts = isinstance(balance, list | tuple) and all(
         isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in balance
     )
@@ -130,7 +174,7 @@ class RunConfig:
       stages: S, devices along each pipeline.
       replicas: R, data-parallel copies of the pipeline.
       micro_batches: M, micro-batches each replica's shard of the batch is split into.
-      schedule: a name in ``hybrid.schedule.names()``.
+      schedule: a name in ``hybrid.core.schedule.names()``.
       remat: one of :data:`REMAT_MODES`.
       virtual_stages: model stages per device (the interleaved schedule), so the model is
         cut into ``stages × virtual_stages`` model stages.
@@ -140,7 +184,10 @@ class RunConfig:
         then checked per batch with :func:`check_global_batch`).
       num_layers: the layers the model is cut along; None when not known yet.
       defer_weight_gradients: compute each stage's weight gradients once per step over
-        all its micro-batches (``hybrid.engine.deferral``); needs ``remat="never"``.
+        all its micro-batches (``hybrid.engine.programs.deferral``); needs ``remat="never"``.
+      shard_optimizer_states: each of a stage's R replicas holds the optimizer state of,
+        and updates, its share of the stage's variables, then sends them to the other
+        replicas (ZeRO-1: optimizer state ÷ R per device; ``hybrid.engine.step.sharding``).
     """
 
     stages: int
@@ -153,6 +200,7 @@ class RunConfig:
     global_batch: int | None = None
     num_layers: int | None = None
     defer_weight_gradients: bool = False
+    shard_optimizer_states: bool = False
 
     @property
     def devices(self) -> int:
@@ -172,6 +220,7 @@ class RunConfig:
         """Short form for tables: ``2x1 M=8 interleaved(v=2) except_last``."""
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         defer = " deferred-W" if self.defer_weight_gradients else ""
+        defer += " sharded-optimizer" if self.shard_optimizer_states else ""
         return f"{self.stages}x{self.replicas} M={self.micro_batches} {sched} {self.remat}{defer}"
 
 
@@ -183,7 +232,7 @@ def _positive(name: str, value: object) -> None:
 
 
 def _check_names(config: RunConfig) -> None:
-    names = generators.names()
+    names = schedule_lib.names()
     if config.schedule not in names:
         raise ConfigError(
             "unknown schedule",
@@ -215,14 +264,14 @@ def _check_names(config: RunConfig) -> None:
 
 def _check_schedule(config: RunConfig) -> None:
     S, M, v = config.stages, config.micro_batches, config.virtual_stages
-    if v != 1 and config.schedule not in generators.VIRTUAL_SCHEDULES:
+    if v != 1 and config.schedule not in schedule_lib.VIRTUAL_SCHEDULES:
         raise ConfigError(
             "virtual stages need the interleaved schedule",
             f"schedule {config.schedule!r} runs one stage per device; virtual_stages={v} "
-            f"needs one of {sorted(generators.VIRTUAL_SCHEDULES)}",
+            f"needs one of {sorted(schedule_lib.VIRTUAL_SCHEDULES)}",
             ["virtual_stages", "schedule"],
         )
-    problem = generators.interleaved_problem(S, M) if config.schedule == "interleaved" else None
+    problem = schedule_lib.interleaved_problem(S, M) if config.schedule == "interleaved" else None
     if problem:
         raise ConfigError(
             "interleaved needs M % S == 0", problem, ["micro_batches", "stages", "schedule"]
@@ -286,7 +335,10 @@ def validate_run(config: RunConfig) -> RunConfig:
     """
     for name in ("stages", "replicas", "micro_batches", "virtual_stages"):
         _positive(name, getattr(config, name))
-    check_switches(defer_weight_gradients=config.defer_weight_gradients)
+    check_switches(
+        defer_weight_gradients=config.defer_weight_gradients,
+        shard_optimizer_states=config.shard_optimizer_states,
+    )
     _check_names(config)
     _check_schedule(config)
     _check_model(config)

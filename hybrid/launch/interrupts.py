@@ -6,7 +6,7 @@
                                 the same command to resume", exit 130 / 143 (128 + signal)
     a second one             -> KeyboardInterrupt at once (``Pipeline.fit`` stops its threads)
 
-The library never installs signal handlers: ``hybrid.trainer.train(stop=...)`` takes the
+The library never installs signal handlers: ``hybrid.run.trainer.train(stop=...)`` takes the
 event, and ``Pipeline.fit`` lets KeyboardInterrupt through as Keras does.
 """
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from absl import flags
 
-from hybrid.data_sources import is_function_spec
+from hybrid.run.data_sources import is_function_spec
 
 __all__ = ["KERAS_OPTIMIZERS", "define_flags", "register_late_validators"]
 
@@ -108,7 +108,7 @@ def _define_model_flags() -> None:
 
 
 def _check_model_and_data(values: dict[str, Any]) -> bool:
-    from hybrid.data_sources import check_source
+    from hybrid.run.data_sources import check_source
 
     try:
         check_source(values["data"], values["model"])
@@ -124,7 +124,7 @@ def _check_model_and_data(values: dict[str, Any]) -> bool:
 
 
 def _check_validation(values: dict[str, Any]) -> bool:
-    from hybrid.data_sources import check_source
+    from hybrid.run.data_sources import check_source
 
     spec, steps = values["validation_data"], values["validation_steps"]
     if spec is None:
@@ -202,7 +202,7 @@ def _check_keras_file(values: dict[str, Any]) -> bool:
 
 
 def _check_tfrecord(values: dict[str, Any]) -> bool:
-    from hybrid.data_sources import parse_features
+    from hybrid.run.data_sources import parse_features
 
     tfrecord = values["data"].startswith("tfrecord:")
     if tfrecord != (values["tfrecord_features"] is not None):

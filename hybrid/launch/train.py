@@ -8,7 +8,7 @@
         --gcp_project=my-project --model_dir=gs://bucket/run ...
 
 Every flag combination is checked before any work; ``main`` freezes the flags into a
-``TrainConfig`` and calls the flag-free ``hybrid.trainer.train``.
+``TrainConfig`` and calls the flag-free ``hybrid.run.trainer.train``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) ->
     from hybrid.core.mesh import parse_spec
     from hybrid.launch.worker import flag_terms  # the cluster library's words -> flags
     from hybrid.platforms import cluster as cluster_lib
-    from hybrid.trainer import train
+    from hybrid.run.trainer import train
 
     spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
     stages, replicas = parse_spec(config.mesh)
@@ -75,17 +75,6 @@ def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) ->
         sys.exit(3)
 
 
-# The TrainConfig fields --mesh=auto takes from the plan (besides the mesh spec).
-_PLANNED = (
-    "micro_batches",
-    "schedule",
-    "remat",
-    "virtual_stages",
-    "balance",
-    "defer_weight_gradients",
-)
-
-
 def _planned(config: Any, devices: int) -> Any:
     """``config`` with the mesh, micro-batches, schedule, remat and balance the planner picks
     for ``devices`` devices; flags the user gave explicitly stay as given."""
@@ -93,28 +82,29 @@ def _planned(config: Any, devices: int) -> Any:
 
     import keras
 
-    from hybrid.planning import planner
-    from hybrid.run_model import build_model
+    from hybrid import planning as planner
+    from hybrid.core.config import layout_of
+    from hybrid.run.user_model import build_model
 
     layers, shape, dtype = build_model(config)
     flags_given = ("schedule", "remat", "micro_batches", "defer_weight_gradients")
     given = {name: FLAGS[name].present for name in flags_given}
-    micro = config.micro_batches
+    micro = config.layout.micro_batches
     memory = FLAGS.memory_per_device_gib
     choice = planner.choose_mesh(
         layers,
         (shape, dtype),
         devices=devices,
-        global_batch=config.global_batch_size,
+        global_batch=config.data.global_batch_size,
         memory_per_device=memory * 2**30 if memory else None,
-        schedule=config.schedule if given["schedule"] else None,
-        remat=config.remat if given["remat"] else None,
+        schedule=config.layout.schedule if given["schedule"] else None,
+        remat=config.layout.remat if given["remat"] else None,
         micro_batches=micro if given["micro_batches"] and micro != "auto" else None,
-        defer_weight_gradients=config.defer_weight_gradients
+        defer_weight_gradients=config.layout.defer_weight_gradients
         if given["defer_weight_gradients"]
         else None,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        optimizer=lambda: keras.optimizers.Adam(config.learning_rate),
+        optimizer=lambda: keras.optimizers.Adam(config.optimizer.learning_rate),
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
         if config.platform == "cpu"
         else None,
@@ -128,17 +118,15 @@ def _planned(config: Any, devices: int) -> Any:
         f"--defer_weight_gradients={run.defer_weight_gradients} (predicted "
         f"{choice.step_time * 1e3:.1f} ms/step, {choice.peak_memory / 2**20:.0f} MiB/device)"
     )
-    planned = {name: getattr(run, name) for name in _PLANNED}
-    return dataclasses.replace(config, mesh=run.mesh_spec, **planned)
+    return dataclasses.replace(config, mesh=run.mesh_spec, layout=layout_of(run))
 
 
 def config_from_flags() -> Any:
     """The frozen TrainConfig the flags describe: every field is the flag of its name."""
-    import dataclasses
 
-    from hybrid.trainer import TrainConfig
+    from hybrid.run.train_config import FIELDS, TrainConfig
 
-    values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)}
+    values: dict[str, Any] = {name: FLAGS[name].value for name in FIELDS}
     if values["mesh"] != "auto":  # one spelling, so a resumed run sees no change of form
         from hybrid.core.mesh import parse_spec
 
@@ -147,7 +135,7 @@ def config_from_flags() -> Any:
     values["balance"] = parse_balance(FLAGS.balance)
     values["micro_batches"] = parse_micro_batches(FLAGS.micro_batches)
     values["profile_steps"] = parse_profile_steps(FLAGS.profile_steps)
-    return TrainConfig(**values)
+    return TrainConfig.of(**values)
 
 
 def pause_hook(value: str | None = None) -> Any:
@@ -182,12 +170,12 @@ def train_on_tpu(
 ) -> Any:
     """Trains on a connected TPU system (``tpu_node.TPUSystem``): the mesh placed on its
     topology (``tpu_mesh.layout``), each step one TPU program per replica under the
-    layout's ``TPUStrategy`` (``StrategyPipeline``)."""
+    layout's ``TPUStrategy`` (``Pipeline(strategy=)``)."""
     import tensorflow as tf
 
     from hybrid.core.mesh import parse_spec
     from hybrid.platforms import tpu_mesh
-    from hybrid.trainer import train
+    from hybrid.run.trainer import train
 
     stages, replicas = parse_spec(config.mesh)
     job = tf.DeviceSpec.from_string(system.devices[0]).job if system.devices else None
@@ -249,7 +237,7 @@ def _dry_run(config: Any) -> None:
     """``--dry_run``: the plan of the run on this host's devices, then nothing."""
     import hybrid
     from hybrid.core.mesh import parse_spec
-    from hybrid.dry_run import dry_run
+    from hybrid.run.dry_run import dry_run
 
     if FLAGS.cluster is not None or config.platform == "tpu":
         raise ValueError(
@@ -266,7 +254,7 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     """Trains where the flags say: a cluster, a Cloud TPU, or this host's devices."""
     import hybrid
     from hybrid.core.mesh import parse_spec
-    from hybrid.trainer import train
+    from hybrid.run.trainer import train
 
     if config.platform == "gpu" and FLAGS.cluster is None:
         _check_gpus(config)
@@ -321,9 +309,9 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, ModuleNotFoundError) and missing_dependency("", err) is not None:
         print(f"error: {missing_dependency('hybrid-train', err)}", file=sys.stderr)
         return 1
-    from hybrid.checkpoint import CheckpointError, error_line
-    from hybrid.run_lock import RunLockError
-    from hybrid.trainer import NonFiniteLossError
+    from hybrid.run.checkpoint import CheckpointError, error_line
+    from hybrid.run.run_lock import RunLockError
+    from hybrid.run.trainer import NonFiniteLossError
 
     lines = str(err).strip().splitlines() or [type(err).__name__]
     if isinstance(err, NonFiniteLossError):
@@ -375,20 +363,20 @@ def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
 def outputs(config: Any) -> list[str]:
     """Where the run's outputs are, one line each, and the command that shows its curves."""
     lines = []
-    if config.model_dir:
+    if config.outputs.model_dir:
         lines.append(
-            f"  model_dir   {config.model_dir} (checkpoints ckpt-<step>, run_config.json; "
+            f"  model_dir   {config.outputs.model_dir} (checkpoints ckpt-<step>, run_config.json; "
             "TensorBoard events in train/)"
         )
-    if config.export_dir:
+    if config.outputs.export_dir:
         lines.append(
-            f"  export_dir  {config.export_dir} (SavedModel; per stage: "
-            f"{os.path.join(config.export_dir, 'stages')}, hybrid.serving.load)"
+            f"  export_dir  {config.outputs.export_dir} (SavedModel; per stage: "
+            f"{os.path.join(config.outputs.export_dir, 'stages')}, hybrid.run.serving.load)"
         )
-    if config.keras_file:
-        lines.append(f"  keras_file  {config.keras_file} (keras.saving.load_model)")
-    if config.model_dir:
-        lines.append(f"  tensorboard --logdir {config.model_dir}")
+    if config.outputs.keras_file:
+        lines.append(f"  keras_file  {config.outputs.keras_file} (keras.saving.load_model)")
+    if config.outputs.model_dir:
+        lines.append(f"  tensorboard --logdir {config.outputs.model_dir}")
     return ["outputs:", *lines] if lines else ["outputs: none (give --model_dir to keep the run)"]
 
 
@@ -407,7 +395,7 @@ def main(argv: list[str]) -> None:
         with interrupts.installed():
             config, result = _run(config_from_flags(), pause_hook(), interrupts.stop)
     except KeyboardInterrupt:
-        from hybrid.checkpoint import latest_step
+        from hybrid.run.checkpoint import latest_step
 
         step = latest_step(FLAGS.model_dir) if FLAGS.model_dir else None
         kept = (

@@ -11,8 +11,8 @@ from typing import Any
 
 from absl import flags
 
-from hybrid.data_sources import is_function_spec
 from hybrid.launch import cloud_tpu, model_flags
+from hybrid.run.data_sources import is_function_spec
 
 FLAGS = flags.FLAGS
 
@@ -63,6 +63,12 @@ def _define_mesh_flags() -> None:
         False,
         "Each stage computes its weight gradients once per step over all its micro-batches "
         "(exact; needs --remat=never; keeps every micro-batch's activations to the end).",
+    )
+    flags.DEFINE_bool(
+        "shard_optimizer_states",
+        False,
+        "Each of a stage's replicas holds the optimizer state of, and updates, its share of "
+        "the stage's variables (ZeRO-1: optimizer state / R per device; exact).",
     )
     flags.DEFINE_enum(
         "boundary_dtype",
@@ -144,7 +150,7 @@ def _define_run_flags() -> None:
         "export_dir",
         None,
         "At the end, write a SavedModel for serving here (serve, serving_default) and one per "
-        "stage under EXPORT_DIR/stages (hybrid.serving).",
+        "stage under EXPORT_DIR/stages (hybrid.run.serving).",
     )
     flags.DEFINE_string(
         "keras_file",
@@ -181,7 +187,7 @@ def _register_validators() -> None:
         [
             "mesh", "micro_batches", "global_batch_size", "schedule", "remat", "virtual_stages",
             "balance", "model", "depth", "simulated_devices", "platform",
-            "defer_weight_gradients",
+            "defer_weight_gradients", "shard_optimizer_states",
         ],
         _check_run_config,
     )  # fmt: skip
@@ -222,6 +228,7 @@ _FLAGS_OF_FIELD = {
     "global_batch": ("global_batch_size",),
     "num_layers": ("model", "depth"),
     "defer_weight_gradients": ("defer_weight_gradients",),
+    "shard_optimizer_states": ("shard_optimizer_states",),
 }
 
 
@@ -291,6 +298,7 @@ def _check_run_config(values: dict[str, Any]) -> bool:
         balance=parse_balance(values["balance"]),
         global_batch=values["global_batch_size"],
         defer_weight_gradients=values["defer_weight_gradients"],
+        shard_optimizer_states=values["shard_optimizer_states"],
         num_layers=None
         if is_function_spec(values["model"])
         else catalog.num_layers(values["model"], values["depth"]),
@@ -301,6 +309,11 @@ def _check_run_config(values: dict[str, Any]) -> bool:
         named = dict.fromkeys(f for a in err.arguments for f in _FLAGS_OF_FIELD.get(a, ()))
         given = " ".join(f"--{name}={values[name]}" for name in named)
         raise flags.ValidationError(f"{given}: {err}") from None
+    if values["platform"] == "tpu" and values["shard_optimizer_states"]:
+        raise flags.ValidationError(
+            "--shard_optimizer_states: the TPU step's optimizer is one mirrored copy per "
+            "replica, which cannot be split yet; leave --shard_optimizer_states off"
+        )
     if values["platform"] == "tpu" and values["defer_weight_gradients"]:
         raise flags.ValidationError(
             "--defer_weight_gradients needs stage programs of their own, but --platform=tpu "
@@ -350,8 +363,8 @@ def _check_run(values: dict[str, Any]) -> bool:
 
 def _check_output_paths(values: dict[str, Any]) -> bool:
     """Every output path writable, none under a regular file, no export overwritten
-    (``hybrid.output_paths``, which ``train`` applies too)."""
-    from hybrid.output_paths import check_output_paths
+    (``hybrid.run.output_paths``, which ``train`` applies too)."""
+    from hybrid.run.output_paths import check_output_paths
 
     try:
         check_output_paths(values["model_dir"], values["export_dir"], values["keras_file"])

@@ -11,8 +11,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hybrid.engine.layer_costs import block
-from hybrid.engine.stage import StageReplica, TensorSpec
+from hybrid.engine.model.layer_costs import block
+from hybrid.engine.step.stage import StageReplica, TensorSpec
 
 __all__ = [
     "PROGRAMS",

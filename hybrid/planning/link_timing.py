@@ -9,7 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.planning.timing import net_seconds
+from hybrid.planning.stopwatch import net_seconds
 
 __all__ = ["measure_all_reduce", "measure_transfer"]
 
@@ -20,11 +20,12 @@ def measure_all_reduce(
     """Median seconds of one mean all-reduce of a float32 vector over ``devices``, per size,
     beyond launching the graph function that runs it.
 
-    Runs the engine's own collective (:class:`hybrid.engine.collectives.ReplicaGroup`), one vector
+    Runs the engine's own collective
+    (:class:`hybrid.engine.step.collectives.ReplicaGroup`), one vector
     per device, inside a graph function, timed in alternation with the same function without
     the collective (its launch cost is subtracted).
     """
-    from hybrid.engine.collectives import ReplicaGroup
+    from hybrid.engine.step.collectives import ReplicaGroup
 
     group = ReplicaGroup(devices)
 

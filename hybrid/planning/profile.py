@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from hybrid.engine.layer_costs import block
-from hybrid.engine.objective import Objective
-from hybrid.engine.stage import StageReplica, TensorSpec
-from hybrid.engine.template import optimizer_copies
+from hybrid.engine.model.layer_costs import block
+from hybrid.engine.model.objective import Objective
+from hybrid.engine.model.optimizers import optimizer_copies
+from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.planning.layer_programs import (
     PROGRAMS,
     Probe,
@@ -26,7 +26,7 @@ from hybrid.planning.layer_programs import (
     signature,
 )
 from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
-from hybrid.planning.timing import median_seconds, run_seconds
+from hybrid.planning.stopwatch import median_seconds, run_seconds
 
 __all__ = [
     "LayerMeasurement",
@@ -155,7 +155,8 @@ def measure_layers(
         work   = the allocator's peak above that while forward_backward runs
 
     where t is the time of one of ``chain`` back-to-back repetitions inside one graph
-    function, with the programs the engine runs (:class:`hybrid.engine.stage.StageReplica`), and
+    function, with the programs the engine runs
+    (:class:`hybrid.engine.step.stage.StageReplica`), and
     "identity" is a one-weight layer whose programs do next to no work: the difference is
     compute only. Every program is compiled first; then ``repeats`` rounds time every
     program of every layer once, each beside its identity twin, and each figure is the

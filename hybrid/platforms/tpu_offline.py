@@ -2,7 +2,7 @@
 
     topology = tf.tpu.experimental.Topology(mesh_shape=..., device_coordinates=...)
     strategy, tpu = offline_strategy(topology, stages=2, replicas=2)
-    pipe = StrategyPipeline(model, tpu.mesh, loss, optimizer, strategy=strategy)
+    pipe = Pipeline(model, tpu.mesh, strategy=strategy); pipe.compile(optimizer, loss)
     program = pipe.traced_train_step(x, y)       # the step's graph, never executed
 
 ``TPUStrategy`` asks its cluster resolver for the slice (``get_tpu_system_metadata``: the

@@ -1,0 +1,283 @@
+"""What the launcher does around each training step, as a Keras callback of ``fit``:
+time it, stop on a non-finite loss, log, write TensorBoard scalars, checkpoint, profile,
+report the timed steps of ``--timeline_every`` (per device compute, transfers, all-reduce,
+idle: a log line, TensorBoard scalars under ``timeline/``, a Gantt PNG, and a warning when
+communication passes 30 % of the step), and call the caller's ``step_callback`` (the
+supervisor and the fault-injection tests use it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import keras
+import tensorflow as tf
+
+from hybrid.engine.api.pipeline import Pipeline
+from hybrid.engine.step.clocks import StepView
+from hybrid.run import resume, timeline
+from hybrid.run.checkpoint import Checkpointer
+
+if TYPE_CHECKING:
+    from hybrid.run.train_config import TrainConfig
+
+__all__ = ["NonFiniteLossError", "StepCallback", "Steps"]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or Inf; the message names the step and the last good checkpoint."""
+
+
+StepCallback = Callable[[int, float], None]
+NAMES = ("compute", "transfer", "all-reduce", "idle")  # a timed step's shares, in order
+
+
+class _Progress:
+    """Step times after the first (compiling) step of this call, for rates and the ETA."""
+
+    def __init__(self, batch: int, remaining: int) -> None:
+        self.batch, self.remaining = batch, remaining
+        self.timed, self.seconds, self.last = 0, 0.0, 0.0
+
+    def add(self, seconds: float, first: bool) -> None:
+        self.remaining -= 1
+        self.last = seconds
+        if not first:
+            self.timed += 1
+            self.seconds += seconds
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.batch * self.timed / self.seconds if self.timed else 0.0
+
+    @property
+    def eta(self) -> str:
+        per_step = self.seconds / self.timed if self.timed else self.last
+        seconds = int(round(per_step * self.remaining))
+        return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Steps(keras.callbacks.Callback):
+    """What the launcher does around each step of ``fit``: times it, stops on a non-finite
+    loss, logs and writes TensorBoard scalars, checkpoints, profiles, and calls the
+    ``step_callback``; the model's step is ``start`` + the batch's index + 1. Once ``stop``
+    is set, the step just run is checkpointed (with a saver) and ``fit`` stops after it
+    (``interrupted_at``).
+
+    The first step of the call traces and compiles every stage program: it is announced
+    before it runs and its time said after. With ``config.progress_bar`` a
+    ``keras.utils.Progbar`` starts after it, so its ETA counts compiled steps only, and it
+    shows the step's own loss (the figure of the log lines and the run's last line) and the
+    model's metrics.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        pipe: Pipeline,
+        start: int,
+        saver: Checkpointer | None,
+        writer: tf.summary.SummaryWriter | None,
+        log: Callable[[str], None],
+        step_callback: StepCallback | None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        super().__init__()
+        self.stop = stop
+        self.interrupted_at: int | None = None
+        self.config, self.pipe, self.start, self.saver = config, pipe, start, saver
+        self.writer, self.log, self.step_callback = writer, log, step_callback
+        self.progress = _Progress(config.data.global_batch_size, config.train_steps - start)
+        self.losses: list[float] = []
+        self.last_checkpoint: str | None = None
+        self.began = 0.0
+        self.timeline_seen: StepView | None = None
+        self.bar: keras.utils.Progbar | None = None
+        self.compile_seconds: float | None = None
+        self.validation: dict[str, float] = {}
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if batch == 0:
+            self.log(f"compiling {_programs(self.pipe)} stage programs (the first step)...")
+        _profile(self.config, self.start + batch + 1, "start")
+        self.began = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        config, step = self.config, self.start + batch + 1
+        loss = self.pipe.last_loss
+        self.progress.add(time.perf_counter() - self.began, first=batch == 0)
+        _profile(config, step, "stop")
+        _check_finite(config, step, loss, self.last_checkpoint)
+        self.losses.append(loss)
+        metrics = _metrics(logs)
+        if batch == 0:
+            self.compile_seconds = self.progress.last
+            self.log(f"compiled and ran step {step} in {self.progress.last:.1f} s")
+            if config.progress_bar:
+                self.bar = keras.utils.Progbar(
+                    config.train_steps - self.start, stateful_metrics=["loss", *metrics]
+                )
+        if self.bar is not None:
+            self.bar.update(batch + 1, [("loss", loss), *metrics.items()])
+        if step % config.log_every == 0 or step == config.train_steps:
+            rate = resume.learning_rate(self.pipe)
+            _report(config, step, loss, rate, metrics, self.progress, self.log, self.writer)
+        view = self.pipe.last_timeline
+        if view is not None and view is not self.timeline_seen:
+            self.timeline_seen = view
+            _report_timeline(config, self.pipe, step, view, self.log, self.writer)
+        saved = False
+        if self.saver and (
+            (config.outputs.checkpoint_every and step % config.outputs.checkpoint_every == 0)
+            or step == config.train_steps
+        ):
+            self.last_checkpoint, saved = self.saver.save(step), True
+        if self.step_callback is not None:
+            self.step_callback(step, loss)
+        if self.stop is not None and self.stop.is_set():
+            if self.saver and not saved:
+                self.last_checkpoint = self.saver.save(step)
+            self.interrupted_at = step
+            self.pipe.stop_training = True
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """Keeps the validation figures (``val_*``) of ``fit``'s end: logged and written."""
+        self.validation = {k: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
+        if not self.validation:
+            return
+        step = self.start + len(self.losses)
+        self.log(
+            f"validation after step {step}: "
+            + "  ".join(f"{k} {v:.4f}" for k, v in self.validation.items())
+        )
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for name, value in self.validation.items():
+                    tf.summary.scalar(name, value)
+
+
+def _programs(pipe: Pipeline) -> int:
+    """How many stage programs a step runs: one per model stage per device."""
+    return sum(len(row) for row in pipe.stages)
+
+
+def _metrics(logs: Any) -> dict[str, float]:
+    """The model's compiled metrics among ``fit``'s batch logs (Keras's running values over
+    the epoch, as its progress bar shows them); the loss is reported on its own."""
+    return {
+        k: float(v)
+        for k, v in (logs or {}).items()
+        if k != "loss" and not k.endswith("_loss") and not k.startswith("val_")
+    }
+
+
+def _check_finite(config: TrainConfig, step: int, loss: float, checkpoint: str | None) -> None:
+    """Raises NonFiniteLossError (naming the step and the last good checkpoint) on NaN/Inf."""
+    if math.isfinite(loss):
+        return
+    kept = (
+        f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+    )
+    raise NonFiniteLossError(
+        f"loss is {loss} at step {step}; stopping without saving ({kept}). Lower "
+        f"learning_rate (now {config.optimizer.learning_rate}) or check the data"
+    )
+
+
+def _report(
+    config: TrainConfig,
+    step: int,
+    loss: float,
+    rate: float,
+    metrics: dict[str, float],
+    progress: _Progress,
+    log: Callable[[str], None],
+    writer: tf.summary.SummaryWriter | None,
+) -> None:
+    """One progress line (unless the progress bar shows), and the TensorBoard scalars when
+    a writer is open (``rate``: the learning rate the optimizer used; ``metrics``: the
+    model's compiled metrics)."""
+    if not config.progress_bar:
+        shown = "".join(f"  {name} {value:.4f}" for name, value in metrics.items())
+        log(
+            f"step {step:6d}/{config.train_steps}  loss {loss:.4f}{shown}  "
+            f"examples/s {progress.examples_per_second:9.1f}  "
+            f"step_time {progress.last * 1e3:8.1f} ms  eta {progress.eta}"
+        )
+    if writer is not None:
+        _scalars(writer, step, loss, rate, metrics, progress)
+
+
+def _scalars(
+    writer: tf.summary.SummaryWriter,
+    step: int,
+    loss: float,
+    rate: float,
+    metrics: dict[str, float],
+    progress: _Progress,
+) -> None:
+    with writer.as_default(step=step):
+        tf.summary.scalar("loss", loss)
+        for name, value in metrics.items():
+            tf.summary.scalar(name, value)
+        tf.summary.scalar("learning_rate", rate)
+        tf.summary.scalar("examples_per_second", progress.examples_per_second)
+        tf.summary.scalar("step_time_ms", progress.last * 1e3)
+
+
+def _report_timeline(
+    config: TrainConfig,
+    pipe: Pipeline,
+    step: int,
+    view: StepView,
+    log: Callable[[str], None],
+    writer: tf.summary.SummaryWriter | None,
+) -> None:
+    """A timed step's breakdown: a log line (and the warning), TensorBoard scalars per
+    pipeline device of replica 0, and its Gantt chart ``model_dir/timeline/step_<n>.png``."""
+    shares = []
+    for d in view.devices:
+        parts = (d.compute, d.transfer, d.all_reduce, d.idle)
+        shares.append(
+            f"device {d.device} "
+            + " ".join(
+                f"{name} {value / d.step:.0%}" for name, value in zip(NAMES, parts, strict=True)
+            )
+        )
+    log(f"timeline step {step}: " + "; ".join(shares) + f" (idle {view.idle_fraction:.0%} mean)")
+    warning = view.warning()
+    if warning:
+        log(f"WARNING {warning}")
+    if writer is not None:
+        with writer.as_default(step=step):
+            for d in view.devices:
+                prefix = f"timeline/device_{d.device}"
+                tf.summary.scalar(f"{prefix}/compute_ms", d.compute * 1e3)
+                tf.summary.scalar(f"{prefix}/transfer_ms", d.transfer * 1e3)
+                tf.summary.scalar(f"{prefix}/all_reduce_ms", d.all_reduce * 1e3)
+                tf.summary.scalar(f"{prefix}/idle_fraction", d.idle / d.step)
+                tf.summary.scalar(f"{prefix}/communication_share", d.communication_share)
+            tf.summary.scalar("timeline/communication_share", view.communication_share)
+            tf.summary.scalar("timeline/idle_fraction", view.idle_fraction)
+    if config.outputs.model_dir:
+        folder = os.path.join(config.outputs.model_dir, "timeline")
+        os.makedirs(folder, exist_ok=True)
+        base = os.path.join(folder, f"step_{step}")
+        timeline.plot_step(view, pipe.schedule, f"step {step}, replica 0", base + ".png")
+        timeline.chrome_trace(view, pipe.schedule, base + ".trace.json", pipe.mesh.pipeline(0))
+
+
+def _profile(config: TrainConfig, step: int, when: str) -> None:
+    """Starts the TF profiler before the first profiled step, stops it after the last."""
+    if config.profile_steps is None or not config.outputs.model_dir:
+        return
+    first, last = config.profile_steps
+    if when == "start" and step == first:
+        tf.profiler.experimental.start(os.path.join(config.outputs.model_dir, "profile"))
+    elif when == "stop" and step == last:
+        tf.profiler.experimental.stop()

@@ -1,0 +1,69 @@
+"""What a run would be, without running it (``hybrid-train --dry_run``)::
+
+    pipe = the run's Pipeline, built on its mesh (nothing compiled, trained or written)
+    print pipe.summary()                      # the stages table
+    profile = the model's layers measured at the run's micro-batch size (hybrid.planning)
+    print evaluate(profile, the run's configuration)   # step time, bubble, memory per device
+
+Your own model (``--model=package.module:fn``) is summarised but not profiled: the planner
+measures layer lists (the reference models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from hybrid import planning as planner
+from hybrid.planning.report import format_bytes, format_time
+from hybrid.run.data_sources import is_function_spec
+from hybrid.run.train_config import TrainConfig
+from hybrid.run.trainer import mesh_for, pipeline_for
+from hybrid.run.user_model import build_model, optimizer_for
+
+__all__ = ["dry_run"]
+
+
+def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.Prediction | None:
+    """Prints the run's stages table and (for a reference model) the planner's prediction
+    of its step time, bubble and memory per device; returns the prediction (None when the
+    model is yours)."""
+    pipe, _, _ = pipeline_for(config, mesh_for(config))
+    spec = config.mesh.replace(";", ",")
+    log(f"dry run of --mesh={spec}: nothing is compiled, trained or written")
+    pipe.summary(print_fn=log)
+    if is_function_spec(config.model.name):
+        log(
+            "predicted step time and memory: not for your own --model (the planner profiles "
+            "layer lists: hybrid.plan(layers, ...))"
+        )
+        return None
+    layers, shape, dtype = build_model(config)
+    R, M = pipe.mesh.num_replicas, pipe.micro_batches
+    rows = max(1, config.data.global_batch_size // (R * M))
+    import keras
+
+    profile = planner.profile_model(
+        layers,
+        shape,
+        dtype,
+        [rows],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=lambda: optimizer_for(config),
+        repeats=3,
+        verbose=1,
+    )
+    run = dataclasses.replace(pipe.config, balance=tuple(pipe.balance))
+    cpu = config.platform == "cpu"
+    hardware = planner.Hardware(host_cores=os.cpu_count() or 1) if cpu else None
+    prediction = planner.evaluate(profile, run, config.data.global_batch_size, hardware)
+    memory = ", ".join(
+        f"device {d} {format_bytes(m)}" for d, m in enumerate(prediction.memory_per_device)
+    )
+    log(
+        f"predicted (profiled at {rows} rows per micro-batch): "
+        f"{format_time(prediction.step_time)} per step, bubble {prediction.bubble:.1%}; "
+        f"memory per pipeline device: {memory}"
+    )
+    return prediction
