@@ -1,147 +1,264 @@
-"""Peak activation memory: GPipe vs 1F1B vs interleaved vs ZB-H1, under each remat mode.
+"""Per-stage peak memory, measured in one process per stage and predicted by the planner.
 
-A model whose activations dominate (8 × Dense(1024) + head, batch 4096, M = 16 micro-batches
-of 256) on a 2-stage × 1-replica mesh. Each configuration runs in its own process: build,
-note the bytes TensorFlow's allocator holds (weights, optimizer state), run two steps, and
-report the allocator's peak minus that resident figure. The logical CPU devices share one
-allocator, so the figure covers both devices; the simulated peak in-flight micro-batches per
-device are printed beside it. (XLA's compiler memory is not tensor memory and is not counted.)
+A 2-stage × 1-replica pipeline of ``depth`` × Dense(width) + Dense(10), trained with Adam, runs
+over TensorFlow's multi-host runtime on loopback: each stage's device is the one CPU device of
+its own worker process (``benchmarks/memory_worker.py``), and a client process builds the
+pipeline and runs two steps. Each worker reads its own allocator (BFC, so it keeps statistics:
+``tf.config.experimental.get_memory_info("CPU:0")``) and reports, relative to the bytes held
+once its server had started:
 
-Targets: 1F1B holds ≤ 0.6 × GPipe's peak activation memory (remat "never"); remat "always"
-holds less than "never". With --deferred each schedule also runs with remat "never" and
-deferred weight gradients (``never+deferred``): every micro-batch's activations and output
-gradients held until the stage's one weight-gradient pass.
+    measured peak      = allocator peak − baseline          (what the stage needed at most)
+    measured resident  = allocator current at the end − baseline
+                         (weights + optimizer slots + what the engine keeps between steps)
+    measured transient = peak − resident (gradient accumulators, activations in flight,
+                         received micro-batches, XLA temporaries)
 
-    python benchmarks/memory.py
+Beside each, the cost model's prediction for that stage (``hybrid.planning.cost_model.evaluate``
+on a profile measured on one device at the micro-batch size) and its terms: parameters,
+gradients, optimizer state (Adam: 2 × parameters), activations. Every schedule × remat mode of
+the grid runs in its own three processes.
+
+    python benchmarks/memory.py                         # gpipe, 1f1b × never, always
+    python benchmarks/memory.py --schedules=gpipe,1f1b --remats=never,except_last,always
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 from absl import app, flags
 
 import common
 
-common.define_model_flags(depth=8, batch=4096)
-flags.DEFINE_integer("micro_batches", 16, "Micro-batches M.")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb-h1"], "Schedules.")
-flags.DEFINE_list("remats", ["never", "except_last", "always"], "Remat modes.")
+common.define_model_flags(depth=4, batch=512, width=256)
+flags.DEFINE_integer("micro_batches", 4, "Micro-batches M.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules.")
+flags.DEFINE_list("remats", ["never", "always"], "Remat modes.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
-flags.DEFINE_bool("deferred", True, "Also remat never with deferred weight gradients.")
-flags.DEFINE_string("child", None, "Internal: measure 'schedule,remat' in this process.")
+flags.DEFINE_string("client", None, "Internal: 'schedule,remat,CLUSTER_JSON': run the client.")
 FLAGS = flags.FLAGS
 
+STAGES = 2
+STEPS = 2
 MB = 1024 * 1024
-DEFERRED = "never+deferred"  # remat "never", weight gradients deferred
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_worker.py")
+CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def measure(schedule: str, remat: str) -> dict:
-    """In this process: the peak bytes one training step allocates beyond the resident ones."""
-    import hybrid
-    from hybrid.core import schedule as schedule_lib
+def build_pipeline(mesh: Any, schedule: str, remat: str) -> Any:
+    """The benchmark's pipeline (the one place that calls the Pipeline API)."""
+    import keras
 
-    hybrid.simulate_cpu_devices(2)
-    import tensorflow as tf
-
-    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
-    deferred = remat == DEFERRED
-    pipe = common.schedule_pipeline(
-        schedule,
-        "never" if deferred else remat,
-        FLAGS.micro_batches,
-        1e-4,
+    return common.dense_pipeline(
+        FLAGS.width,
+        FLAGS.depth,
+        mesh,
+        keras.optimizers.Adam(1e-4),
+        micro_batches=FLAGS.micro_batches,
+        schedule=schedule,
+        remat=remat,
         jit_compile=FLAGS.jit_compile,
-        defer_weight_gradients=deferred,
     )
-    inputs = x.numpy().nbytes + y.numpy().nbytes  # the batch itself is not the step's memory
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"] - inputs
-    for _ in range(2):
+
+
+def run_client(schedule: str, remat: str, spec: str) -> None:
+    """In this process: connect to the workers, build (then print ``BUILT`` and wait for a
+    line on stdin), train ``STEPS`` steps (then print ``STEPPED`` and wait again)."""
+    from hybrid.platforms import cluster
+
+    job = cluster.connect(spec, timeout_s=60.0)
+    mesh = cluster.mesh(job, stages=STAGES, replicas=1)
+    pipe = build_pipeline(mesh, schedule, remat)
+    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    print("DEVICES " + json.dumps([list(row) for row in mesh.devices]), flush=True)
+    print("BUILT", flush=True)
+    sys.stdin.readline()
+    for _ in range(STEPS):
         pipe.train_step(x, y)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - inputs
-    return {
-        "schedule": schedule,
-        "remat": remat,
-        "peak_activation_mib": (peak - resident) / MB,
-        "resident_mib": resident / MB,
-        "simulated_peak_in_flight": list(schedule_lib.simulate(pipe.schedule).peak_in_flight),
-    }
+    print("STEPPED", flush=True)
+    sys.stdin.readline()
 
 
-def measure_in_child(schedule: str, remat: str) -> dict[str, Any]:
-    """:func:`measure` in a fresh process, with the allocator that keeps statistics."""
-    results = common.run_child(
-        [os.path.abspath(__file__), f"--child={schedule},{remat}"]
-        + common.flag_args(*common.MODEL_FLAGS, "micro_batches", "jit_compile"),
-        # TensorFlow's default CPU allocator keeps no statistics; its BFC allocator does.
-        env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
-        timeout=600,
+def _free_ports(count: int) -> list[int]:
+    import contextlib
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def _line(process: subprocess.Popen, prefix: str) -> str:
+    """The rest of the next line of ``process``'s stdout that starts with ``prefix``."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    raise RuntimeError(f"{process.args[1]} ended (exit {process.wait()}) before {prefix!r}")
+
+
+def _snapshot(workers: list[subprocess.Popen]) -> list[dict[str, int]]:
+    """Every worker's allocator figures, now."""
+    for w in workers:
+        assert w.stdin is not None
+        w.stdin.write("\n")
+        w.stdin.flush()
+    return [json.loads(_line(w, "MEMORY ")) for w in workers]
+
+
+def _go(client: subprocess.Popen) -> None:
+    assert client.stdin is not None
+    client.stdin.write("\n")
+    client.stdin.flush()
+
+
+def measure(schedule: str, remat: str) -> list[dict[str, float]]:
+    """Per stage, in MiB of its worker process's allocator beyond the bytes held when its
+    server started: ``built`` (after building), ``resident`` (after ``STEPS`` steps),
+    ``peak`` (the high-water mark), ``transient`` (peak − resident)."""
+    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in _free_ports(STAGES)]})
+    env = {**os.environ, **CHILD_ENV}
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
+    workers = [
+        subprocess.Popen([sys.executable, WORKER, f"--cluster={spec}", f"--task_index={i}"], **pipes)
+        for i in range(STAGES)
+    ]
+    client = None
+    try:
+        for w in workers:
+            _line(w, "READY")
+        client = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), f"--client={schedule},{remat},{spec}"]
+            + common.flag_args(*common.MODEL_FLAGS, "micro_batches", "jit_compile"),
+            **pipes,
+        )
+        devices = json.loads(_line(client, "DEVICES "))
+        if any(f"task:{s}/" not in devices[s][0] for s in range(STAGES)):
+            raise RuntimeError(f"stage s should be on task s: {devices}")
+        _line(client, "BUILT")
+        built = _snapshot(workers)
+        _go(client)
+        _line(client, "STEPPED")
+        after = _snapshot(workers)
+        _go(client)
+        if client.wait(60):
+            raise RuntimeError(f"the client failed (exit {client.returncode})")
+    finally:
+        for p in workers + ([client] if client else []):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [
+        {
+            "built": (b["current"] - b["baseline"]) / MB,
+            "peak": (a["peak"] - a["baseline"]) / MB,
+            "resident": (a["current"] - a["baseline"]) / MB,
+            "transient": (a["peak"] - a["current"]) / MB,
+        }
+        for b, a in zip(built, after, strict=True)
+    ]
+
+
+def predict(schedules: list[str], remats: list[str]) -> dict[tuple[str, str], list[dict]]:
+    """Per (schedule, remat): the cost model's per-stage terms, in MiB."""
+    import keras
+
+    from hybrid.core.config import RunConfig
+    from hybrid.planning import cost_model, costs
+
+    b = FLAGS.batch // FLAGS.micro_batches
+    profile = costs.profile_model(
+        common.dense_stack(FLAGS.width, FLAGS.depth),
+        (FLAGS.width,),
+        "float32",
+        [b],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        target_shape=(),
+        repeats=1,
     )
-    row = results[-1]
-    print(
-        f"  {schedule:12s} {remat:12s} peak activations "
-        f"{row['peak_activation_mib']:8.1f} MiB   (resident {row['resident_mib']:.1f} MiB,"
-        f" in flight per device {row['simulated_peak_in_flight']})"
-    )
-    return row
+    out = {}
+    for s in schedules:
+        for r in remats:
+            config = RunConfig(STAGES, 1, FLAGS.micro_batches, s, r)
+            p = cost_model.evaluate(profile, config, FLAGS.batch, optimizer_slots=2)
+            out[(s, r)] = [
+                {k: v / MB for k, v in terms.items()} for terms in p.memory_terms
+            ]
+    return out
 
 
-def ratios(rows: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
-    """1F1B / GPipe peak activations (remat never), and always / never for each schedule."""
-
-    def peak(schedule: str, remat: str) -> float:
-        for row in rows:
-            if row["schedule"] == schedule and row["remat"] == remat:
-                return row["peak_activation_mib"]
-        return float("nan")
-
-    ratio = peak("1f1b", "never") / peak("gpipe", "never")
-    if FLAGS.deferred:
-        for s in FLAGS.schedules:
-            print(f"  {s:12s} deferred / never: {peak(s, DEFERRED) / peak(s, 'never'):.3f}")
-    return ratio, {s: peak(s, "always") / peak(s, "never") for s in FLAGS.schedules}
-
-
-def write_results(env: dict[str, Any], rows: list[dict[str, Any]], **figures: Any) -> None:
-    """memory.json (environment, config, rows, ``figures``), memory.csv and memory.png."""
+def write_results(env: dict[str, Any], rows: list[dict[str, Any]], worst: float) -> None:
     config = common.flag_values(
         *common.MODEL_FLAGS, "micro_batches", "schedules", "remats", "jit_compile"
     )
     path = common.write_json(
-        "memory", {"environment": env, "config": config, "rows": rows, **figures}
+        "memory", {"environment": env, "config": config, "rows": rows, "worst_error": worst}
     )
     csv_path = common.write_csv("memory", rows)
-    common.bar_chart(
-        "memory",
-        {f"{r['schedule']}\n{r['remat']}": r["peak_activation_mib"] for r in rows},
-        "peak activation MiB",
-        f"2 stages, M={FLAGS.micro_batches}, batch {FLAGS.batch}",
-    )
-    print(f"  wrote {path} and {csv_path}")
+    _chart(rows)
+    print(f"  wrote {path}, {csv_path} and memory.png")
+
+
+def _chart(rows: list[dict[str, Any]]) -> None:
+    """One bar group per (schedule, remat, stage): predicted beside measured peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['schedule']}\n{r['remat']}\nstage {r['stage']}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    ax.bar([x - 0.2 for x in xs], [r["measured_peak_mib"] for r in rows], 0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], [r["predicted_peak_mib"] for r in rows], 0.4, label="predicted")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("peak MiB per stage")
+    ax.set_title(f"{STAGES} stages, M={FLAGS.micro_batches}, batch {FLAGS.batch}, Adam")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.RESULTS, "memory.png"))
 
 
 def main(argv: list[str]) -> None:
     del argv
-    if FLAGS.child:
-        schedule, remat = FLAGS.child.split(",")
-        print("RESULT " + json.dumps(measure(schedule, remat)))
+    if FLAGS.client:
+        schedule, remat, spec = FLAGS.client.split(",", 2)
+        run_client(schedule, remat, spec)
         return
-    env = common.start("memory", devices=2)  # as in every child, for the environment header
-    activation_mb = FLAGS.batch // FLAGS.micro_batches * FLAGS.width * 4 / MB
-    print(f"  one layer's output for one micro-batch: {activation_mb:.2f} MiB")
-    remats = FLAGS.remats + ([DEFERRED] if FLAGS.deferred else [])
-    rows = [measure_in_child(s, r) for s in FLAGS.schedules for r in remats]
-    ratio, always_vs_never = ratios(rows)
-    print(f"  1F1B / GPipe peak activations (remat never): {ratio:.3f} (target <= 0.6)")
-    for s, r in always_vs_never.items():
-        print(f"  {s:12s} always / never: {r:.3f} (target < 1)")
-    write_results(env, rows, ratio_1f1b_vs_gpipe=ratio, always_vs_never=always_vs_never)
-    print(
-        f"SUMMARY memory ratio_1f1b_vs_gpipe={ratio:.3f} "
-        + " ".join(f"always_vs_never_{s}={r:.3f}" for s, r in always_vs_never.items())
-    )
+    env = common.start("memory", devices=1)
+    predicted = predict(FLAGS.schedules, FLAGS.remats)
+    rows = []
+    for s in FLAGS.schedules:
+        for r in FLAGS.remats:
+            for stage, (m, p) in enumerate(zip(measure(s, r), predicted[(s, r)], strict=True)):
+                row = {
+                    "schedule": s, "remat": r, "stage": stage,
+                    "measured_peak_mib": m["peak"],
+                    "predicted_peak_mib": p["total"],
+                    "error": p["total"] / m["peak"] - 1,
+                    "measured_built_mib": m["built"],
+                    "measured_resident_mib": m["resident"],
+                    "measured_transient_mib": m["transient"],
+                    **{f"predicted_{k}_mib": v for k, v in p.items() if k != "total"},
+                }
+                rows.append(row)
+                print(
+                    f"  {s:6s} {r:12s} stage {stage}: measured {m['peak']:7.2f} MiB "
+                    f"(built {m['built']:5.2f}, resident {m['resident']:5.2f}, "
+                    f"transient {m['transient']:5.2f})  predicted {p['total']:7.2f} "
+                    f"{ {k: round(v, 2) for k, v in p.items() if k != 'total'} } "
+                    f"error {row['error']:+.1%}",
+                    flush=True,
+                )
+    worst = max(abs(row["error"]) for row in rows)
+    write_results(env, rows, worst)
+    print(f"SUMMARY memory configs={len(rows) // STAGES} stages={STAGES} worst_error={worst:.3f}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ allocator.
 
     python benchmarks/memory_worker.py --cluster=JSON --task_index=I
 
-Serves task I of ``--cluster`` (one CPU device) like ``hybrid.launch.worker``, and prints
+Serves task I of ``--cluster`` (one CPU device) like ``hybrid.launch.worker``, prints
+``READY``, and for every line it reads on stdin prints
 ``MEMORY {"baseline": B, "current": C, "peak": P}`` (bytes of this process's CPU allocator:
-after the server started; at exit; the high-water mark) when it reads a line on stdin, then
-exits. The parent runs it with ``TF_CPU_ALLOCATOR_USE_BFC=true``: TensorFlow's default CPU
+after the server started; now; the high-water mark so far); at ``exit`` or the end of stdin it
+exits. Read them while the client is connected: its variables are freed when it leaves. The parent runs it with ``TF_CPU_ALLOCATOR_USE_BFC=true``: TensorFlow's default CPU
 allocator keeps no statistics, its BFC allocator does. Every tensor a stage's ops allocate on
 this task's device (weights, gradient accumulators, optimizer slots, activations, transfers
 received from the other task) comes from this process's allocator, and nothing else does.
@@ -37,9 +38,11 @@ def main() -> int:
     server = cluster.start_server(cluster.cluster_spec(args.cluster), "worker", args.task_index, 1)
     baseline = tf.config.experimental.get_memory_info("CPU:0")["current"]
     print("READY", flush=True)
-    sys.stdin.readline()  # the parent writes a line (or closes stdin) when the client is done
-    info = tf.config.experimental.get_memory_info("CPU:0")
-    print("MEMORY " + json.dumps({"baseline": baseline, **info}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "exit":
+            break
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        print("MEMORY " + json.dumps({"baseline": baseline, **info}), flush=True)
     del server
     os._exit(0)  # a tf.distribute.Server cannot be stopped; end the process
 

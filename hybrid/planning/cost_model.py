@@ -44,6 +44,9 @@ class Prediction:
       bubble: idle share of the pipeline devices over the makespan.
       memory_per_device: peak bytes of each pipeline device (equal on every replica).
       peak_in_flight: per pipeline device, micro-batches whose activations it holds at once.
+      memory_terms: per pipeline device, ``memory_per_device`` in its terms (bytes):
+        ``params``, ``gradients`` (the accumulator), ``optimizer`` (slots), ``all_reduce``
+        (flattened buffers, R > 1), ``activations`` and their ``total``.
     """
 
     config: RunConfig
@@ -55,6 +58,7 @@ class Prediction:
     bubble: float
     memory_per_device: tuple[float, ...]
     peak_in_flight: tuple[int, ...]
+    memory_terms: tuple[dict[str, float], ...] = ()
 
     @property
     def throughput(self) -> float:
@@ -90,6 +94,7 @@ class _DeviceCost:
     update: float
     work: float
     memory: float
+    terms: dict[str, float]
 
 
 def evaluate(
@@ -163,6 +168,7 @@ def evaluate(
         bubble=float(run.bubble_fraction),
         memory_per_device=tuple(dev.memory for dev in devices),
         peak_in_flight=tuple(run.peak_in_flight),
+        memory_terms=tuple(dev.terms for dev in devices),
     )
 
 
@@ -258,7 +264,12 @@ def _device_cost(
     params = sum(stages[k].params for k in ks)
     reduce = all_reduce_time(params, R, hardware.replica)
     update = sum(stages[k].update for k in ks) + hardware.action_overhead * len(ks)
-    resident = params * (2 + optimizer_slots) + (2 * params if R > 1 else 0.0)
+    terms = {
+        "params": params,
+        "gradients": params,
+        "optimizer": optimizer_slots * params,
+        "all_reduce": 2 * params if R > 1 else 0.0,
+    }
     fused = fused_pairs(sched)
     held = max(
         deferred_bytes(stages[k], whole[k], M)
@@ -276,7 +287,8 @@ def _device_cost(
         reduce=reduce,
         update=update,
         work=R * (float(run.busy[d]) / _sharing(config, hardware) + reduce + update),
-        memory=resident + held,
+        memory=sum(terms.values()) + held,
+        terms={**terms, "activations": held, "total": sum(terms.values()) + held},
     )
 
 
