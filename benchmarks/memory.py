@@ -68,17 +68,23 @@ def build_pipeline(mesh: Any, schedule: str, remat: str) -> Any:
 def run_client(schedule: str, remat: str, spec: str) -> None:
     """In this process: connect to the workers, build (then print ``BUILT`` and wait for a
     line on stdin), train ``STEPS`` steps (then print ``STEPPED`` and wait again)."""
+    import tensorflow as tf
+
     from hybrid.platforms import cluster
 
     job = cluster.connect(spec, timeout_s=60.0)
     mesh = cluster.mesh(job, stages=STAGES, replicas=1)
-    pipe = build_pipeline(mesh, schedule, remat)
-    x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    # Connecting makes the first worker the default device: keep the Keras template model and
+    # the batch in this process, so a worker holds only what its stage's programs put there.
+    with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
+        pipe = build_pipeline(mesh, schedule, remat)
+        x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
     print("DEVICES " + json.dumps([list(row) for row in mesh.devices]), flush=True)
     print("BUILT", flush=True)
     sys.stdin.readline()
-    for _ in range(STEPS):
-        pipe.train_step(x, y)
+    with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
+        for _ in range(STEPS):
+            pipe.train_step(x, y)
     print("STEPPED", flush=True)
     sys.stdin.readline()
 

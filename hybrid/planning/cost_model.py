@@ -27,7 +27,7 @@ from hybrid.planning.stage_costs import (
     fused_pairs,
 )
 
-__all__ = ["Prediction", "evaluate"]
+__all__ = ["Prediction", "evaluate", "memory_terms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +116,9 @@ def evaluate(
         (with host_cores: every compute cost × max(1, S·R / host_cores), the devices
          sharing the host's cores; the step at least R · Σ_d (busy_d at full speed +
          all_reduce_d + update_d) / host_cores and R · M · Σ_k arrays_k · tensor_overhead)
-        memory_d = param bytes on d · (2 + optimizer_slots) + 2 · param bytes if R > 1
-                   + the activations peak_in_flight[d] micro-batches hold (its largest stage)
+        memory_d = memory_terms(param bytes on d, optimizer_slots, R,
+                                the activations peak_in_flight[d] micro-batches hold
+                                (its largest stage), ...)["total"]
 
     (weights, the gradient accumulator and the optimizer slots; the flattened all-reduce
     buffers; activations by remat mode, see :func:`activation_bytes`). Deferred weight
@@ -155,7 +156,10 @@ def evaluate(
     run = _simulate(sched, stages, config.remat, hardware, whole)
     ends = _device_ends(sched, run)
     devices = [
-        _device_cost(d, ends[d], sched, stages, run, config, hardware, optimizer_slots, whole)
+        _device_cost(
+            d, ends[d], sched, stages, run, config, hardware, optimizer_slots, whole,
+            profile.param_bytes,
+        )
         for d in range(S)
     ]
     return Prediction(
@@ -257,6 +261,7 @@ def _device_cost(
     hardware: Hardware,
     optimizer_slots: int,
     whole: Sequence[StageCost] | None,
+    profile_params: float,
 ) -> _DeviceCost:
     """Device ``d``'s all-reduce, update, work and memory, and when it finishes the step."""
     R, M = config.replicas, config.micro_batches
@@ -264,12 +269,6 @@ def _device_cost(
     params = sum(stages[k].params for k in ks)
     reduce = all_reduce_time(params, R, hardware.replica)
     update = sum(stages[k].update for k in ks) + hardware.action_overhead * len(ks)
-    terms = {
-        "params": params,
-        "gradients": params,
-        "optimizer": optimizer_slots * params,
-        "all_reduce": 2 * params if R > 1 else 0.0,
-    }
     fused = fused_pairs(sched)
     held = max(
         deferred_bytes(stages[k], whole[k], M)
@@ -282,14 +281,64 @@ def _device_cost(
         )
         for k in ks
     )
+    terms = memory_terms(
+        params=params,
+        optimizer_slots=optimizer_slots,
+        replicas=R,
+        activations=held,
+        template=profile_params if d == 0 else 0.0,
+        batch_input=stages[ks[0]].input * M if ks[0] == 0 else 0.0,
+        deferred=whole is not None,
+    )
     return _DeviceCost(
         finish=end + reduce + update,
         reduce=reduce,
         update=update,
         work=R * (float(run.busy[d]) / _sharing(config, hardware) + reduce + update),
-        memory=sum(terms.values()) + held,
-        terms={**terms, "activations": held, "total": sum(terms.values()) + held},
+        memory=terms["total"],
+        terms=terms,
     )
+
+
+def memory_terms(
+    params: float,
+    optimizer_slots: int,
+    replicas: int,
+    activations: float,
+    template: float = 0.0,
+    batch_input: float = 0.0,
+    deferred: bool = False,
+) -> dict[str, float]:
+    """One pipeline device's peak bytes, by term::
+
+        resident    = params · (1 + optimizer_slots) + template
+        pipeline    = resident + batch_input + gradients + activations
+        update      = resident + batch_input + 2 · params (accumulated, reduced)
+                      + optimizer_slots · params (the update's temporaries)
+        total       = max(pipeline, update) + all_reduce
+
+    ``gradients`` is the accumulator plus one micro-batch's weight gradients beside it
+    (2 · params), or, with deferred weight gradients, the one W's (params). ``template``
+    is the user's Keras model, which the device of stage 0, replica 0 also holds (the engine
+    builds it there); ``batch_input`` the replica's whole input shard, which stage 0 receives
+    and slices into micro-batches; ``all_reduce`` the flattened buffers (2 · params, R > 1).
+    """
+    resident = params * (1 + optimizer_slots) + template
+    gradients = params if deferred else 2 * params
+    pipeline = resident + batch_input + gradients + activations
+    update = resident + batch_input + (2 + optimizer_slots) * params
+    all_reduce = 2 * params if replicas > 1 else 0.0
+    return {
+        "params": params,
+        "template": template,
+        "optimizer": optimizer_slots * params,
+        "batch_input": batch_input,
+        "gradients": gradients,
+        "activations": activations,
+        "update_temporaries": optimizer_slots * params,
+        "all_reduce": all_reduce,
+        "total": max(pipeline, update) + all_reduce,
+    }
 
 
 def _sharing(config: RunConfig, hardware: Hardware) -> float:
