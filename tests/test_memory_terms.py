@@ -1,0 +1,68 @@
+"""The cost model's per-device memory, term by term (``cost_model.memory_terms``), and where
+each term lands in a schedule: what ``benchmarks/memory.py`` compares with each stage's own
+allocator (worst error on its grid in the benchmark's summary line)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hybrid.core.config import RunConfig
+from hybrid.planning import cost_model
+from hybrid.planning.costs import uniform_profile
+
+import runner
+
+S, M = 4, 8
+
+
+def profile():
+    # 8 layers of 100 parameter bytes (2 per stage), 10 stored bytes and 1 output byte per
+    # example, a 3-byte input, working set 5.
+    return uniform_profile(
+        8, param_bytes=100.0, stored_bytes=10.0, output_bytes=1.0, input_bytes=3.0,
+        working_bytes=5.0,
+    )
+
+
+def test_terms_of_one_device():
+    adam = cost_model.memory_terms(params=200.0, optimizer_slots=2, replicas=1, activations=50)
+    assert adam["optimizer"] == 400.0  # Adam: 2 × params
+    assert adam["gradients"] == 400.0  # accumulator + one micro-batch's weight gradients
+    # update phase: 200 weights + 400 slots + 400 gradients + 400 temporaries
+    assert adam["total"] == 1400.0
+    sgd = cost_model.memory_terms(params=200.0, optimizer_slots=0, replicas=1, activations=50)
+    assert sgd["total"] == 200.0 + 400.0 + 50.0  # pipeline phase: weights, gradients, acts
+    deferred = cost_model.memory_terms(200.0, 0, 1, 50.0, deferred=True)
+    # one W's gradients in the pipeline phase (450); the update still holds them and their
+    # reduced copy (200 weights + 2 × 200)
+    assert deferred["gradients"] == 200.0 and deferred["total"] == 600.0
+    replicated = cost_model.memory_terms(200.0, 2, 2, 50.0)
+    assert replicated["total"] == adam["total"] + 400.0  # flattened all-reduce buffers
+    first = cost_model.memory_terms(200.0, 2, 1, 50.0, template=800.0, batch_input=24.0)
+    assert first["total"] == adam["total"] + 800.0 + 24.0
+
+
+def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():
+    p = cost_model.evaluate(profile(), RunConfig(S, 1, M, "1f1b", "never"), M)
+    assert p.peak_in_flight == (4, 3, 2, 1)
+    # each micro-batch (1 example): the 3 or 1 input bytes + 2 layers × 10 stored; + working 5
+    acts = [t["activations"] for t in p.memory_terms]
+    assert acts == pytest.approx([4 * 23 + 5, 3 * 21 + 5, 2 * 21 + 5, 1 * 21 + 5])
+    # stage 0's device also holds the template model (all 800 parameter bytes) and the
+    # replica's whole input (M examples × 3 bytes)
+    assert [t["template"] for t in p.memory_terms] == [800.0, 0.0, 0.0, 0.0]
+    assert [t["batch_input"] for t in p.memory_terms] == [24.0, 0.0, 0.0, 0.0]
+    assert p.memory_per_device == pytest.approx((200 * 7 + 800 + 24, 1400, 1400, 1400))
+    gpipe = cost_model.evaluate(profile(), RunConfig(S, 1, M, "gpipe", "never"), M)
+    assert gpipe.peak_in_flight == (M,) * S
+    sgd = cost_model.evaluate(
+        profile(), RunConfig(S, 1, M, "gpipe", "never"), M, optimizer_slots=0
+    )
+    # without slots the pipeline phase is the peak: M micro-batches' activations
+    assert sgd.memory_per_device[-1] == pytest.approx(200 + 400 + M * 21 + 5)
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
