@@ -64,5 +64,22 @@ def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():
     assert sgd.memory_per_device[-1] == pytest.approx(200 + 400 + M * 21 + 5)
 
 
+def test_plan_says_by_how_much_the_smallest_candidate_misses():
+    from hybrid.planning import search
+
+    # 2 devices: stage 0 of 2×1 (4 layers) needs 400 × 7 (Adam) + 800 template + the input
+    # 8 × 3 = 3624 bytes; 1×2 needs more (800 × 7 + 800 template + 1600 all-reduce buffers)
+    result = search.plan(profile(), devices=2, global_batch=8, memory_per_device=2000)
+    with pytest.raises(ValueError) as error:
+        _ = result.best
+    assert "the smallest candidate, 2x1 M=1 1f1b never, needs 3.54 KiB per device: 1.59 KiB " \
+        "(81%) more than the 1.95 KiB each device has" in str(error.value)
+    fits = search.plan(profile(), devices=2, global_batch=8, memory_per_device=3624)
+    assert fits.best.config.stages == 2
+    assert fits.best.peak_memory == pytest.approx(3624.0)
+    assert all(r.kind == "out of memory" and r.config.stages == 1 for r in fits.rejected
+               if r.prediction is not None)
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -85,9 +85,24 @@ class Plan:
         if not self.ranked:
             raise ValueError(
                 f"no configuration of {self.devices} devices fits a global batch of "
-                f"{self.global_batch}: " + "; ".join(self.reasons())
+                f"{self.global_batch}: " + "; ".join(self.reasons()) + self._smallest_miss()
             )
         return self.ranked[0]
+
+    def _smallest_miss(self) -> str:
+        """By how much the candidate needing the least memory misses the budget ("" when no
+        candidate was out of memory)."""
+        limit = self.hardware.memory_per_device
+        short = [r.prediction for r in self.rejected if r.prediction is not None]
+        if limit is None or not short:
+            return ""
+        smallest = min(short, key=lambda p: p.peak_memory)
+        needs, miss = smallest.peak_memory, smallest.peak_memory - limit
+        return (
+            f"; the smallest candidate, {smallest.config.label()}, needs "
+            f"{format_bytes(needs)} per device: {format_bytes(miss)} "
+            f"({miss / limit:.0%}) more than the {format_bytes(limit)} each device has"
+        )
 
     def reasons(self) -> list[str]:
         """Each kind of rejection with its count and one example, most frequent first:
