@@ -132,7 +132,9 @@ def measure(schedule: str, remat: str) -> list[dict[str, float]]:
     env = {**os.environ, **CHILD_ENV}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
     workers = [
-        subprocess.Popen([sys.executable, WORKER, f"--cluster={spec}", f"--task_index={i}"], **pipes)
+        subprocess.Popen(
+            [sys.executable, WORKER, f"--cluster={spec}", f"--task_index={i}"], **pipes
+        )
         for i in range(STAGES)
     ]
     client = None
@@ -193,9 +195,7 @@ def predict(schedules: list[str], remats: list[str]) -> dict[tuple[str, str], li
         for r in remats:
             config = RunConfig(STAGES, 1, FLAGS.micro_batches, s, r)
             p = cost_model.evaluate(profile, config, FLAGS.batch, optimizer_slots=2)
-            out[(s, r)] = [
-                {k: v / MB for k, v in terms.items()} for terms in p.memory_terms
-            ]
+            out[(s, r)] = [{k: v / MB for k, v in terms.items()} for terms in p.memory_terms]
     return out
 
 
@@ -244,7 +244,9 @@ def main(argv: list[str]) -> None:
         for r in FLAGS.remats:
             for stage, (m, p) in enumerate(zip(measure(s, r), predicted[(s, r)], strict=True)):
                 row = {
-                    "schedule": s, "remat": r, "stage": stage,
+                    "schedule": s,
+                    "remat": r,
+                    "stage": stage,
                     "measured_peak_mib": m["peak"],
                     "predicted_peak_mib": p["total"],
                     "error": p["total"] / m["peak"] - 1,

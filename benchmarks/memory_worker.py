@@ -7,7 +7,8 @@ Serves task I of ``--cluster`` (one CPU device) like ``hybrid.launch.worker``, p
 ``READY``, and for every line it reads on stdin prints
 ``MEMORY {"baseline": B, "current": C, "peak": P}`` (bytes of this process's CPU allocator:
 after the server started; now; the high-water mark so far); at ``exit`` or the end of stdin it
-exits. Read them while the client is connected: its variables are freed when it leaves. The parent runs it with ``TF_CPU_ALLOCATOR_USE_BFC=true``: TensorFlow's default CPU
+exits. Read them while the client is connected: its variables are freed when it leaves.
+The parent runs it with ``TF_CPU_ALLOCATOR_USE_BFC=true``: TensorFlow's default CPU
 allocator keeps no statistics, its BFC allocator does. Every tensor a stage's ops allocate on
 this task's device (weights, gradient accumulators, optimizer slots, activations, transfers
 received from the other task) comes from this process's allocator, and nothing else does.

@@ -21,7 +21,11 @@ def profile():
     # 8 layers of 100 parameter bytes (2 per stage), 10 stored bytes and 1 output byte per
     # example, a 3-byte input, working set 5.
     return uniform_profile(
-        8, param_bytes=100.0, stored_bytes=10.0, output_bytes=1.0, input_bytes=3.0,
+        8,
+        param_bytes=100.0,
+        stored_bytes=10.0,
+        output_bytes=1.0,
+        input_bytes=3.0,
         working_bytes=5.0,
     )
 
@@ -57,9 +61,7 @@ def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():
     assert p.memory_per_device == pytest.approx((200 * 7 + 800 + 24, 1400, 1400, 1400))
     gpipe = cost_model.evaluate(profile(), RunConfig(S, 1, M, "gpipe", "never"), M)
     assert gpipe.peak_in_flight == (M,) * S
-    sgd = cost_model.evaluate(
-        profile(), RunConfig(S, 1, M, "gpipe", "never"), M, optimizer_slots=0
-    )
+    sgd = cost_model.evaluate(profile(), RunConfig(S, 1, M, "gpipe", "never"), M, optimizer_slots=0)
     # without slots the pipeline phase is the peak: M micro-batches' activations
     assert sgd.memory_per_device[-1] == pytest.approx(200 + 400 + M * 21 + 5)
 
@@ -72,13 +74,18 @@ def test_plan_says_by_how_much_the_smallest_candidate_misses():
     result = search.plan(profile(), devices=2, global_batch=8, memory_per_device=2000)
     with pytest.raises(ValueError) as error:
         _ = result.best
-    assert "the smallest candidate, 2x1 M=1 1f1b never, needs 3.54 KiB per device: 1.59 KiB " \
+    assert (
+        "the smallest candidate, 2x1 M=1 1f1b never, needs 3.54 KiB per device: 1.59 KiB "
         "(81%) more than the 1.95 KiB each device has" in str(error.value)
+    )
     fits = search.plan(profile(), devices=2, global_batch=8, memory_per_device=3624)
     assert fits.best.config.stages == 2
     assert fits.best.peak_memory == pytest.approx(3624.0)
-    assert all(r.kind == "out of memory" and r.config.stages == 1 for r in fits.rejected
-               if r.prediction is not None)
+    assert all(
+        r.kind == "out of memory" and r.config.stages == 1
+        for r in fits.rejected
+        if r.prediction is not None
+    )
 
 
 if __name__ == "__main__":

@@ -157,7 +157,15 @@ def evaluate(
     ends = _device_ends(sched, run)
     devices = [
         _device_cost(
-            d, ends[d], sched, stages, run, config, hardware, optimizer_slots, whole,
+            d,
+            ends[d],
+            sched,
+            stages,
+            run,
+            config,
+            hardware,
+            optimizer_slots,
+            whole,
             profile.param_bytes,
         )
         for d in range(S)
