@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+
 import runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
