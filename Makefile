@@ -50,9 +50,10 @@ demo: install
 		--train_steps=$(DEMO_STEPS) --progress_bar --model_dir=$(DEMO_DIR) $(if $(FRESH),--fresh_start)
 
 # The documentation site (mkdocs.yml, docs/) into site/, strict: a broken link, page or API
-# reference fails. A few seconds: the API reference is read from the source, not imported.
+# reference fails (not --quiet: it hides the warnings that strict turns into errors). A few
+# seconds: the API reference is read from the source, not imported.
 docs: install
-	$(VENV)/bin/mkdocs build --strict --quiet
+	$(VENV)/bin/mkdocs build --strict
 
 lint: install
 	$(PY) -m ruff check hybrid tests benchmarks tools
