@@ -312,7 +312,7 @@ class StageReplica:
 
     def _activity_seed(self, activity: Tensors, local: Tensors) -> list[tf.Tensor | None]:
         """``d loss / d penalty`` (the last of ``local``, :meth:`_local`) for each penalty."""
-        return [local[-1]] * len(activity)
+        return [local[-1] for _ in activity]
 
     def _forward_and_backward(
         self,
