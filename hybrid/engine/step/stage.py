@@ -14,6 +14,11 @@ XLA programs that run the segment there:
 ``xs`` and ``ys`` are the tensors crossing the stage's cuts, in the segment's key order;
 ``dxs`` has None for an input that is not a float (token ids) and so has no gradient.
 
+Everything of a copy a program reads (weights, BN moving statistics, the activity penalty's
+seed) is an argument, so the copies of one stage on the R replicas share one trace of their
+forward and backward programs (``share_programs``); each device still compiles it. The
+optimizer update is traced per copy (it updates that copy's own optimizer variables).
+
 The programs call the user's own layer objects (``Layer.__call__``, Keras's call semantics)
 inside a ``keras.StatelessScope`` that binds each of their variables to this device's value,
 as ``Layer.stateless_call`` does: no layer is rebuilt from its config, and a variable two
