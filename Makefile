@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 #   make install TF=tpu-vm TF_PACKAGE='tensorflow-tpu==2.20.*'
 # TF_PACKAGE: extra pip requirements in the same resolver pass (e.g. a TensorFlow version).
 TF ?= cpu
-OTHER_EXTRAS ?= test,plot,tpu
+OTHER_EXTRAS ?= test,plot,tpu,docs
 EXTRAS ?= $(TF),$(OTHER_EXTRAS)
 TF_PACKAGE ?=
 TPU_BUILD := 'tensorflow-tpu>=2.20,<2.22'
@@ -22,7 +22,7 @@ PYTEST_WORKERS ?= 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export TF_ENABLE_ONEDNN_OPTS ?= 0
 
-.PHONY: install demo test lint typecheck unit bench bazel bazel-test bazel-ci tpu-check clean
+.PHONY: install docs demo test lint typecheck unit bench bazel bazel-test bazel-ci tpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ FRESH ?=
 demo: install
 	$(PY) -m hybrid.launch.train --mesh=stage:2,replica:2 --micro_batches=4 \
 		--train_steps=$(DEMO_STEPS) --progress_bar --model_dir=$(DEMO_DIR) $(if $(FRESH),--fresh_start)
+
+# The documentation site (mkdocs.yml, docs/) into site/, strict: a broken link, page or API
+# reference fails (not --quiet: it hides the warnings that strict turns into errors). A few
+# seconds: the API reference is read from the source, not imported.
+docs: install
+	$(VENV)/bin/mkdocs build --strict
 
 lint: install
 	$(PY) -m ruff check hybrid tests benchmarks tools
@@ -110,5 +116,5 @@ bench: install
 	$(PY) benchmarks/tpu_smoke.py
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) benchmarks/results .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) site benchmarks/results .mypy_cache .ruff_cache
 	-bazel clean --expunge 2>/dev/null

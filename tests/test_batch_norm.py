@@ -1,6 +1,6 @@
 """BatchNormalization: exactly Keras with one micro-batch per step, defined otherwise.
 
-The definition (README, ``hybrid/engine/batch_norm.py``): training normalizes each
+The definition (docs/guide/exactness.md, ``engine/model/batch_norm.py``): training normalizes each
 micro-batch with its own statistics; the moving statistics are updated once per step from the
 moments of the layer's input over the whole global batch. So with replicas × micro_batches = 1
 everything equals ``compile`` + ``train_on_batch``; with more, the moving statistics of a BN

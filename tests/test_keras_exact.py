@@ -342,6 +342,38 @@ def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_stage():
     assert all((g.numpy() == 1).all() for stage in out for g in stage)
 
 
+def traces(program):
+    """How many times a stage program was traced: a ``tf.function``'s concrete functions, or
+    one for a pair cut from one trace (``SplitPrograms``)."""
+    count = getattr(program, "experimental_get_tracing_count", None)
+    return count() if count else 1
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_the_copies_of_a_stage_trace_its_programs_once(remat):
+    """At 2×2 the two copies of each stage run the programs traced for the stage once: as
+    many traces as at 2×1, where each stage has one copy (each device still compiles them).
+    Each copy's own values (weights, the activity penalty's seed) are the programs'
+    arguments; that the copies still train as Keras is test_recipe_matches_keras's."""
+
+    def counts(replicas):
+        pipe = hybrid.Pipeline(
+            model(0, "activity"),
+            mesh=hybrid.DeviceMesh.create(2, replicas),
+            micro_batches=2,
+            remat=remat,
+        )
+        pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_for(None), jit_compile=False)
+        for step in range(STEPS):
+            pipe.train_step(*ref.batch(BATCH, seed=step + 1))
+        found = [{id(p): p for copy in row for p in copy.traced_programs()} for row in pipe.stages]
+        return [sum(map(traces, programs.values())) for programs in found]
+
+    one = counts(1)
+    assert min(one) > 0, one
+    assert counts(2) == one
+
+
 def test_the_comparison_can_fail():
     """A pipeline with another reduction must not pass as the Keras run."""
     keras_model = model()

@@ -1,5 +1,5 @@
-"""The package's floors import downwards only, the core needs no TensorFlow, and the README's
-Layout section names every module there is.
+"""The package's floors import downwards only, the core needs no TensorFlow, and the Layout
+section of the design notes (docs/design.md) names every module there is.
 
 Imports are read from the source (every ``import`` statement, at any depth), so a lazy import
 inside a function counts as much as one at the top.
@@ -210,15 +210,15 @@ def test_modules_are_small(module, path):
 
 
 def test_readme_layout_names_every_module():
-    text = open(os.path.join(ROOT, "README.md")).read()
-    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    text = open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8").read()
+    layout = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     missing = [
         os.path.relpath(path, ROOT)
         for _, path in MODULES
         if not path.endswith("__init__.py")
         and not re.search(rf"\b{re.escape(os.path.basename(path))}\b", layout)
     ]
-    assert not missing, f"README's Layout section does not mention {missing}"
+    assert not missing, f"docs/design.md's Layout section does not mention {missing}"
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def test_a_strategy_that_does_not_fit_the_mesh_is_refused():
 # The recipes whose reductions the replicated program does itself (a reduction-None loss,
 # sample weights, global clipping, weight and activity penalties) and two the optimizer
 # copies do (weight-decay exclusions, clipnorm with EMA); the schedules and micro-batch
-# counts in turn. (Gradient accumulation: see the README; on a TPU it traces, above.)
+# counts in turn. (Gradient accumulation: see docs/guide/tpu.md; on a TPU it traces, above.)
 MIRRORED_RECIPES = [
     "none", "sum", "global_clipnorm", "weight_decay", "clipnorm_ema", "regularizers", "activity",
 ]  # fmt: skip
@@ -362,7 +362,7 @@ def test_mirrored_program_trains_the_reference_models_as_keras(name):
 
 @pytest.mark.filterwarnings("ignore:.*BatchNormalization")
 def test_mirrored_program_keeps_batch_norm_as_the_mesh_engine_defines_it():
-    """BatchNormalization under micro-batching is defined, not Keras-exact (README): the
+    """BatchNormalization under micro-batching is defined, not Keras-exact (docs): the
     replicated program normalizes and updates the moving statistics exactly as the mesh
     engine does (statistics summed over the global batch across replicas)."""
     mesh_model, program_model = batch_norm_model(0), batch_norm_model(1)

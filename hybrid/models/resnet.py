@@ -5,7 +5,7 @@
     residual block:  y = relu(x + LN(conv(relu(LN(conv(x))))))      (two 3×3 convolutions)
 
 LayerNormalization over channels stands in for BatchNormalization, whose moving statistics
-are state a recomputed forward would update twice (see README, current limits). Each
+are state a recomputed forward would update twice (see docs/limits.md). Each
 residual block is one layer, so the model is a plain sequence of N + 3 layers.
 """
 

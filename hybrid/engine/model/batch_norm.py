@@ -173,6 +173,6 @@ def warn_micro_batches(
         "their moving statistics come from the whole global batch. Few examples make the "
         "statistics noisy (Keras Applications CNNs diverged at 4). Remedies: "
         f"{remedies}, or GroupNormalization / LayerNormalization, which do not depend on "
-        "the batch. See the README's 'BatchNormalization' notes",
+        "the batch. See docs/guide/exactness.md, 'BatchNormalization'",
         stacklevel=3,
     )

@@ -57,17 +57,22 @@ def _prove(
     """The stage's programs traced at M times the micro-batch's rows, and whether their W
     run once is the sum of the micro-batches' W (:func:`plan`), or why not."""
     first, M = kept[0], len(saved)
-    weights = first.args[len(first.args) - len(stage.trainable_variables) :]
+    # The forward's last arguments: the copy's weights, then its other values (state).
+    weights, local = stage.fixed_arguments(first.args)
     data = tf.nest.map_structure(
         lambda t: None if t is None else tf.TensorSpec([M * t.shape[0], *t.shape[1:]], t.dtype),
         (saved[0].inputs, saved[0].labels),
     )
-    seed, specs = saved[0].seed, [tf.TensorSpec.from_tensor(w) for w in weights]
-    full, _ = stage.kept_programs((*data, seed, specs), first.need_dx, True, accumulate=False)
+    seed = saved[0].seed
+    specs = [tf.TensorSpec.from_tensor(w) for w in weights]
+    local_specs = [tf.TensorSpec.from_tensor(t) for t in local]
+    whole = (*data, seed, specs, local_specs)
+    full, _ = stage.kept_programs(whole, first.need_dx, True, accumulate=False)
     # The micro-batch's computation traced without running sums, to compare with ``full``.
-    micro = (saved[0].inputs, saved[0].labels, seed, specs)
+    micro = (saved[0].inputs, saved[0].labels, seed, specs, local_specs)
     probe, _ = stage.kept_programs(micro, first.need_dx, True, accumulate=False)
-    varying = [True] * (len(first.args) - len(weights)) + [False] * len(weights)
+    fixed = len(weights) + len(local)
+    varying = [True] * (len(first.args) - fixed) + [False] * fixed
     per_row = [not stage.is_last] * num_more  # the last stage's: the loss's seed
     # A sparse gradient's (values, indices), W's last outputs, are rows: joined, not summed.
     rows = 2 * sum(stage.sparse)

@@ -225,6 +225,9 @@ def place(
                 )
                 for r, device in enumerate(devices if logical is None else [logical.names[d]])
             ]
+        if group is None and logical is None:  # one trace of the stage's programs for all
+            for copy in row:
+                copy.share_programs(row[0])
         for copy in row:
             copy.owned = layout.placement.owned(k)
             if copy.regularized and loss.late:

@@ -14,6 +14,11 @@ XLA programs that run the segment there:
 ``xs`` and ``ys`` are the tensors crossing the stage's cuts, in the segment's key order;
 ``dxs`` has None for an input that is not a float (token ids) and so has no gradient.
 
+Everything of a copy a program reads (weights, BN moving statistics, the activity penalty's
+seed) is an argument, so the copies of one stage on the R replicas share one trace of their
+forward and backward programs (``share_programs``); each device still compiles it. The
+optimizer update is traced per copy (it updates that copy's own optimizer variables).
+
 The programs call the user's own layer objects (``Layer.__call__``, Keras's call semantics)
 inside a ``keras.StatelessScope`` that binds each of their variables to this device's value,
 as ``Layer.stateless_call`` does: no layer is rebuilt from its config, and a variable two
@@ -170,6 +175,8 @@ class StageReplica:
         def program(fn: Callable[..., Any], jit: bool = jit_compile) -> Any:
             return fn if inline else tf.function(fn, jit_compile=jit, autograph=False)
 
+        # The traced programs take everything of this copy as arguments (weights, state,
+        # activity seed): the copies of one stage can share them (share_programs).
         self._forward = program(self._run)
         self._forward_backward = program(self._forward_and_backward)
         # A sparse update (Keras's optimizers scatter the slices into dense moments) ran
@@ -179,6 +186,28 @@ class StageReplica:
         scatters = on_cpu and any(self.sparse)
         self._apply = program(self._apply_gradients, jit_compile and not scatters)
         self.jit_compile, self._cut = jit_compile, dict[str, programs.SplitPrograms]()
+
+    def share_programs(self, first: StageReplica) -> None:
+        """Runs ``first``'s traced programs (forward, forward + backward, the programs cut
+        from them) instead of tracing its own: they read nothing of a copy but their
+        arguments, so one trace serves every copy of model stage :attr:`index` (each device
+        still compiles it). Not for copies whose programs all-reduce (synchronized BN: their
+        collectives are keyed per replica) or run inline."""
+        if first is self:
+            return
+        if first.index != self.index or self.synced or first.synced or self.inline:
+            raise ValueError(
+                f"stage {self.index} on {self.device} cannot share the programs of stage "
+                f"{first.index} on {first.device} (synchronized BN or inline programs)"
+            )
+        self._forward, self._forward_backward = first._forward, first._forward_backward
+        self._cut = first._cut
+
+    def traced_programs(self) -> list[Any]:
+        """The traced programs this copy runs: its forward and forward + backward functions
+        (``tf.function``), then each pair cut from them (``SplitPrograms``). The copies of a
+        stage that share them (:meth:`share_programs`) return the same objects."""
+        return [self._forward, self._forward_backward, *self._cut.values()]
 
     @property
     def is_last(self) -> bool:
@@ -228,21 +257,19 @@ class StageReplica:
         labels: Labels | None,
         seed: tf.Tensor,
         weights: list[tf.Tensor],
+        local: list[tf.Tensor],
         training: bool = True,
     ) -> Tensors:
         """The segment on ``xs`` with the given weight values; on the last stage, the
         ``[[numerator, denominator]]`` of the loss against ``labels`` (labels, weights).
 
         The user's layers run inside a ``keras.StatelessScope`` that maps each variable they
-        read to this copy's value (weights as given, state read here, random seed-generator
-        states set from ``seed``), as ``Layer.stateless_call`` does.
+        read to this copy's value (weights as given, state from ``local``, :meth:`_local`;
+        random seed-generator states set from ``seed``), as ``Layer.stateless_call`` does.
         """
         mapping = (
             list(zip(self._trainable, weights, strict=True))
-            + [
-                (v, tf.convert_to_tensor(c))
-                for v, c in zip(self._state, self._state_copies, strict=True)
-            ]
+            + list(zip(self._state, local[: len(self._state)], strict=True))
             + [
                 (state, tf.cast(tf.stack([base + seed[0], seed[1]]), state.dtype))
                 for state, base in self._seeds
@@ -277,13 +304,23 @@ class StageReplica:
         a = len(self.regularized[:1])
         return out[:n], out[n : n + a], out[n + a :]
 
-    def _activity_seed(self, activity: Tensors) -> list[tf.Tensor | None]:
-        """``d loss / d penalty``: its weight in the loss, times the dynamic loss scale the
-        data gradients carry under a LossScaleOptimizer."""
+    def _local(self) -> Tensors:
+        """What a program reads of this copy besides its weights, passed as arguments (one
+        trace serves every copy): its non-trainable state (BN moving statistics), then, when
+        the stage has an activity penalty, ``d loss / d penalty``: the penalty's weight in
+        the loss times the dynamic loss scale the data gradients carry under a
+        LossScaleOptimizer."""
+        local = [tf.convert_to_tensor(c) for c in self._state_copies]
+        if not self.regularized:
+            return local
         scale = tf.constant(self.activity_scale)
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             scale = scale * tf.convert_to_tensor(self.optimizer.dynamic_scale)
-        return [scale] * len(activity)
+        return local + [scale]
+
+    def _activity_seed(self, activity: Tensors, local: Tensors) -> list[tf.Tensor | None]:
+        """``d loss / d penalty`` (the last of ``local``, :meth:`_local`) for each penalty."""
+        return [local[-1] for _ in activity]
 
     def _forward_and_backward(
         self,
@@ -293,21 +330,21 @@ class StageReplica:
         seed: tf.Tensor,
         need_dx: bool,
         need_dw: bool,
-        acc: list[tf.Tensor] | None = None,
-        weights: Tensors | None = None,
+        acc: list[tf.Tensor] | None,
+        weights: Tensors,
+        local: Tensors,
     ) -> tuple[Tensors, list[tf.Tensor | None] | None, list[tf.Tensor]]:
         """One program: the forward, then its gradients against ``dys`` (and the activity
         penalty's weight); nothing kept between. Returns the forward's outputs (activity
         penalty and BatchNormalization statistics last), dx and dW (plus ``acc``, the
-        gradients of the micro-batches before, when given: accumulated in the program).
-        The weights are read in the program unless given."""
-        weights = self._read_weights() if weights is None else weights
+        gradients of the micro-batches before, when given: accumulated in the program);
+        ``weights`` and ``local`` are this copy's (:meth:`_local`)."""
         with tf.GradientTape() as tape:
             tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
-            out = self._run(xs, labels, with_backward(self.synced, seed), weights)
+            out = self._run(xs, labels, with_backward(self.synced, seed), weights, local)
         ys, activity, _ = self._split(out)
-        dys = list(dys) + self._activity_seed(activity)
+        dys = list(dys) + self._activity_seed(activity, local)
         dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw, self.sparse)
         return out, dx, self._program_gradients(acc, dw)
 
@@ -343,10 +380,10 @@ class StageReplica:
     ) -> tuple[programs.SplitPrograms, Tensors]:
         """The forward and backward programs that keep activations, cut from one traced
         forward + backward (``split_programs``) of ``structure`` (inputs, labels, seed,
-        weights), and the forward's arguments. The backward computes the input gradients
-        only when ``need_dx`` and adds the weight gradients to the running sums inside the
-        program (unless not ``accumulate``); with ``split`` it also comes in two parts, the
-        input gradients (B) and the weight gradients (W)."""
+        weights, local: :meth:`_local`), and the forward's arguments. The backward computes
+        the input gradients only when ``need_dx`` and adds the weight gradients to the
+        running sums inside the program (unless not ``accumulate``); with ``split`` it also
+        comes in two parts, the input gradients (B) and the weight gradients (W)."""
         args, rebuild = programs.flatten(structure)
         accumulate = accumulate and self.accumulates
         key = f"{need_dx} {split} {accumulate} {self.defers}"
@@ -360,12 +397,12 @@ class StageReplica:
         sums = [tf.TensorSpec(t.shape, t.dtype) for t in self._sums(None)] if accumulate else []
 
         def joint(f_args: Tensors, b_args: Tensors) -> tuple[Tensors, Tensors]:
-            xs, labels, seed, weights = rebuild(f_args)
+            xs, labels, seed, weights, local = rebuild(f_args)
             found = iter(b_args)
             dys = [next(found) if w else None for w in wanted]
             acc = list(found)
             out, dx, dw = self._forward_and_backward(
-                xs, dys, labels, seed, need_dx, True, acc, weights
+                xs, dys, labels, seed, need_dx, True, acc, weights, local
             )
             return out, [d for d in dx or [] if d is not None] + dw
 
@@ -381,6 +418,13 @@ class StageReplica:
     def updated_variables(self) -> list[Any]:
         """The trainable variables this copy's optimizer updates (and holds state for)."""
         return [v for v, u in zip(self.trainable_variables, self.updates, strict=True) if u]
+
+    def fixed_arguments(self, args: Tensors) -> tuple[Tensors, Tensors]:
+        """The weights and the other values of this copy (:meth:`_local`) among the flat
+        arguments of a kept forward (:meth:`kept_programs`): its last ones."""
+        n, w = len(self._state) + len(self.regularized[:1]), len(self.trainable_variables)
+        end = len(args) - n
+        return list(args[end - w : end]), list(args[end:])
 
     def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
         assert self.optimizer is not None
@@ -404,12 +448,12 @@ class StageReplica:
           split: the backward will come as two calls (B then W): cut into two programs.
           need_dx: the backward will be asked for the input gradients.
         """
-        weights = self._read_weights()
+        weights, local = self._read_weights(), self._local()
         if remat:
-            ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
+            ys, activity, stats = self._split(self._forward(xs, labels, seed, weights, local))
             return Saved(xs, ys, labels, seed, stats=stats, activity=activity)
         if not self.inline:
-            structure = (list(xs), labels, seed, list(weights))
+            structure = (list(xs), labels, seed, list(weights), local)
             cut, args = self.kept_programs(structure, need_dx, split)
             out, residuals = cut.forward(args)
             ys, activity, stats = self._split(out)
@@ -418,13 +462,13 @@ class StageReplica:
         with tf.GradientTape(persistent=split) as tape:
             tape.watch([x for x in xs if differentiable(x)])
             tape.watch(weights)
-            ys, activity, stats = self._split(self._forward(xs, labels, seed, weights))
+            ys, activity, stats = self._split(self._forward(xs, labels, seed, weights, local))
         return Saved(xs, ys, labels, seed, tape, weights, stats, activity)
 
     def infer(self, xs: Tensors, labels: Labels | None, seed: tf.Tensor) -> tuple[Tensors, Tensors]:
         """Forward in inference mode (``training=False``), nothing kept for a backward: the
         outputs and the activity penalty (weighted as in the loss; empty without)."""
-        out = self._forward(xs, labels, seed, self._read_weights(), training=False)
+        out = self._forward(xs, labels, seed, self._read_weights(), self._local(), training=False)
         ys, activity, _ = self._split(out, labels is not None)
         return ys, [p * self.activity_scale for p in activity]
 
@@ -453,9 +497,10 @@ class StageReplica:
         if saved.tape is None:
             sums = self._sums(acc) if need_dw else None
             args = (saved.inputs, dys, saved.labels, saved.seed, need_dx, need_dw, sums)
-            _, dx, flat = self._forward_backward(*args)
+            _, dx, flat = self._forward_backward(*args, self._read_weights(), self._local())
             return dx, self.gradients_of(flat, acc)
-        ys, dys = saved.output + saved.activity, list(dys) + self._activity_seed(saved.activity)
+        seeds = self._activity_seed(saved.activity, self._local())
+        ys, dys = saved.output + saved.activity, list(dys) + seeds
         dx, dw = gradients(
             saved.tape, saved.inputs, ys, dys, saved.weights, need_dx, need_dw, self.sparse
         )
@@ -474,7 +519,15 @@ class StageReplica:
         whose output gradient is known, when its B follows its F): its outputs, dx, dW (plus
         ``acc`` when given, added in the program), its activity penalty and BN statistics."""
         out, dx, flat = self._forward_backward(
-            xs, dys, labels, seed, need_dx, True, self._sums(acc)
+            xs,
+            dys,
+            labels,
+            seed,
+            need_dx,
+            True,
+            self._sums(acc),
+            self._read_weights(),
+            self._local(),
         )
         ys, activity, stats = self._split(out)
         return ys, dx, self.gradients_of(flat, acc), activity, stats
