@@ -4,6 +4,7 @@ allocator (worst error on its grid in the benchmark's summary line)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -46,6 +47,23 @@ def test_terms_of_one_device():
     assert replicated["total"] == adam["total"] + 400.0  # flattened all-reduce buffers
     first = cost_model.memory_terms(200.0, 2, 1, 50.0, template=800.0, batch_input=24.0)
     assert first["total"] == adam["total"] + 800.0 + 24.0
+
+
+def test_sharded_optimizer_states_hold_a_replicas_share():
+    """ZeRO-1 (``shard_optimizer_states``): the slots and the update's temporaries ÷ R."""
+    whole = cost_model.memory_terms(200.0, 2, 4, 50.0)
+    shard = cost_model.memory_terms(200.0, 2, 4, 50.0, sharded=True)
+    assert (whole["optimizer"], shard["optimizer"]) == (400.0, 100.0)
+    assert whole["total"] - shard["total"] == 2 * (400.0 - 100.0)  # slots + temporaries
+    config = RunConfig(S, 2, M, "gpipe", "never")
+    plain = cost_model.evaluate(profile(), config, 2 * M)
+    sharded = cost_model.evaluate(
+        profile(), dataclasses.replace(config, shard_optimizer_states=True), 2 * M
+    )
+    assert [t["optimizer"] for t in sharded.memory_terms] == [200.0] * S  # 400 / 2 replicas
+    assert all(
+        a < b for a, b in zip(sharded.memory_per_device, plain.memory_per_device, strict=True)
+    )
 
 
 def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():

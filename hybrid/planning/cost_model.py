@@ -297,6 +297,7 @@ def _device_cost(
         template=profile_params if d == 0 else 0.0,
         batch_input=stages[ks[0]].input * M if ks[0] == 0 else 0.0,
         deferred=whole is not None,
+        sharded=config.shard_optimizer_states,
     )
     return _DeviceCost(
         finish=end + reduce + update,
@@ -316,13 +317,15 @@ def memory_terms(
     template: float = 0.0,
     batch_input: float = 0.0,
     deferred: bool = False,
+    sharded: bool = False,
 ) -> dict[str, float]:
     """One pipeline device's peak bytes, by term::
 
-        resident    = params · (1 + optimizer_slots) + template
+        state       = optimizer_slots · params   (÷ replicas when ``sharded``: ZeRO-1)
+        resident    = params + state + template
         pipeline    = resident + batch_input + gradients + activations
         update      = resident + batch_input + 2 · params (accumulated, reduced)
-                      + optimizer_slots · params (the update's temporaries)
+                      + state (the update's temporaries)
         total       = max(pipeline, update) + all_reduce
 
     ``gradients`` is the accumulator plus one micro-batch's weight gradients beside it
@@ -331,19 +334,20 @@ def memory_terms(
     builds it there); ``batch_input`` the replica's whole input shard, which stage 0 receives
     and slices into micro-batches; ``all_reduce`` the flattened buffers (2 · params, R > 1).
     """
-    resident = params * (1 + optimizer_slots) + template
+    state = optimizer_slots * params / (replicas if sharded else 1)
+    resident = params + state + template
     gradients = params if deferred else 2 * params
     pipeline = resident + batch_input + gradients + activations
-    update = resident + batch_input + (2 + optimizer_slots) * params
+    update = resident + batch_input + 2 * params + state
     all_reduce = 2 * params if replicas > 1 else 0.0
     return {
         "params": params,
         "template": template,
-        "optimizer": optimizer_slots * params,
+        "optimizer": state,
         "batch_input": batch_input,
         "gradients": gradients,
         "activations": activations,
-        "update_temporaries": optimizer_slots * params,
+        "update_temporaries": state,
         "all_reduce": all_reduce,
         "total": max(pipeline, update) + all_reduce,
     }
