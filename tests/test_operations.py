@@ -475,5 +475,46 @@ def test_flag_errors_are_one_line_naming_the_flag(tmp_path, flags, message):
     assert message.format(t=tmp_path) in err, err[-3000:]
 
 
+def test_stage_peaks_are_read_only_where_each_device_has_its_own_allocator():
+    from hybrid.run.callbacks import stage_peaks
+
+    gpus = [f"/job:localhost/replica:0/task:0/device:GPU:{i}" for i in range(2)]
+    memory = {gpus[0]: {"current": 1, "peak": 3 * 2**20}, gpus[1]: {"current": 1, "peak": 5}}
+    assert stage_peaks(gpus, memory.__getitem__) == [3 * 2**20, 5]
+    cpus = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+    assert stage_peaks(cpus, memory.__getitem__) is None  # one process allocator, not a stage's
+
+    def unsupported(device):
+        raise ValueError(f"no memory info for {device}")
+
+    assert stage_peaks(gpus, unsupported) is None
+
+
+def test_stage_peaks_go_to_the_log_and_tensorboard(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from hybrid.run import callbacks
+
+    pipe = SimpleNamespace(mesh=hybrid.DeviceMesh.create(2, 1))
+    lines = []
+    callbacks._report_memory(pipe, 10, lines.append, None)
+    assert lines == []  # simulated CPU devices: nothing per stage to say
+    monkeypatch.setattr(callbacks, "stage_peaks", lambda devices: [2**20, 3 * 2**20])
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    callbacks._report_memory(pipe, 10, lines.append, writer)
+    writer.flush()
+    assert lines == ["peak memory per stage (replica 0): stage 0 1.0 MiB, stage 1 3.0 MiB"]
+    events = [str(p) for p in tmp_path.iterdir()]
+    tags = {
+        (value.tag, event.step, float(tf.make_ndarray(value.tensor)))
+        for event in tf.compat.v1.train.summary_iterator(events[0])
+        for value in event.summary.value
+    }
+    assert tags == {
+        ("memory/stage_0/peak_bytes", 10, 2.0**20),
+        ("memory/stage_1/peak_bytes", 10, 3.0 * 2**20),
+    }
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -100,6 +100,7 @@ class Steps(keras.callbacks.Callback):
         self.bar: keras.utils.Progbar | None = None
         self.compile_seconds: float | None = None
         self.validation: dict[str, float] = {}
+        self.memory_reported = False
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if batch == 0:
@@ -127,6 +128,9 @@ class Steps(keras.callbacks.Callback):
         if step % config.log_every == 0 or step == config.train_steps:
             rate = resume.learning_rate(self.pipe)
             _report(config, step, loss, rate, metrics, self.progress, self.log, self.writer)
+            if not self.memory_reported:  # once, at the first log step
+                self.memory_reported = True
+                _report_memory(self.pipe, step, self.log, self.writer)
         view = self.pipe.last_timeline
         if view is not None and view is not self.timeline_seen:
             self.timeline_seen = view
@@ -228,6 +232,38 @@ def _scalars(
         tf.summary.scalar("learning_rate", rate)
         tf.summary.scalar("examples_per_second", progress.examples_per_second)
         tf.summary.scalar("step_time_ms", progress.last * 1e3)
+
+
+def stage_peaks(
+    devices: list[str], read: Callable[[str], dict[str, int]] | None = None
+) -> list[int] | None:
+    """Each pipeline device's peak allocated bytes (``devices``: replica 0's, one per stage
+    row), as its own allocator reports them (``tf.config.experimental.get_memory_info``);
+    None where the devices share one allocator (the simulated CPU devices of one process:
+    each would report the whole process) or report nothing."""
+    read = read or tf.config.experimental.get_memory_info
+    if any(tf.DeviceSpec.from_string(d).device_type in (None, "CPU") for d in devices):
+        return None
+    try:
+        return [int(read(device)["peak"]) for device in devices]
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def _report_memory(pipe: Pipeline, step: int, log: Callable[[str], None], writer: Any) -> None:
+    """Each stage's measured peak memory (replica 0's devices) to the log and TensorBoard
+    (``memory/stage_<s>/peak_bytes``), where the platform reports it per device."""
+    peaks = stage_peaks(list(pipe.mesh.pipeline(0)))
+    if peaks is None:
+        return
+    log(
+        "peak memory per stage (replica 0): "
+        + ", ".join(f"stage {s} {peak / 2**20:.1f} MiB" for s, peak in enumerate(peaks))
+    )
+    if writer is not None:
+        with writer.as_default(step=step):
+            for s, peak in enumerate(peaks):
+                tf.summary.scalar(f"memory/stage_{s}/peak_bytes", peak)
 
 
 def _report_timeline(
