@@ -89,17 +89,6 @@ def run_client(schedule: str, remat: str, spec: str) -> None:
     sys.stdin.readline()
 
 
-def _free_ports(count: int) -> list[int]:
-    import contextlib
-    import socket
-
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 def _line(process: subprocess.Popen, prefix: str) -> str:
     """The rest of the next line of ``process``'s stdout that starts with ``prefix``."""
     assert process.stdout is not None
@@ -128,7 +117,7 @@ def measure(schedule: str, remat: str) -> list[dict[str, float]]:
     """Per stage, in MiB of its worker process's allocator beyond the bytes held when its
     server started: ``built`` (after building), ``resident`` (after ``STEPS`` steps),
     ``peak`` (the high-water mark), ``transient`` (peak − resident)."""
-    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in _free_ports(STAGES)]})
+    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(STAGES)]})
     env = {**os.environ, **CHILD_ENV}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
     workers = [

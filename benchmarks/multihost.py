@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,17 +41,6 @@ flags.DEFINE_integer("micro_batches", 4, "Micro-batches M per replica.")
 flags.DEFINE_integer("connect_timeout_s", 120, "Deadline for the workers to answer.")
 flags.DEFINE_string("client_of", None, "Internal: run as the client of this cluster spec.")
 FLAGS = flags.FLAGS
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _start_workers(spec: str, logs: str) -> list[subprocess.Popen]:
@@ -100,7 +88,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.client_of:
         run(FLAGS.client_of)
         return 0
-    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in _free_ports(2)]})
+    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(2)]})
     logs = tempfile.mkdtemp(prefix="hybrid-multihost-")
     workers = _start_workers(spec, logs)
     forwarded = common.flag_args(
