@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import test_keras_exact as exact
 
 import hybrid
 from hybrid.engine.step import sharding
@@ -118,55 +119,14 @@ def test_a_checkpoint_moves_between_sharded_and_unsharded_meshes(tmp_path):
         ref.assert_weights_close(other.get_weights(), keras_model.get_weights())
 
 
-def float16_model(seed: int = 0) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    policy = "mixed_float16"
-    return keras.Sequential(
-        [
-            keras.Input((ref.IN_FEATURES,)),
-            keras.layers.Dense(16, activation="relu", dtype=policy),
-            keras.layers.Dense(16, activation="tanh", dtype=policy),
-            keras.layers.LayerNormalization(dtype=policy),
-            keras.layers.Dense(ref.CLASSES, dtype="float32"),
-        ]
-    )
-
-
-def scaled_sgd() -> keras.optimizers.Optimizer:
-    inner = keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.5)
-    return keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**6, dynamic_growth_steps=2)
-
-
-def scale_state(optimizer) -> tuple[float, int]:
-    return float(optimizer.dynamic_scale.numpy()), int(optimizer.step_counter.numpy())
-
-
 def test_one_loss_scale_on_every_sharded_copy_as_keras_has():
     """Every copy's LossScaleOptimizer, whatever share it updates, skips the overflowing
     step and moves its scale as Keras's one does (float16: within its round-off)."""
-    keras_model = float16_model()
-    keras_model.compile(optimizer=scaled_sgd(), loss=ref.loss_fn())
-    initial = keras_model.get_weights()
-    template = float16_model(seed=1)
-    template.set_weights(initial)
-    pipe = hybrid.Pipeline(
-        template, hybrid.DeviceMesh.create(2, 2), micro_batches=2, shard_optimizer_states=True
+    keras_model, initial, pipe = exact.policy_pair(
+        exact.float16_model, exact.scaled_sgd, 2, 2, 2, "gpipe", False, shard_optimizer_states=True
     )
-    pipe.compile(optimizer=scaled_sgd(), loss=ref.loss_fn(), jit_compile=False)
-    for step, overflow in enumerate([False, False, True, False]):
-        x, y = ref.batch(BATCH, seed=step + 1)
-        x = x * 1e6 if overflow else x  # float16 activations overflow: a non-finite step
-        want = keras_model.train_on_batch(x, y)
-        got = pipe.train_step(x, y)["loss"]
-        if overflow:
-            assert not np.isfinite(want) and not np.isfinite(got)
-        else:
-            np.testing.assert_allclose(got, want, rtol=2**-10, err_msg=f"step {step}")
-        expected = scale_state(keras_model.optimizer)
-        assert all(scale_state(c.optimizer) == expected for row in pipe.stages for c in row)
-    assert scale_state(keras_model.optimizer) == (2.0**6, 1)  # doubled, then halved
-    for a, e, w0 in zip(pipe.get_weights(), keras_model.get_weights(), initial, strict=True):
-        assert np.max(np.abs(a - e)) <= 0.01 * np.max(np.abs(e - w0))
+    exact.assert_one_loss_scale(keras_model, initial, pipe)
+    assert pipe.stages and not any(all(copy.updates) for row in pipe.stages for copy in row)
 
 
 def test_owners_balance_whole_variables_by_size():
