@@ -516,5 +516,16 @@ def test_stage_peaks_go_to_the_log_and_tensorboard(monkeypatch, tmp_path):
     }
 
 
+def test_the_flat_names_of_a_train_config_round_trip():
+    """One table maps the flags (and run_config.json's fields) onto the nested records."""
+    config = TrainConfig.of(model="mlp", width=8, optimizer_config='{"beta_1": 0.8}', seed=3)
+    assert (config.model.name, config.model.width, config.seed) == ("mlp", 8, 3)
+    assert config.optimizer.config == '{"beta_1": 0.8}'
+    assert TrainConfig.of(**config.flat()) == config
+    assert config.replace(micro_batches=2).layout.micro_batches == 2
+    with pytest.raises(TypeError, match=r"no fields \['widht'\]"):
+        config.replace(widht=4)
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

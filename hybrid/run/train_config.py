@@ -200,14 +200,21 @@ def _table() -> dict[str, tuple[str | None, str]]:
         ("optimizer", "config"): "optimizer_config",
     }
     table: dict[str, tuple[str | None, str]] = {}
+    defaults = TrainConfig()
+
+    def add(name: str, place: tuple[str | None, str]) -> None:
+        if name in table:  # two records' fields would share one flag
+            raise TypeError(f"TrainConfig: {place} and {table[name]} are both named {name!r}")
+        table[name] = place
+
     for field in dataclasses.fields(TrainConfig):
-        default = getattr(TrainConfig(), field.name)
+        default = getattr(defaults, field.name)
         if dataclasses.is_dataclass(default):
             for inner in dataclasses.fields(default):
                 key = (field.name, inner.name)
-                table[renamed.get(key, inner.name)] = key
+                add(renamed.get(key, inner.name), key)
         else:
-            table[field.name] = (None, field.name)
+            add(field.name, (None, field.name))
     return table
 
 
