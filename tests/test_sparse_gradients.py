@@ -19,7 +19,6 @@ import pytest
 import tensorflow as tf
 
 import hybrid
-from hybrid.engine.step import sharding
 
 import runner
 
@@ -85,10 +84,7 @@ def pipeline_run(
     pipe.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss(), jit_compile=jit_compile)
     losses = [pipe.train_step(*tokens(step))["loss"] for step in range(steps)]
     if optimizer == "adam_ema":  # as fit ends: the averages replace the trained weights
-        for row in pipe.stages:
-            for copy in row:
-                copy.optimizer.finalize_variable_values(copy.updated_variables)
-            sharding.broadcast(row)
+        pipe._finalize_variable_values()
     return losses, pipe.get_weights(), pipe
 
 

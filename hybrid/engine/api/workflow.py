@@ -278,6 +278,16 @@ class Workflow(abc.ABC):
 
     # -- the loops ------------------------------------------------------------------------
 
+    def _finalize_variable_values(self) -> None:
+        """What Keras's ``fit`` does at its end (``optimizer.finalize_variable_values``): an
+        optimizer with ``use_ema`` replaces the trained weights by their averages, on every
+        copy (with sharded optimizer states: the owners', then sent to the others)."""
+        for row in self.stages:
+            for copy in row:
+                if copy.optimizer is not None:
+                    copy.optimizer.finalize_variable_values(copy.updated_variables)
+            sharding.broadcast(row)
+
     def _callbacks(self, callbacks: Any, verbose: Any, epochs: int, steps: Any) -> Any:
         if isinstance(callbacks, keras.callbacks.CallbackList):
             return callbacks
@@ -384,12 +394,8 @@ class Workflow(abc.ABC):
                 training_logs = epoch_logs
                 if self.stop_training:
                     break
-        if epochs > initial_epoch:  # EMA weights replace the trained ones, as in Keras
-            for row in self.stages:
-                for copy in row:
-                    if copy.optimizer is not None:
-                        copy.optimizer.finalize_variable_values(copy.updated_variables)
-                sharding.broadcast(row)
+        if epochs > initial_epoch:
+            self._finalize_variable_values()
         callbacks.on_train_end(logs=training_logs)
         return self.history
 
