@@ -40,6 +40,27 @@ def test_layout_in_the_constructor_and_keras_compile_trains_as_keras():
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
 
 
+def test_compile_wraps_a_mixed_float16_optimizer_as_keras_compile_does():
+    """auto_scale_loss: a LossScaleOptimizer exactly where Keras's compile puts one."""
+    wanted = []
+    for auto_scale_loss in (True, False):
+        keras.mixed_precision.set_dtype_policy("mixed_float16")  # the model's own policy
+        try:
+            inputs = keras.Input((3,))
+            out = keras.layers.Dense(2, dtype="float32")(keras.layers.Dense(4)(inputs))
+            keras_model = keras.Model(inputs, out)
+        finally:
+            keras.mixed_precision.set_dtype_policy("float32")
+        keras_model.compile(optimizer="sgd", loss="mse", auto_scale_loss=auto_scale_loss)
+        pipe = hybrid.Pipeline(keras_model, hybrid.DeviceMesh.create(2, 1))
+        pipe.compile(optimizer="sgd", loss="mse", auto_scale_loss=auto_scale_loss)
+        pipe.build((None, 3))
+        want = type(keras_model.optimizer)
+        assert [type(row[0].optimizer) for row in pipe.stages] == [want, want], auto_scale_loss
+        wanted.append(want)
+    assert wanted == [keras.optimizers.LossScaleOptimizer, keras.optimizers.SGD]
+
+
 def test_a_planned_config_is_taken_whole():
     config = hybrid.RunConfig(stages=2, replicas=1, micro_batches=4, schedule="1f1b", remat="never")
     pipe = hybrid.Pipeline(ref.mlp_layers(), config=config)  # the mesh from the config
