@@ -1,4 +1,4 @@
-"""The cost model's per-device memory, term by term (``cost_model.memory_terms``), and where
+"""The cost model's per-device memory, term by term (``memory.memory_terms``), and where
 each term lands in a schedule: what ``benchmarks/memory.py`` compares with each stage's own
 allocator (worst error on its grid in the benchmark's summary line)."""
 
@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hybrid.core import memory
 from hybrid.core.config import RunConfig
 from hybrid.planning import cost_model
 from hybrid.planning.costs import uniform_profile
@@ -32,27 +33,27 @@ def profile():
 
 
 def test_terms_of_one_device():
-    adam = cost_model.memory_terms(params=200.0, optimizer_slots=2, replicas=1, activations=50)
+    adam = memory.memory_terms(params=200.0, optimizer_slots=2, replicas=1, activations=50)
     assert adam["optimizer"] == 400.0  # Adam: 2 × params
     assert adam["gradients"] == 400.0  # accumulator + one micro-batch's weight gradients
     # update phase: 200 weights + 400 slots + 400 gradients + 400 temporaries
     assert adam["total"] == 1400.0
-    sgd = cost_model.memory_terms(params=200.0, optimizer_slots=0, replicas=1, activations=50)
+    sgd = memory.memory_terms(params=200.0, optimizer_slots=0, replicas=1, activations=50)
     assert sgd["total"] == 200.0 + 400.0 + 50.0  # pipeline phase: weights, gradients, acts
-    deferred = cost_model.memory_terms(200.0, 0, 1, 50.0, deferred=True)
+    deferred = memory.memory_terms(200.0, 0, 1, 50.0, deferred=True)
     # one W's gradients in the pipeline phase (450); the update still holds them and their
     # reduced copy (200 weights + 2 × 200)
     assert deferred["gradients"] == 200.0 and deferred["total"] == 600.0
-    replicated = cost_model.memory_terms(200.0, 2, 2, 50.0)
+    replicated = memory.memory_terms(200.0, 2, 2, 50.0)
     assert replicated["total"] == adam["total"] + 400.0  # flattened all-reduce buffers
-    first = cost_model.memory_terms(200.0, 2, 1, 50.0, template=800.0, batch_input=24.0)
+    first = memory.memory_terms(200.0, 2, 1, 50.0, template=800.0, batch_input=24.0)
     assert first["total"] == adam["total"] + 800.0 + 24.0
 
 
 def test_sharded_optimizer_states_hold_a_replicas_share():
     """ZeRO-1 (``shard_optimizer_states``): the slots and the update's temporaries ÷ R."""
-    whole = cost_model.memory_terms(200.0, 2, 4, 50.0)
-    shard = cost_model.memory_terms(200.0, 2, 4, 50.0, sharded=True)
+    whole = memory.memory_terms(200.0, 2, 4, 50.0)
+    shard = memory.memory_terms(200.0, 2, 4, 50.0, sharded=True)
     assert (whole["optimizer"], shard["optimizer"]) == (400.0, 100.0)
     assert whole["total"] - shard["total"] == 2 * (400.0 - 100.0)  # slots + temporaries
     config = RunConfig(S, 2, M, "gpipe", "never")

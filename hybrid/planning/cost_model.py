@@ -12,22 +12,21 @@ import functools
 import math
 from collections.abc import Sequence
 
-from hybrid.core import partition
+from hybrid.core import memory, partition
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import RunConfig, validate_run
+from hybrid.core.memory import activation_bytes, deferred_bytes, memory_terms
 from hybrid.planning.costs import CostProfile
 from hybrid.planning.hardware import Hardware, all_reduce_time
 from hybrid.planning.stage_costs import (
     ActionCosts,
     StageCost,
     action_costs,
-    activation_bytes,
-    deferred_bytes,
     deferred_schedule,
     fused_pairs,
 )
 
-__all__ = ["Prediction", "evaluate", "memory_terms"]
+__all__ = ["Prediction", "evaluate", "layer_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +146,7 @@ def evaluate(
     S, R, M = config.stages, config.replicas, config.micro_batches
     sched = _schedule(config.schedule, S, M, config.virtual_stages)
     batch = global_batch / (R * M)
-    balance = _balance(profile, config, batch)
+    balance = _balance(profile, config, batch, sched, optimizer_slots)
     scale = hardware.compute_scale * _sharing(config, hardware)
     stages = _stage_costs(profile, balance, batch, scale)
     defer = config.defer_weight_gradients and M > 1
@@ -210,17 +209,55 @@ def _schedule(name: str, stages: int, micro_batches: int, virtual: int) -> sched
     return schedule_lib.validate(schedule_lib.get(name, stages, micro_batches, virtual))
 
 
-def _balance(profile: CostProfile, config: RunConfig, batch: float) -> tuple[int, ...]:
-    """Layers per model stage: the given counts, else the time-balanced contiguous partition
-    into S·v model stages at this micro-batch."""
+def _balance(
+    profile: CostProfile,
+    config: RunConfig,
+    batch: float,
+    sched: schedule_lib.Schedule,
+    optimizer_slots: int,
+) -> tuple[int, ...]:
+    """Layers per model stage: the given counts; with ``balance="memory"`` the cut whose
+    largest predicted stage peak is smallest (:func:`hybrid.core.memory.balance_by_memory`
+    on the measured layer bytes); else the time-balanced contiguous partition into S·v
+    model stages at this micro-batch."""
     if config.balance is not None and not isinstance(config.balance, str):
         return tuple(config.balance)
+    if config.balance == "memory":
+        M = config.micro_batches
+        in_flight, keeps_last = memory.holdings(sched)
+        usage = memory.Usage(
+            optimizer_slots=optimizer_slots,
+            replicas=config.replicas,
+            micro_batches=M,
+            remat=config.remat,
+            in_flight=in_flight,
+            keeps_last=keeps_last,
+            template=profile.param_bytes,
+            deferred=config.defer_weight_gradients,
+            sharded=config.shard_optimizer_states,
+        )
+        whole = layer_bytes(profile, batch * M)
+        return memory.balance_by_memory(
+            layer_bytes(profile, batch), config.model_stages, usage, whole
+        )
     backward = "backward" if config.remat == "never" else "recompute_backward"
     costs = [
         profile.value(i, "forward", batch) + profile.value(i, backward, batch)
         for i in range(profile.num_layers)
     ]
     return partition.balance_by_cost(costs, config.model_stages)
+
+
+def layer_bytes(profile: CostProfile, batch: float) -> memory.LayerBytes:
+    """The profile's measured per-layer bytes at this micro-batch size."""
+    ids = range(profile.num_layers)
+    return memory.LayerBytes(
+        params=[profile.layers[i].param_bytes for i in ids],
+        stored=[profile.value(i, "stored_bytes", batch) for i in ids],
+        working=[profile.value(i, "working_bytes", batch) for i in ids],
+        output=[profile.value(i, "output_bytes", batch) for i in ids],
+        model_input=profile.input_bytes * batch,
+    )
 
 
 def _stage_costs(
@@ -307,50 +344,6 @@ def _device_cost(
         memory=terms["total"],
         terms=terms,
     )
-
-
-def memory_terms(
-    params: float,
-    optimizer_slots: int,
-    replicas: int,
-    activations: float,
-    template: float = 0.0,
-    batch_input: float = 0.0,
-    deferred: bool = False,
-    sharded: bool = False,
-) -> dict[str, float]:
-    """One pipeline device's peak bytes, by term::
-
-        state       = optimizer_slots · params   (÷ replicas when ``sharded``: ZeRO-1)
-        resident    = params + state + template
-        pipeline    = resident + batch_input + gradients + activations
-        update      = resident + batch_input + 2 · params (accumulated, reduced)
-                      + state (the update's temporaries)
-        total       = max(pipeline, update) + all_reduce
-
-    ``gradients`` is the accumulator plus one micro-batch's weight gradients beside it
-    (2 · params), or, with deferred weight gradients, the one W's (params). ``template``
-    is the user's Keras model, which the device of stage 0, replica 0 also holds (the engine
-    builds it there); ``batch_input`` the replica's whole input shard, which stage 0 receives
-    and slices into micro-batches; ``all_reduce`` the flattened buffers (2 · params, R > 1).
-    """
-    state = optimizer_slots * params / (replicas if sharded else 1)
-    resident = params + state + template
-    gradients = params if deferred else 2 * params
-    pipeline = resident + batch_input + gradients + activations
-    update = resident + batch_input + 2 * params + state
-    all_reduce = 2 * params if replicas > 1 else 0.0
-    return {
-        "params": params,
-        "template": template,
-        "optimizer": state,
-        "batch_input": batch_input,
-        "gradients": gradients,
-        "activations": activations,
-        "update_temporaries": state,
-        "all_reduce": all_reduce,
-        "total": max(pipeline, update) + all_reduce,
-    }
 
 
 def _sharing(config: RunConfig, hardware: Hardware) -> float:

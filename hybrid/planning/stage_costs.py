@@ -1,6 +1,6 @@
 """What each model stage and each scheduled action costs: a stage's summed layer costs at
 one micro-batch size, the seconds of every F, B and W of a schedule under a remat mode, and
-the activation bytes a stage holds with some micro-batches in flight.
+the bytes it holds (for :mod:`hybrid.core.memory`).
 
 Conventions: times in seconds, sizes in bytes.
 """
@@ -19,8 +19,6 @@ __all__ = [
     "ActionCosts",
     "StageCost",
     "action_costs",
-    "activation_bytes",
-    "deferred_bytes",
     "deferred_schedule",
     "fused_pairs",
 ]
@@ -189,27 +187,3 @@ def _deferred_costs(
         return launch + max(0.0, full.backward - done) + hardware.tensor_overhead * st.tensors
 
     return {a: cost(a) for row in sched.actions for a in row}
-
-
-def activation_bytes(st: StageCost, in_flight: int, remat: str, keeps_last: bool) -> float:
-    """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
-
-    never:        in_flight · (input + stored) + the largest layer's working set
-    always:       in_flight · input + Σ working sets (one recomputing program at a time:
-                  all its layers' intermediates, and their backward's temporaries)
-    except_last:  as always, + stored when the last micro-batch's activations are kept
-                  (``keeps_last``: its forward is not fused with its backward)
-    """
-    if in_flight == 0:
-        return 0.0
-    if remat == "never":
-        return in_flight * (st.input + st.stored) + st.working
-    extra = st.stored if remat == "except_last" and keeps_last else 0.0
-    return in_flight * st.input + st.working_sum + extra
-
-
-def deferred_bytes(st: StageCost, whole: StageCost, micro_batches: int) -> float:
-    """Peak activation bytes of one model stage deferring its weight gradients: every
-    micro-batch's input and stored activations, and about as many bytes of their output
-    gradients (what W reads), until the one W over all of them (its working set)."""
-    return micro_batches * (st.input + 2 * st.stored) + whole.working

@@ -1,0 +1,350 @@
+"""Peak memory of a pipeline device, term by term, and the cut that makes the largest
+stage's peak as small as possible.
+
+One rule for both users of it: the planner feeds it per-layer bytes it measured
+(:mod:`hybrid.planning.cost_model`), the engine per-layer bytes it estimates from shapes
+(``Pipeline(balance="memory")``, ``pipe.summary()``). Every function here computes on
+plain numbers or, unchanged, on numpy arrays (one value per candidate cut). No TensorFlow.
+
+Conventions: sizes in bytes; activation sizes at one micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from hybrid.core import schedule as schedule_lib
+
+__all__ = [
+    "LayerBytes",
+    "StageBytes",
+    "Usage",
+    "activation_bytes",
+    "balance_by_memory",
+    "deferred_bytes",
+    "holdings",
+    "memory_terms",
+    "spread",
+    "stage_bytes",
+    "stage_peaks",
+]
+
+
+class Held(Protocol):
+    """What a model stage holds for its backward at one micro-batch (a :class:`StageBytes`,
+    or the planner's ``StageCost``)."""
+
+    @property
+    def input(self) -> Any:
+        """Its input (the previous stage's output, or the model's input)."""
+
+    @property
+    def stored(self) -> Any:
+        """What its forward keeps for the backward, beyond the input."""
+
+    @property
+    def working(self) -> Any:
+        """The largest one layer's forward+backward temporaries."""
+
+    @property
+    def working_sum(self) -> Any:
+        """Every layer's temporaries together (one recomputing program)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBytes:
+    """One model stage's summed layer bytes (see :class:`Held`); ``params`` the bytes of its
+    weights, ``output`` of what it sends on."""
+
+    params: Any
+    input: Any
+    stored: Any
+    working: Any
+    working_sum: Any
+    output: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBytes:
+    """Per-layer bytes in model order, activations at one micro-batch size.
+
+    Attributes:
+      params: bytes of each layer's weights.
+      stored: bytes each layer's forward keeps for its backward (its output and
+        intermediates; not its input, which the previous layer stored).
+      working: each layer's peak temporaries while its forward and backward run.
+      output: bytes of each layer's output (what crosses a cut after it).
+      model_input: bytes of the model's input (what model stage 0 starts from).
+    """
+
+    params: Sequence[float]
+    stored: Sequence[float]
+    working: Sequence[float]
+    output: Sequence[float]
+    model_input: float
+
+    def __post_init__(self) -> None:
+        sizes = {len(self.params), len(self.stored), len(self.working), len(self.output)}
+        if len(sizes) != 1:
+            raise ValueError(f"per-layer byte lists of different lengths: {sorted(sizes)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """How a run uses a stage's memory, beyond its layers.
+
+    Attributes:
+      optimizer_slots: optimizer state per weight (Adam 2, SGD with momentum 1, SGD 0).
+      replicas: R.
+      micro_batches: M.
+      remat: "never", "always" or "except_last".
+      in_flight: per model stage, the most micro-batches whose activations it holds at once
+        (:func:`holdings`).
+      keeps_last: per model stage, whether its last micro-batch's activations are stored
+        (its forward not fused with its backward; matters under ``except_last``).
+      template: bytes of the user's whole model, which model stage 0's device also holds.
+      deferred: weight gradients deferred to one W per stage over all micro-batches.
+      sharded: optimizer states sharded across the replicas (ZeRO-1).
+    """
+
+    optimizer_slots: int
+    replicas: int
+    micro_batches: int
+    remat: str
+    in_flight: Sequence[int]
+    keeps_last: Sequence[bool]
+    template: float = 0.0
+    deferred: bool = False
+    sharded: bool = False
+
+
+def memory_terms(
+    params: Any,
+    optimizer_slots: int,
+    replicas: int,
+    activations: Any,
+    template: float = 0.0,
+    batch_input: Any = 0.0,
+    deferred: bool = False,
+    sharded: bool = False,
+) -> dict[str, Any]:
+    """One pipeline device's peak bytes, by term::
+
+        state       = optimizer_slots · params   (÷ replicas when ``sharded``: ZeRO-1)
+        resident    = params + state + template
+        pipeline    = resident + batch_input + gradients + activations
+        update      = resident + batch_input + 2 · params (accumulated, reduced)
+                      + state (the update's temporaries)
+        total       = max(pipeline, update) + all_reduce
+
+    ``gradients`` is the accumulator plus one micro-batch's weight gradients beside it
+    (2 · params), or, with deferred weight gradients, the one W's (params). ``template``
+    is the user's Keras model, which the device of stage 0, replica 0 also holds (the engine
+    builds it there); ``batch_input`` the replica's whole input shard, which stage 0 receives
+    and slices into micro-batches; ``all_reduce`` the flattened buffers (2 · params, R > 1).
+    """
+    state = optimizer_slots * params / (replicas if sharded else 1)
+    resident = params + state + template
+    gradients = params if deferred else 2 * params
+    pipeline = resident + batch_input + gradients + activations
+    update = resident + batch_input + 2 * params + state
+    all_reduce = 2 * params if replicas > 1 else 0.0 * params
+    total = np.maximum(pipeline, update) + all_reduce
+    return {
+        "params": params,
+        "template": template,
+        "optimizer": state,
+        "batch_input": batch_input,
+        "gradients": gradients,
+        "activations": activations,
+        "update_temporaries": state,
+        "all_reduce": all_reduce,
+        "total": float(total) if np.ndim(total) == 0 else total,
+    }
+
+
+def activation_bytes(st: Held, in_flight: int, remat: str, keeps_last: bool) -> Any:
+    """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
+
+    never:        in_flight · (input + stored) + the largest layer's working set
+    always:       in_flight · input + Σ working sets (one recomputing program at a time:
+                  all its layers' intermediates, and their backward's temporaries)
+    except_last:  as always, + stored when the last micro-batch's activations are kept
+                  (``keeps_last``: its forward is not fused with its backward)
+    """
+    if in_flight == 0:
+        return 0.0 * st.input
+    if remat == "never":
+        return in_flight * (st.input + st.stored) + st.working
+    extra = st.stored if remat == "except_last" and keeps_last else 0.0 * st.stored
+    return in_flight * st.input + st.working_sum + extra
+
+
+def deferred_bytes(st: Held, whole: Held, micro_batches: int) -> Any:
+    """Peak activation bytes of one model stage deferring its weight gradients: every
+    micro-batch's input and stored activations, and about as many bytes of their output
+    gradients (what W reads), until the one W over all of them (``whole``: the stage at all
+    micro-batches' rows; its working set)."""
+    return micro_batches * (st.input + 2 * st.stored) + whole.working
+
+
+def holdings(sched: schedule_lib.Schedule) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Per model stage of ``sched``: the most micro-batches its device holds activations of
+    (its device's, from the order of its row), and whether its last micro-batch's
+    activations are stored (not fused with its backward in one program)."""
+    in_flight = schedule_lib.simulate(sched, schedule_lib.Costs()).peak_in_flight
+    fused = schedule_lib.pairs_to_fuse(sched)
+    M = sched.num_microbatches
+    stages = range(sched.num_model_stages)
+    last = [schedule_lib.Action(k, schedule_lib.Op.F, M - 1) for k in stages]
+    return (
+        tuple(in_flight[sched.device_of(k)] for k in stages),
+        tuple(M > 1 and last[k] not in fused for k in stages),
+    )
+
+
+def stage_bytes(layers: LayerBytes, first: int, count: int) -> StageBytes:
+    """The summed bytes of layers ``first … first+count-1``."""
+    ids = range(first, first + count)
+    working = [layers.working[i] for i in ids]
+    return StageBytes(
+        params=sum(layers.params[i] for i in ids),
+        input=layers.model_input if first == 0 else layers.output[first - 1],
+        stored=sum(layers.stored[i] for i in ids),
+        working=max(working),
+        working_sum=sum(working),
+        output=layers.output[first + count - 1],
+    )
+
+
+def _peak(st: StageBytes, k: int, usage: Usage, whole: StageBytes | None) -> Any:
+    """Model stage ``k``'s peak bytes (``whole``: the stage at all micro-batches' rows, with
+    deferred weight gradients)."""
+    M = usage.micro_batches
+    if usage.deferred and M > 1:
+        held = deferred_bytes(st, whole if whole is not None else st, M)
+    else:
+        held = activation_bytes(st, usage.in_flight[k], usage.remat, usage.keeps_last[k])
+    return memory_terms(
+        params=st.params,
+        optimizer_slots=usage.optimizer_slots,
+        replicas=usage.replicas,
+        activations=held,
+        template=usage.template if k == 0 else 0.0,
+        batch_input=st.input * M if k == 0 else 0.0 * st.input,
+        deferred=usage.deferred and M > 1,
+        sharded=usage.sharded,
+    )["total"]
+
+
+def stage_peaks(
+    layers: LayerBytes,
+    balance: Sequence[int],
+    usage: Usage,
+    whole: LayerBytes | None = None,
+) -> tuple[float, ...]:
+    """Each model stage's peak bytes under ``balance`` (``whole``: the layers at all
+    micro-batches' rows, for deferred weight gradients; default: ``layers``' working sets
+    × M)."""
+    whole = whole or _scaled(layers, usage.micro_batches)
+    starts = [sum(balance[:k]) for k in range(len(balance))]
+    return tuple(
+        float(_peak(stage_bytes(layers, s, n), k, usage, stage_bytes(whole, s, n)))
+        for k, (s, n) in enumerate(zip(starts, balance, strict=True))
+    )
+
+
+def balance_by_memory(
+    layers: LayerBytes, num_stages: int, usage: Usage, whole: LayerBytes | None = None
+) -> tuple[int, ...]:
+    """The contiguous cut of ``layers`` into ``num_stages`` non-empty model stages whose
+    largest :func:`stage_peaks` is as small as possible.
+
+    Conceptually::
+
+        best(j, k) = min over i < j of max(best(i, k-1), peak_k(layers[i:j]))
+
+    exact, by dynamic programming over every cut (each stage's peaks for all its possible
+    ends computed at once). Ties go to the earliest cut.
+    """
+    L, S = layers.num_layers, num_stages
+    if not 1 <= S <= L:
+        raise ValueError(
+            f"cannot cut {L} layers into {S} stages: each stage needs at least one layer; "
+            f"use at most {L} stages or a model with more layers"
+        )
+    whole = whole or _scaled(layers, usage.micro_batches)
+    a, w = _Prefix(layers), _Prefix(whole)
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    cuts: list[np.ndarray] = []
+    for k in range(S):
+        new = np.full(L + 1, np.inf)
+        arg = np.zeros(L + 1, dtype=int)
+        for i in range(k, L - (S - k) + 1):  # stage k starts at layer i
+            if not np.isfinite(best[i]):
+                continue
+            peaks = _peak(a.stages(i), k, usage, w.stages(i))  # stage k = layers[i:j]
+            value = np.maximum(best[i], peaks)
+            ends = np.arange(i + 1, L + 1)
+            better = value < new[ends]
+            new[ends[better]] = value[better]
+            arg[ends[better]] = i
+        cuts.append(arg)
+        best = new
+    balance, end = [], L
+    for k in reversed(range(S)):
+        start = int(cuts[k][end])
+        balance.append(end - start)
+        end = start
+    return tuple(reversed(balance))
+
+
+def spread(peaks: Sequence[float]) -> float:
+    """The largest stage peak over the smallest (1.0: perfectly even)."""
+    return max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
+
+
+def _scaled(layers: LayerBytes, factor: int) -> LayerBytes:
+    """``layers`` with every activation size × ``factor`` (the stage at M micro-batches'
+    rows, where nothing better is known)."""
+    return LayerBytes(
+        params=layers.params,
+        stored=[factor * x for x in layers.stored],
+        working=[factor * x for x in layers.working],
+        output=[factor * x for x in layers.output],
+        model_input=factor * layers.model_input,
+    )
+
+
+class _Prefix:
+    """Prefix sums over :class:`LayerBytes`, to form every stage starting at one layer at
+    once: :meth:`stages` (i) is the :class:`StageBytes` of ``layers[i:j]`` for every j > i,
+    as arrays over j."""
+
+    def __init__(self, layers: LayerBytes) -> None:
+        self.layers = layers
+        self.params = np.concatenate([[0.0], np.cumsum(np.asarray(layers.params, float))])
+        self.stored = np.concatenate([[0.0], np.cumsum(np.asarray(layers.stored, float))])
+        self.working = np.asarray(layers.working, float)
+        self.sums = np.concatenate([[0.0], np.cumsum(self.working)])
+        self.output = np.asarray(layers.output, float)
+
+    def stages(self, i: int) -> StageBytes:
+        inp = self.layers.model_input if i == 0 else self.output[i - 1]
+        return StageBytes(
+            params=self.params[i + 1 :] - self.params[i],
+            input=np.full(len(self.output) - i, float(inp)),
+            stored=self.stored[i + 1 :] - self.stored[i],
+            working=np.maximum.accumulate(self.working[i:]),
+            working_sum=self.sums[i + 1 :] - self.sums[i],
+            output=self.output[i:],
+        )
