@@ -283,7 +283,11 @@ def test_trains_on_tfrecord_files(tmp_path):
             "--balance=4,4 --mesh=stage:2;replica:2 --virtual_stages=1 --model=transformer "
             "--depth=2: balance [4, 4] sums to 8 but the model has 5 layers",
         ),
-        (["--balance=half"], "--balance=half must be one of ['params', 'time'] or layer counts"),
+        (
+            ["--balance=half"],
+            "--balance=half must be one of ['params', 'time', 'memory'] or layer counts",
+        ),
+        (["--memory_per_device=16"], "--memory_per_device: '16' is not a memory size"),
         (
             ["--data=text:/no/such/file.txt"],
             "--data=text:/no/such/file.txt --model=transformer: data file '/no/such/file.txt'",

@@ -88,15 +88,23 @@ def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():
 def test_plan_says_by_how_much_the_smallest_candidate_misses():
     from hybrid.planning import search
 
-    # 2 devices: stage 0 of 2×1 (4 layers) needs 400 × 7 (Adam) + 800 template + the input
-    # 8 × 3 = 3624 bytes; 1×2 needs more (800 × 7 + 800 template + 1600 all-reduce buffers)
+    # 2 devices: stage 0 of 2×1 cut (4, 4) needs 400 × 7 (Adam) + 800 template + the input
+    # 8 × 3 = 3624 bytes; the memory cut (3, 5) 300 × 7 + 800 + 24 = 2924 on stage 0 and
+    # 500 × 7 = 3500 on stage 1; 1×2 needs more (800 × 7 + 800 template + 1600 all-reduce)
     result = search.plan(profile(), devices=2, global_batch=8, memory_per_device=2000)
     with pytest.raises(ValueError) as error:
         _ = result.best
     assert (
-        "the smallest candidate, 2x1 M=1 1f1b never, needs 3.54 KiB per device: 1.59 KiB "
-        "(81%) more than the 1.95 KiB each device has" in str(error.value)
+        "the smallest candidate, 2x1 M=1 1f1b never, needs 3.42 KiB per device: 1.46 KiB "
+        "(75%) more than the 1.95 KiB each device has" in str(error.value)
     )
+    cut = search.plan(profile(), devices=2, global_batch=8, memory_per_device=3510)
+    assert cut.best.peak_memory == pytest.approx(3500.0)  # only a memory cut fits
+    timed_only = search.plan(
+        profile(), devices=2, global_batch=8, memory_per_device=3510, balances=[None]
+    )
+    with pytest.raises(ValueError, match="the smallest candidate, 2x1 M=1 1f1b never, needs"):
+        _ = timed_only.best
     fits = search.plan(profile(), devices=2, global_batch=8, memory_per_device=3624)
     assert fits.best.config.stages == 2
     assert fits.best.peak_memory == pytest.approx(3624.0)

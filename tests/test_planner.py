@@ -440,6 +440,7 @@ def test_the_planner_never_proposes_what_pipeline_refuses(num_layers):
                 memory_per_device=limit,
                 max_micro_batches=8,
                 max_virtual_stages=3,
+                balances=[None],  # the rules, not the cuts (test_memory_balance.py)
             )
             considered = search.candidates(
                 devices,
@@ -492,7 +493,7 @@ def test_bad_arguments():
         planner.evaluate(uniform(), RunConfig(1, 1, 1), 1, optimizer_slots=-1)
     with pytest.raises(ConfigError, match="micro_batches must be a positive integer, got 0"):
         planner.plan(uniform(), devices=2, global_batch=4, micro_batches=[0])
-    with pytest.raises(ValueError, match="balances layers by time; use balance=None, 'time'"):
+    with pytest.raises(ValueError, match="by time or memory; use balance=None, 'time', 'memory'"):
         planner.evaluate(uniform(), RunConfig(2, 1, 1, balance="params"), 1)
     with pytest.raises(ValueError, match=r"config.global_batch=8 differs .* \(4\)"):
         planner.evaluate(uniform(), RunConfig(1, 1, 1, global_batch=8), 4)

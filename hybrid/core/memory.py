@@ -12,6 +12,7 @@ Conventions: sizes in bytes; activation sizes at one micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -26,11 +27,15 @@ __all__ = [
     "activation_bytes",
     "balance_by_memory",
     "deferred_bytes",
+    "format_bytes",
     "holdings",
     "memory_terms",
+    "parse_bytes",
     "spread",
     "stage_bytes",
+    "scaled",
     "stage_peaks",
+    "usage_of",
 ]
 
 
@@ -124,6 +129,25 @@ class Usage:
     template: float = 0.0
     deferred: bool = False
     sharded: bool = False
+
+
+def usage_of(
+    config: Any, sched: schedule_lib.Schedule, optimizer_slots: int, template: float
+) -> Usage:
+    """The :class:`Usage` of a run: ``config`` a :class:`hybrid.core.config.RunConfig`,
+    ``sched`` its schedule, ``template`` the bytes of the user's whole model."""
+    in_flight, keeps_last = holdings(sched)
+    return Usage(
+        optimizer_slots=optimizer_slots,
+        replicas=config.replicas,
+        micro_batches=sched.num_microbatches,
+        remat=config.remat,
+        in_flight=in_flight,
+        keeps_last=keeps_last,
+        template=template,
+        deferred=config.defer_weight_gradients,
+        sharded=config.shard_optimizer_states,
+    )
 
 
 def memory_terms(
@@ -254,7 +278,7 @@ def stage_peaks(
     """Each model stage's peak bytes under ``balance`` (``whole``: the layers at all
     micro-batches' rows, for deferred weight gradients; default: ``layers``' working sets
     × M)."""
-    whole = whole or _scaled(layers, usage.micro_batches)
+    whole = whole or scaled(layers, usage.micro_batches)
     starts = [sum(balance[:k]) for k in range(len(balance))]
     return tuple(
         float(_peak(stage_bytes(layers, s, n), k, usage, stage_bytes(whole, s, n)))
@@ -281,7 +305,7 @@ def balance_by_memory(
             f"cannot cut {L} layers into {S} stages: each stage needs at least one layer; "
             f"use at most {L} stages or a model with more layers"
         )
-    whole = whole or _scaled(layers, usage.micro_batches)
+    whole = whole or scaled(layers, usage.micro_batches)
     a, w = _Prefix(layers), _Prefix(whole)
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
@@ -308,14 +332,46 @@ def balance_by_memory(
     return tuple(reversed(balance))
 
 
+def format_bytes(nbytes: float) -> str:
+    """1.5 GiB, 3.2 MiB, 12 KiB, 100 B."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_UNITS.update({"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12})
+
+
+def parse_bytes(text: str) -> float:
+    """``"16GiB"``, ``"512 MiB"``, ``"80GB"``, ``"1e9B"`` -> bytes.
+
+    Raises:
+      ValueError: no unit, an unknown unit, or not a positive number; says what to write.
+    """
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
+    number, unit = match.groups() if match else ("", "")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0:
+        raise ValueError(
+            f"{text!r} is not a memory size: give a positive number and one of "
+            f"{', '.join(_UNITS)}, e.g. '16GiB' or '512MiB'"
+        )
+    return value * _UNITS[unit]
+
+
 def spread(peaks: Sequence[float]) -> float:
     """The largest stage peak over the smallest (1.0: perfectly even)."""
     return max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
 
 
-def _scaled(layers: LayerBytes, factor: int) -> LayerBytes:
-    """``layers`` with every activation size × ``factor`` (the stage at M micro-batches'
-    rows, where nothing better is known)."""
+def scaled(layers: LayerBytes, factor: float) -> LayerBytes:
+    """``layers`` with every activation size × ``factor`` (per-example sizes at a
+    micro-batch; a stage at M micro-batches' rows, where nothing better is known)."""
     return LayerBytes(
         params=layers.params,
         stored=[factor * x for x in layers.stored],

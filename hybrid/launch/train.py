@@ -29,6 +29,7 @@ from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
 from hybrid.launch.train_flags import (  # noqa: E402
     define_flags,
     parse_balance,
+    parse_memory,
     parse_micro_batches,
     parse_profile_steps,
 )
@@ -84,19 +85,19 @@ def _planned(config: Any, devices: int) -> Any:
 
     from hybrid import planning as planner
     from hybrid.core.config import layout_of
+    from hybrid.core.memory import format_bytes
     from hybrid.run.user_model import build_model
 
     layers, shape, dtype = build_model(config)
     flags_given = ("schedule", "remat", "micro_batches", "defer_weight_gradients")
     given = {name: FLAGS[name].present for name in flags_given}
     micro = config.layout.micro_batches
-    memory = FLAGS.memory_per_device_gib
     choice = planner.choose_mesh(
         layers,
         (shape, dtype),
         devices=devices,
         global_batch=config.data.global_batch_size,
-        memory_per_device=memory * 2**30 if memory else None,
+        memory_per_device=parse_memory(FLAGS.memory_per_device),
         schedule=config.layout.schedule if given["schedule"] else None,
         remat=config.layout.remat if given["remat"] else None,
         micro_batches=micro if given["micro_batches"] and micro != "auto" else None,
@@ -116,7 +117,7 @@ def _planned(config: Any, devices: int) -> Any:
         f"--schedule={run.schedule} --remat={run.remat} --virtual_stages="
         f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} "
         f"--defer_weight_gradients={run.defer_weight_gradients} (predicted "
-        f"{choice.step_time * 1e3:.1f} ms/step, {choice.peak_memory / 2**20:.0f} MiB/device)"
+        f"{choice.step_time * 1e3:.1f} ms/step, {format_bytes(choice.peak_memory)}/device)"
     )
     return dataclasses.replace(config, mesh=run.mesh_spec, layout=layout_of(run))
 

@@ -41,11 +41,12 @@ def _define_mesh_flags() -> None:
         "fastest mesh, micro-batches, schedule and remat that fit (--simulated_devices or the "
         "local GPUs give the device count; flags given explicitly stay fixed).",
     )
-    flags.DEFINE_float(
-        "memory_per_device_gib",
+    flags.DEFINE_string(
+        "memory_per_device",
         None,
-        "--mesh=auto: memory per device the plan must fit in (default: unlimited).",
-        lower_bound=0.0,
+        "--mesh=auto: the memory each device has, e.g. '16GiB' or '512MiB'; the plan keeps "
+        "the fastest configuration (mesh, M, schedule, remat, cut) that fits (default: "
+        "unlimited).",
     )
     flags.DEFINE_string(
         "micro_batches",
@@ -78,7 +79,10 @@ def _define_mesh_flags() -> None:
         "activations and their gradients (inexact; for slow links between stages).",
     )
     flags.DEFINE_string(
-        "balance", "params", "Layers per stage: 'params', 'time' (profiled) or counts '3,2'."
+        "balance",
+        "params",
+        "Layers per stage: 'params', 'time' (profiled), 'memory' (the smallest largest stage "
+        "peak memory) or counts '3,2'.",
     )
 
 
@@ -191,6 +195,7 @@ def _register_validators() -> None:
         ],
         _check_run_config,
     )  # fmt: skip
+    flags.register_validator("memory_per_device", lambda text: parse_memory(text) or True)
     flags.register_multi_flags_validator(
         [
             "model_dir", "checkpoint_every", "profile_steps", "train_steps", "fresh_start",
@@ -244,8 +249,20 @@ def _mesh_of(values: dict[str, Any]) -> tuple[int, int] | None:
         raise flags.ValidationError(f"--mesh: {err}") from err
 
 
+def parse_memory(text: str | None) -> float | None:
+    """``--memory_per_device``: ``"16GiB"`` -> bytes (None: unlimited)."""
+    from hybrid.core.memory import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise flags.ValidationError(f"--memory_per_device: {err}") from None
+
+
 def parse_balance(text: str) -> str | tuple[int, ...]:
-    """``"params"``/``"time"`` or ``"3,2"`` -> the Pipeline's ``balance`` argument."""
+    """``"params"``/``"time"``/``"memory"`` or ``"3,2"`` -> the Pipeline's ``balance``."""
     from hybrid.core.config import BALANCE_MODES
 
     if text in BALANCE_MODES:

@@ -197,8 +197,8 @@ def _checked(config: RunConfig, num_layers: int, global_batch: int) -> RunConfig
     )
     if config.balance == "params":
         raise ValueError(
-            "the planner balances layers by time; use balance=None, 'time' or layer counts "
-            "per stage, not 'params'"
+            "the planner balances layers by time or memory; use balance=None, 'time', 'memory' or "
+            "layer counts per stage, not 'params'"
         )
     return config
 
@@ -224,18 +224,7 @@ def _balance(
         return tuple(config.balance)
     if config.balance == "memory":
         M = config.micro_batches
-        in_flight, keeps_last = memory.holdings(sched)
-        usage = memory.Usage(
-            optimizer_slots=optimizer_slots,
-            replicas=config.replicas,
-            micro_batches=M,
-            remat=config.remat,
-            in_flight=in_flight,
-            keeps_last=keeps_last,
-            template=profile.param_bytes,
-            deferred=config.defer_weight_gradients,
-            sharded=config.shard_optimizer_states,
-        )
+        usage = memory.usage_of(config, sched, optimizer_slots, profile.param_bytes)
         whole = layer_bytes(profile, batch * M)
         return memory.balance_by_memory(
             layer_bytes(profile, batch), config.model_stages, usage, whole

@@ -9,12 +9,11 @@ import math
 from collections.abc import Sequence
 
 from hybrid.core.config import RunConfig
+from hybrid.core.memory import format_bytes
 from hybrid.planning.cost_model import Prediction
 from hybrid.planning.hardware import Hardware
 
 __all__ = ["Plan", "Rejection", "format_bytes", "format_time"]
-
-GiB = float(1 << 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +40,6 @@ def format_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"
-
-
-def format_bytes(nbytes: float) -> str:
-    """1.5 GiB, 3.2 MiB, 12 KiB, 100 B."""
-    for unit, size in (("GiB", GiB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,12 +52,14 @@ def candidates(
     max_virtual_stages: int,
     stages: Sequence[int] | None,
     deferrals: Sequence[bool] = (False, True),
+    balances: Sequence[str | None] = (None,),
 ) -> Iterator[RunConfig]:
     """Every configuration :func:`plan` judges, with the global batch and layer count: each
     S × R = devices (S in ``stages`` when given), each M in ``micro_batches`` (default: the
     divisors of the per-replica batch up to ``max_micro_batches``, or 1), each schedule
-    (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode, and with
-    ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight gradients or not)."""
+    (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode, with
+    ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight gradients or not),
+    and each cut of ``balances`` (None: by time; "memory")."""
     for S in stages if stages is not None else _divisors(devices):
         R = devices // S
         per_replica = global_batch // R if global_batch % R == 0 else 0
@@ -67,9 +69,10 @@ def candidates(
             for v in virtuals:
                 for M in ms:
                     for remat in remats:
-                        args = (S, R, M, name, remat, v, None, global_batch, num_layers)
-                        for defer in deferrals if remat == "never" and M > 1 else [False]:
-                            yield RunConfig(*args, defer_weight_gradients=defer)
+                        for balance in balances:
+                            args = (S, R, M, name, remat, v, balance, global_batch, num_layers)
+                            for defer in deferrals if remat == "never" and M > 1 else [False]:
+                                yield RunConfig(*args, defer_weight_gradients=defer)
 
 
 def plan(
@@ -93,6 +96,7 @@ def plan(
     stages: Sequence[int] | None = None,
     device: str | None = None,
     deferrals: Sequence[bool] = (False, True),
+    balances: Sequence[str | None] | None = None,
     verbose: int = 1,
 ) -> Plan:
     """Ranks every way to train ``model`` on ``devices`` devices by predicted step time.
@@ -120,6 +124,8 @@ def plan(
       remats: remat modes (default: all of :data:`REMAT_MODES`).
       deferrals: with ``remat="never"``, whether weight gradients are deferred
         (``Pipeline(defer_weight_gradients=...)``; default: both are judged).
+      balances: the cuts to judge: None (balance time) and/or "memory" (the smallest
+        largest stage peak); default: both when a memory budget is given, else by time.
       verbose: 1 (the default) shows ``keras.utils.Progbar`` bars over the profiled layers
         and over the candidates; 0 is silent. ``Plan.seconds`` holds the time either way.
 
@@ -154,12 +160,18 @@ def plan(
             max_virtual_stages,
             stages,
             deferrals,
+            balances if balances is not None else _balances(hardware),
         )
     )
     ranked, rejected, seen, merged = [], [], set(), 0
+    judged: set[RunConfig] = set()  # a memory cut equal to the time cut is judged once
     bar = _progress_bar(len(configs), verbose)
     for config in configs:
         outcome = _judge(profile, config, global_batch, hardware, optimizer_slots)
+        if bar is not None:
+            bar.add(1)
+        if _judged_before(outcome, config, judged):
+            continue
         if isinstance(outcome, Rejection):
             rejected.append(outcome)
         elif outcome.config.stages == 1 and _same_but_schedule(outcome) in seen:
@@ -167,11 +179,27 @@ def plan(
         else:
             seen.add(_same_but_schedule(outcome))
             ranked.append(outcome)
-        if bar is not None:
-            bar.add(1)
     ranked.sort(key=lambda p: (_small_norm(profile, p), *_rank_key(p)))
     seconds = time.perf_counter() - began
     return Plan(devices, global_batch, hardware, tuple(ranked), tuple(rejected), merged, seconds)
+
+
+def _judged_before(
+    outcome: Prediction | Rejection, config: RunConfig, judged: set[RunConfig]
+) -> bool:
+    """Whether a memory cut's ``outcome`` repeats one judged already: its cut equals the
+    time cut's, or it was refused whatever the cut (a rule of the run, not memory). Adds
+    ``outcome``'s configuration (with the cut) to ``judged``."""
+    refused = isinstance(outcome, Rejection) and outcome.prediction is None
+    if config.balance == "memory" and (refused or outcome.config in judged):
+        return True
+    judged.add(outcome.config)
+    return False
+
+
+def _balances(hardware: Hardware) -> tuple[str | None, ...]:
+    """The cuts to judge by default: by time, and with a memory budget also by memory."""
+    return (None,) if hardware.memory_per_device is None else (None, "memory")
 
 
 def _progress_bar(candidates: int, verbose: int) -> Any:

@@ -79,6 +79,14 @@ def mesh_for(config: TrainConfig, devices: Sequence[str] | None = None) -> Devic
     return DeviceMesh.create(stages, replicas, config.platform.upper())
 
 
+def _with_batch(shape: Any, batch: int) -> Any:
+    """An input shape (or a list of them) with its batch dimension set to ``batch``: the
+    pipeline then knows the batch it runs (its memory estimate, ``--balance=memory``)."""
+    if isinstance(shape[0], (list, tuple)):
+        return [(batch, *s[1:]) for s in shape]
+    return (batch, *shape[1:])
+
+
 def pipeline_for(
     config: TrainConfig, mesh: DeviceMesh, strategy: Any = None
 ) -> tuple[Pipeline, Any, tuple[list[str], str]]:
@@ -97,7 +105,7 @@ def pipeline_for(
     pipe.compile(
         optimizer=optimizer_for(config), loss=loss, metrics=metrics, jit_compile=config.jit_compile
     )
-    pipe.build(shape, dtype)
+    pipe.build(_with_batch(shape, config.data.global_batch_size), dtype)
     pipe.timeline_every = config.timeline_every
     summary = resume.describe_model(model, loss)
     return pipe, None if isinstance(dtype, list) else tuple(shape[1:]), summary

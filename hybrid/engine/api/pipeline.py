@@ -42,7 +42,7 @@ from hybrid.core.config import (
     validate_run,
 )
 from hybrid.core.mesh import DeviceMesh
-from hybrid.engine.api import batches, feed
+from hybrid.engine.api import batches, feed, stage_memory
 from hybrid.engine.api.compiled import Compiled
 from hybrid.engine.api.mesh_step import MeshExecutor, MeshStep, Placing
 from hybrid.engine.api.micro_batching import (
@@ -195,6 +195,7 @@ class Pipeline(Workflow):
         self._balance_mode = "params" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
         self._placement: Placement | None = None
+        self._bytes: tuple[Any, float, int | None] = (None, 0.0, None)  # see predicted_memory
         self._compiled: Compiled | None = None
         self._step = self._executor.step_variable(mesh)  # see step_counter
         self._steps = self._steps_for(M)
@@ -348,6 +349,7 @@ class Pipeline(Workflow):
             )
         self._specs = list(specs)
         self._shapes = [s.shape for s in specs]
+        by_memory = self._balance_mode == "memory"
         layout = assembly.lay_out(
             self._graph,
             specs,
@@ -356,7 +358,9 @@ class Pipeline(Workflow):
             self._balance,
             self._balance_mode,
             self.jit_compile,
+            stage_memory.memory_cut(self, self._optimizers, batch) if by_memory else None,
         )
+        self._bytes = (layout.bytes, layout.template, batch)
         self._balance, self._placement = layout.balance, layout.placement
         masked = [k in layout.masked for k in self._graph.outputs]
         self._loss = self._loss.bind(layout.output_shapes, masked)
@@ -387,6 +391,13 @@ class Pipeline(Workflow):
         )
         stages, self._groups = self._executor.place(layout, placing)
         return stages
+
+    def predicted_memory(self) -> tuple[float, ...] | None:
+        """Each model stage's predicted peak bytes on its devices, estimated from the model's
+        shapes at the batch size it was built for (``stage_memory.py``; ``hybrid.plan``
+        measures); None when that batch size is not known."""
+        self._require_compiled("predicted_memory")
+        return stage_memory.predicted_peaks(self, self._optimizers, *self._bytes)
 
     @property
     def strategy(self) -> Any:

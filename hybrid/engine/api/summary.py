@@ -9,6 +9,9 @@ stage, then the run's settings and the schedule's bubble.
         compute       its share of the model's estimated work per example: every weight a
                       call reads times the positions it is applied at (the call's output
                       shape without its batch and last axes); embedding lookups count nothing
+        memory        its predicted peak bytes on each of its devices (weights, gradients,
+                      optimizer state, activations in flight: ``stage_memory.py``), when
+                      the batch size is known; then the largest stage peak over the smallest
     bubble            schedule.simulate() with each stage's F costing its compute share and
                       its backward twice that: the idle share of the devices
 
@@ -23,6 +26,7 @@ from typing import Any
 
 import keras
 
+from hybrid.core import memory
 from hybrid.core import schedule as schedule_lib
 from hybrid.engine.model.graph import TensorSpec
 
@@ -110,13 +114,19 @@ def summary(pipe: Any, print_fn: Callable[[str], None] | None = None) -> str:
     ``print``) and returned."""
     rows = stage_rows(pipe)
     total = sum(r.work for r in rows) or 1
-    head = f"{'stage':>5}  {'devices':<28} {'layer calls':<40} {'params':>10} {'compute':>8}"
+    peaks = pipe.predicted_memory()
+    head = (
+        f"{'stage':>5}  {'devices':<28} {'layer calls':<40} {'params':>10} {'compute':>8} "
+        f"{'memory':>10}"
+    )
     lines = [f"Pipeline: {one_line(pipe)}", head, "-" * len(head)]
     for r in rows:
         devices = ", ".join(d.rsplit("/", 1)[-1] for d in r.devices)
         calls = f"{_first_last(r.calls)} ({len(r.calls)})"
+        held = memory.format_bytes(peaks[r.index]) if peaks else "?"
         lines.append(
-            f"{r.index:>5}  {devices:<28} {calls:<40} {r.parameters:>10,} {r.work / total:>8.1%}"
+            f"{r.index:>5}  {devices:<28} {calls:<40} {r.parameters:>10,} "
+            f"{r.work / total:>8.1%} {held:>10}"
         )
         lines.append(f"{'':>7}in: {_specs(r.inputs)}")
     config = pipe.config
@@ -126,10 +136,21 @@ def summary(pipe: Any, print_fn: Callable[[str], None] | None = None) -> str:
         "counts on each); compute: estimated share of the work per example",
         f"bubble {_bubble(pipe, rows):.1%} (schedule {config.schedule}, M={pipe.micro_batches}, "
         "each stage's costs in proportion to its compute; hybrid.plan measures)",
+        _memory_line(peaks),
     ]
     text = "\n".join(lines)
     (print_fn or print)(text)
     return text
+
+
+def _memory_line(peaks: Sequence[float] | None) -> str:
+    if not peaks:
+        return "memory: ? (build with the batch size in the shape to predict each stage's peak)"
+    return (
+        f"memory: largest stage peak {memory.format_bytes(max(peaks))}, "
+        f"{memory.spread(peaks):.2f}× the smallest (estimated from shapes; "
+        'balance="memory" evens it, hybrid.plan measures)'
+    )
 
 
 def one_line(pipe: Any) -> str:

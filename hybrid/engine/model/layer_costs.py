@@ -1,7 +1,10 @@
-"""What a layer costs, for balancing stages: its parameter count or its measured time.
+"""What a layer costs, for balancing stages: its parameter count, its measured time, or
+the bytes it holds.
 
 ``Pipeline(balance="params")`` cuts the model where parameter counts balance;
-``balance="time"`` where the measured forward+backward seconds of each layer balance.
+``balance="time"`` where the measured forward+backward seconds of each layer balance;
+``balance="memory"`` where the largest stage's peak bytes (:mod:`hybrid.core.memory`, from
+the estimate of :func:`layer_bytes`) is smallest.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["block", "parameter_costs", "time_costs"]
+from hybrid.core import memory
+
+__all__ = ["block", "layer_bytes", "parameter_costs", "time_costs", "weight_bytes"]
 
 
 def parameter_costs(layers: Sequence[keras.layers.Layer]) -> list[float]:
@@ -72,3 +78,45 @@ def block(tensors: Sequence[tf.Tensor]) -> None:
     """Waits until every tensor is computed (copying it to the host)."""
     for t in tensors:
         t.numpy()
+
+
+def layer_bytes(
+    calls: Sequence[Any], values: dict[int, Any], inputs: Sequence[int]
+) -> memory.LayerBytes:
+    """Each call's bytes estimated from shapes, activations per example (scale them with
+    :func:`hybrid.core.memory.scaled` to a micro-batch)::
+
+        params   its layer's weights (a layer called twice counts on each call)
+        output   its outputs, per example (``values``: every tensor, traced at any batch)
+        stored   = output (what its backward reads: the next call's input, or its own)
+        working  = 2 · output (the output's gradient and the one it passes back, beside
+                   the output)
+
+    ``hybrid.plan`` measures what each layer holds instead; this needs no measurement.
+    """
+    output = [sum(_example_bytes(values[k]) for k in call.outputs) for call in calls]
+    return memory.LayerBytes(
+        params=[weight_bytes(getattr(c.layer, "weights", [])) for c in calls],
+        stored=output,
+        working=[2 * x for x in output],
+        output=output,
+        model_input=float(sum(_example_bytes(values[k]) for k in inputs)),
+    )
+
+
+def weight_bytes(variables: Sequence[Any]) -> float:
+    """Bytes of ``variables`` (each once)."""
+    return float(sum(_bytes(v) for v in {id(v): v for v in variables}.values()))
+
+
+def _bytes(v: Any) -> int:
+    return int(np.prod(v.shape)) * _itemsize(v.dtype)
+
+
+def _itemsize(dtype: Any) -> int:
+    return int(tf.as_dtype(getattr(dtype, "name", dtype)).size)
+
+
+def _example_bytes(t: Any) -> float:
+    """Bytes of one example of tensor ``t`` (its shape without the batch axis)."""
+    return float(np.prod([d or 1 for d in t.shape[1:]])) * _itemsize(t.dtype)

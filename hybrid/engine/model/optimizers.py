@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import keras
+import numpy as np
 
 from hybrid.engine import keras_private
 
-__all__ = ["OptimizerCopies", "OptimizerLike", "optimizer_copies"]
+__all__ = ["OptimizerCopies", "OptimizerLike", "optimizer_copies", "slots_per_weight"]
 
 OptimizerLike: TypeAlias = Any  # a keras.optimizers.Optimizer, a name, or a zero-argument factory
 
@@ -54,6 +55,17 @@ class OptimizerCopies:
                 source, inner, source_variables, stage_variables
             )
         return copy
+
+
+def slots_per_weight(copies: OptimizerCopies) -> int:
+    """The optimizer state one weight gets, in weights of its size (Adam 2, Adam with
+    ``use_ema`` 3, SGD with momentum 1, SGD 0): counted on a fresh copy built for a probe
+    variable, so every optimizer (and LossScaleOptimizer, EMA, AMSGrad) counts itself."""
+    shape = (3, 7)
+    probe = keras.Variable(np.zeros(shape, np.float32), trainable=True, name="probe")
+    optimizer = copies.make()
+    optimizer.build([probe])
+    return sum(1 for v in optimizer.variables if tuple(v.shape) == shape)
 
 
 def _inner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:

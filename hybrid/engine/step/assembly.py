@@ -2,7 +2,8 @@
 
 values  = the model traced once on a zero example (builds unbuilt layers)
 check every layer call against what the pipeline can honour  (template.check_layer)
-balance = explicit counts, or the cut balancing each call's parameters or measured time
+balance = explicit counts, or the cut balancing each call's parameters or measured time, or
+          the one whose largest stage peak memory is smallest (core.memory)
 segment k = calls [start_k, stop_k); its inputs are the tensors live at start_k
 stage k holds every model variable its calls read (a tied variable: several stages)
 sparse  = the variables whose gradient Keras hands its optimizer as IndexedSlices (sparse.py)
@@ -22,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hybrid.core import partition
+from hybrid.core import memory, partition
 from hybrid.core.mesh import DeviceMesh
 from hybrid.core.schedule import Schedule
 from hybrid.engine import keras_private
@@ -55,6 +56,9 @@ class Layout:
       masked: the keys of the tensors that carry a Keras mask (it crosses a cut with them).
       sparse: ids of the variables whose gradients are IndexedSlices (``sparse.py``).
       unused: ids of the trainable variables Keras would get no gradient for.
+      bytes: each call's bytes estimated from shapes, activations per example
+        (:func:`hybrid.engine.model.layer_costs.layer_bytes`).
+      template: bytes of every model variable (the user's model, held beside stage 0).
     """
 
     balance: tuple[int, ...]
@@ -66,6 +70,8 @@ class Layout:
     masked: frozenset[int]
     sparse: frozenset[int] = frozenset()
     unused: frozenset[int] = frozenset()
+    bytes: memory.LayerBytes | None = None
+    template: float = 0.0
 
 
 def spec_of(t: Any) -> TensorSpec:
@@ -80,6 +86,7 @@ def lay_out(
     balance: Sequence[int] | None,
     balance_mode: str,
     jit_compile: bool,
+    memory_cut: Callable[[memory.LayerBytes, float], tuple[int, ...]] | None = None,
 ) -> Layout:
     """Builds and checks the model on ``device`` and cuts it into ``num_stages`` segments.
 
@@ -89,7 +96,9 @@ def lay_out(
       device: where the template model is built and, for ``balance_mode="time"``, timed.
       num_stages: model stages (devices × virtual stages).
       balance: explicit calls per stage, or None to balance by ``balance_mode``.
-      balance_mode: "params" or "time".
+      balance_mode: "params", "time" or "memory".
+      memory_cut: for ``balance_mode="memory"``: the cut of the calls' bytes (per example)
+        and the model's weight bytes.
 
     Raises:
       NotImplementedError: a layer whose Keras semantics the pipeline cannot honour.
@@ -107,6 +116,12 @@ def lay_out(
             arguments.append(args[0] if len(args) == 1 else args)
             check_layer(call.layer, arguments[-1], values[call.outputs[0]])
     layers = [call.layer for call in graph.calls]
+    estimate = layer_costs.layer_bytes(graph.calls, values, graph.inputs)
+    template = layer_costs.weight_bytes(graph.variables())
+    if balance is None and balance_mode == "memory":
+        if memory_cut is None:
+            raise ValueError('balance="memory" needs the run\'s memory use (memory_cut)')
+        balance = memory_cut(estimate, template)
     if balance is None:
         if balance_mode == "time":
             costs = layer_costs.time_costs(layers, arguments, device, jit_compile=jit_compile)
@@ -129,6 +144,8 @@ def lay_out(
         _masked(graph, values),
         frozenset(slices),
         frozenset(unused),
+        estimate,
+        template,
     )
 
 
