@@ -37,7 +37,7 @@ def random_layers(seed: int, n: int) -> memory.LayerBytes:
 def usage_for(name: str, S: int, M: int, remat: str, t: float = 3000.0, **kwargs) -> memory.Usage:
     """The usage of an S × 2 run with Adam and a template of ``t`` bytes."""
     config = RunConfig(S, 2, M, name, remat, **kwargs)
-    sched = schedule_lib.validate(schedule_lib.get(name, S, M, 1))
+    sched = schedule_lib.validate(schedule_lib.get(name, S, M, config.virtual_stages))
     return memory.usage_of(config, sched, optimizer_slots=2, template=t)
 
 
@@ -81,6 +81,32 @@ def test_stage_peaks_apply_the_terms_stage_by_stage():
     assert s0 == max(100 + 200 + 50 + 8 + 200 + 29, 758) + 200
     # stage 1: 200 + 400 + 400 + (1·(3 + 20) + 7) vs 200 + 400 + 400 + 400; + all-reduce 400
     assert s1 == max(200 + 400 + 400 + 30, 1400) + 400
+
+
+def test_a_device_holding_virtual_stages_holds_all_their_weights():
+    """Interleaved, v = 2: device 0 holds model stages 0 and 2: the weights, gradients and
+    state of both, the activations of the fuller one, the template and the input shard."""
+    layers = random_layers(3, 8)
+    usage = usage_for("interleaved", 2, 4, "never", virtual_stages=2)
+    assert usage.device_of == (0, 1, 0, 1)
+    balance = (2, 2, 2, 2)
+    d0, d1 = memory.device_peaks(layers, balance, usage)
+    stages = [memory.stage_bytes(layers, 2 * k, 2) for k in range(4)]
+    wholes = [memory.stage_bytes(memory.scaled(layers, 4), 2 * k, 2) for k in range(4)]
+    assert (
+        d0
+        == memory.device_terms([stages[0], stages[2]], [wholes[0], wholes[2]], [0, 2], usage)[
+            "total"
+        ]
+    )
+    held = max(
+        memory.activation_bytes(stages[k], usage.in_flight[k], "never", usage.keeps_last[k])
+        for k in (1, 3)
+    )
+    params = stages[1].params + stages[3].params
+    assert d1 == memory.memory_terms(params, 2, 2, held)["total"]
+    alone = memory.stage_peaks(layers, balance, usage)
+    assert d0 > max(alone[0], alone[2]) and d1 > max(alone[1], alone[3])
 
 
 def test_the_memory_cut_evens_peaks_where_params_do_not():
@@ -152,7 +178,8 @@ def test_pipeline_balance_memory_cuts_by_the_estimate_and_trains_as_keras():
     usage = memory.usage_of(pipe.config, pipe.schedule, 2, template_bytes)
     micro = memory.scaled(layers, batch / 4)
     assert pipe.balance == memory.balance_by_memory(micro, 2, usage)
-    assert peaks == memory.stage_peaks(micro, pipe.balance, usage)
+    assert peaks == memory.stage_peaks(micro, pipe.balance, usage)  # one stage per device
+    assert peaks == memory.device_peaks(micro, pipe.balance, usage)
     assert max(peaks) == min(max(memory.stage_peaks(micro, c, usage)) for c in cuts(8, 2))
     assert layers.params[0] == (ref.IN_FEATURES * 256 + 256) * 4
     assert layers.output[0] == 256 * 4 and layers.stored == layers.output

@@ -495,15 +495,25 @@ def test_stage_peaks_go_to_the_log_and_tensorboard(monkeypatch, tmp_path):
 
     from hybrid.run import callbacks
 
-    pipe = SimpleNamespace(mesh=hybrid.DeviceMesh.create(2, 1))
+    predicted = None
+    pipe = SimpleNamespace(mesh=hybrid.DeviceMesh.create(2, 1), predicted_memory=lambda: predicted)
     lines = []
     callbacks._report_memory(pipe, 10, lines.append, None)
-    assert lines == []  # simulated CPU devices: nothing per stage to say
+    assert lines == []  # simulated CPU devices, batch size unknown: nothing to say
+    predicted = (1.5 * 2**20, 2.5 * 2**20)
+    callbacks._report_memory(pipe, 10, lines.append, None)
+    assert lines == [
+        "predicted peak memory (from shapes) per stage (replica 0): stage 0 predicted 1.5 MiB, "
+        "stage 1 predicted 2.5 MiB"
+    ]
     monkeypatch.setattr(callbacks, "stage_peaks", lambda devices: [2**20, 3 * 2**20])
     writer = tf.summary.create_file_writer(str(tmp_path))
     callbacks._report_memory(pipe, 10, lines.append, writer)
     writer.flush()
-    assert lines == ["peak memory per stage (replica 0): stage 0 1.0 MiB, stage 1 3.0 MiB"]
+    assert lines[1] == (
+        "peak memory per stage (replica 0): stage 0 1.0 MiB (predicted 1.5 MiB), "
+        "stage 1 3.0 MiB (predicted 2.5 MiB)"
+    )
     events = [str(p) for p in tmp_path.iterdir()]
     tags = {
         (value.tag, event.step, float(tf.make_ndarray(value.tensor)))

@@ -12,6 +12,8 @@ Conventions: sizes in bytes; activation sizes at one micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -27,6 +29,8 @@ __all__ = [
     "activation_bytes",
     "balance_by_memory",
     "deferred_bytes",
+    "device_peaks",
+    "device_terms",
     "format_bytes",
     "holdings",
     "memory_terms",
@@ -118,6 +122,7 @@ class Usage:
       template: bytes of the user's whole model, which model stage 0's device also holds.
       deferred: weight gradients deferred to one W per stage over all micro-batches.
       sharded: optimizer states sharded across the replicas (ZeRO-1).
+      device_of: per model stage, its pipeline device (default: model stage k on device k).
     """
 
     optimizer_slots: int
@@ -129,6 +134,7 @@ class Usage:
     template: float = 0.0
     deferred: bool = False
     sharded: bool = False
+    device_of: Sequence[int] = ()
 
 
 def usage_of(
@@ -147,6 +153,7 @@ def usage_of(
         template=template,
         deferred=config.defer_weight_gradients,
         sharded=config.shard_optimizer_states,
+        device_of=tuple(sched.device_of(k) for k in range(sched.num_model_stages)),
     )
 
 
@@ -249,24 +256,65 @@ def stage_bytes(layers: LayerBytes, first: int, count: int) -> StageBytes:
     )
 
 
-def _peak(st: StageBytes, k: int, usage: Usage, whole: StageBytes | None) -> Any:
-    """Model stage ``k``'s peak bytes (``whole``: the stage at all micro-batches' rows, with
-    deferred weight gradients)."""
+def device_terms(
+    stages: Sequence[Any],
+    wholes: Sequence[Any],
+    ks: Sequence[int],
+    usage: Usage,
+) -> dict[str, Any]:
+    """:func:`memory_terms` of one pipeline device holding model stages ``ks`` (a
+    :class:`StageBytes`, or the planner's ``StageCost``, for each; ``wholes``: each at all
+    micro-batches' rows, for deferred weight gradients): the weights, gradients and state
+    of them all, and the activations of its fullest stage (one runs at a time); the
+    template and the input shard when it holds model stage 0."""
     M = usage.micro_batches
-    if usage.deferred and M > 1:
-        held = deferred_bytes(st, whole if whole is not None else st, M)
-    else:
-        held = activation_bytes(st, usage.in_flight[k], usage.remat, usage.keeps_last[k])
+    deferred = usage.deferred and M > 1
+    held = functools.reduce(
+        np.maximum,
+        [
+            deferred_bytes(st, whole, M)
+            if deferred
+            else activation_bytes(st, usage.in_flight[k], usage.remat, usage.keeps_last[k])
+            for st, whole, k in zip(stages, wholes, ks, strict=True)
+        ],
+    )
+    first = [st for st, k in zip(stages, ks, strict=True) if k == 0]
     return memory_terms(
-        params=st.params,
+        params=functools.reduce(operator.add, [st.params for st in stages]),
         optimizer_slots=usage.optimizer_slots,
         replicas=usage.replicas,
         activations=held,
-        template=usage.template if k == 0 else 0.0,
-        batch_input=st.input * M if k == 0 else 0.0 * st.input,
-        deferred=usage.deferred and M > 1,
+        template=usage.template if first else 0.0,
+        batch_input=first[0].input * M if first else 0.0,
+        deferred=deferred,
         sharded=usage.sharded,
-    )["total"]
+    )
+
+
+def _peak(st: StageBytes, k: int, usage: Usage, whole: StageBytes) -> Any:
+    """Model stage ``k``'s peak bytes, as if its device held it alone."""
+    return device_terms([st], [whole], [k], usage)["total"]
+
+
+def device_peaks(
+    layers: LayerBytes,
+    balance: Sequence[int],
+    usage: Usage,
+    whole: LayerBytes | None = None,
+) -> tuple[float, ...]:
+    """Each pipeline device's peak bytes under ``balance`` (a device holds the model stages
+    ``usage.device_of`` gives it: one, or v with virtual stages)."""
+    whole = whole or scaled(layers, usage.micro_batches)
+    starts = [sum(balance[:k]) for k in range(len(balance))]
+    stages = [stage_bytes(layers, s, n) for s, n in zip(starts, balance, strict=True)]
+    wholes = [stage_bytes(whole, s, n) for s, n in zip(starts, balance, strict=True)]
+    devices = usage.device_of or tuple(range(len(balance)))
+    peaks = []
+    for d in sorted(set(devices)):
+        ks = [k for k, dev in enumerate(devices) if dev == d]
+        terms = device_terms([stages[k] for k in ks], [wholes[k] for k in ks], ks, usage)
+        peaks.append(float(terms["total"]))
+    return tuple(peaks)
 
 
 def stage_peaks(

@@ -251,16 +251,23 @@ def stage_peaks(
 
 
 def _report_memory(pipe: Pipeline, step: int, log: Callable[[str], None], writer: Any) -> None:
-    """Each stage's measured peak memory (replica 0's devices) to the log and TensorBoard
-    (``memory/stage_<s>/peak_bytes``), where the platform reports it per device."""
+    """Each pipeline device row's peak memory (replica 0's devices) to the log: measured
+    where the platform reports it per device (also to TensorBoard,
+    ``memory/stage_<s>/peak_bytes``), beside the prediction from shapes
+    (``pipe.predicted_memory()``); the prediction alone on simulated CPU devices."""
     peaks = stage_peaks(list(pipe.mesh.pipeline(0)))
-    if peaks is None:
+    predicted = pipe.predicted_memory()
+    if peaks is None and predicted is None:
         return
-    log(
-        "peak memory per stage (replica 0): "
-        + ", ".join(f"stage {s} {peak / 2**20:.1f} MiB" for s, peak in enumerate(peaks))
-    )
-    if writer is not None:
+    rows = []
+    for s in range(pipe.mesh.num_stages):
+        measured = f"{peaks[s] / 2**20:.1f} MiB" if peaks is not None else ""
+        guess = f"predicted {predicted[s] / 2**20:.1f} MiB" if predicted is not None else ""
+        both = f"{measured} ({guess})" if measured and guess else measured or guess
+        rows.append(f"stage {s} {both}")
+    kind = "peak memory" if peaks is not None else "predicted peak memory (from shapes)"
+    log(f"{kind} per stage (replica 0): " + ", ".join(rows))
+    if writer is not None and peaks is not None:
         with writer.as_default(step=step):
             for s, peak in enumerate(peaks):
                 tf.summary.scalar(f"memory/stage_{s}/peak_bytes", peak)

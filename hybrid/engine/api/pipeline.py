@@ -393,9 +393,10 @@ class Pipeline(Workflow):
         return stages
 
     def predicted_memory(self) -> tuple[float, ...] | None:
-        """Each model stage's predicted peak bytes on its devices, estimated from the model's
-        shapes at the batch size it was built for (``stage_memory.py``; ``hybrid.plan``
-        measures); None when that batch size is not known."""
+        """Each pipeline device's predicted peak bytes (``[d]``: the devices of mesh row d,
+        which hold model stage d, or stages d, d+S, ... with virtual stages), estimated from
+        the model's shapes at the batch size it was built for (``stage_memory.py``;
+        ``hybrid.plan`` measures); None when that batch size is not known."""
         self._require_compiled("predicted_memory")
         return stage_memory.predicted_peaks(self, self._optimizers, *self._bytes)
 

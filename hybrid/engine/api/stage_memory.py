@@ -1,5 +1,6 @@
-"""Each stage's predicted peak memory, from the model's shapes, by :mod:`hybrid.core.memory`'s
-rule: what ``Pipeline(balance="memory")`` cuts by and what ``pipe.summary()`` shows.
+"""Each pipeline device's predicted peak memory, from the model's shapes, by
+:mod:`hybrid.core.memory`'s rule: what ``Pipeline(balance="memory")`` cuts by and what
+``pipe.summary()`` shows.
 
     per call  weights, and activations per example estimated from its output's shape
               (hybrid.engine.model.layer_costs.layer_bytes)
@@ -63,10 +64,10 @@ def predicted_peaks(
     template: float,
     batch: int | None,
 ) -> tuple[float, ...] | None:
-    """Each model stage's predicted peak bytes on its devices, from the built ``pipe``'s
-    calls' bytes per example and weight bytes at the global ``batch``; None when the batch
-    size is not known."""
+    """Each pipeline device's predicted peak bytes (a row of the mesh: every replica's is
+    the same), from the built ``pipe``'s calls' bytes per example and weight bytes at the
+    global ``batch``; None when the batch size is not known."""
     if batch is None or per_example is None:
         return None
     layers = memory.scaled(per_example, _micro_batch(pipe, batch))
-    return memory.stage_peaks(layers, pipe.balance, usage(pipe, optimizers, template))
+    return memory.device_peaks(layers, pipe.balance, usage(pipe, optimizers, template))

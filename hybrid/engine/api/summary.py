@@ -9,9 +9,10 @@ stage, then the run's settings and the schedule's bubble.
         compute       its share of the model's estimated work per example: every weight a
                       call reads times the positions it is applied at (the call's output
                       shape without its batch and last axes); embedding lookups count nothing
-        memory        its predicted peak bytes on each of its devices (weights, gradients,
-                      optimizer state, activations in flight: ``stage_memory.py``), when
-                      the batch size is known; then the largest stage peak over the smallest
+        memory        the predicted peak bytes of each of its devices (weights, gradients,
+                      optimizer state, activations in flight: ``stage_memory.py``; with
+                      virtual stages, of all the stages a device holds), when the batch size
+                      is known; then the largest device peak over the smallest
     bubble            schedule.simulate() with each stage's F costing its compute share and
                       its backward twice that: the idle share of the devices
 
@@ -123,7 +124,7 @@ def summary(pipe: Any, print_fn: Callable[[str], None] | None = None) -> str:
     for r in rows:
         devices = ", ".join(d.rsplit("/", 1)[-1] for d in r.devices)
         calls = f"{_first_last(r.calls)} ({len(r.calls)})"
-        held = memory.format_bytes(peaks[r.index]) if peaks else "?"
+        held = memory.format_bytes(peaks[pipe.schedule.device_of(r.index)]) if peaks else "?"
         lines.append(
             f"{r.index:>5}  {devices:<28} {calls:<40} {r.parameters:>10,} "
             f"{r.work / total:>8.1%} {held:>10}"
@@ -145,9 +146,9 @@ def summary(pipe: Any, print_fn: Callable[[str], None] | None = None) -> str:
 
 def _memory_line(peaks: Sequence[float] | None) -> str:
     if not peaks:
-        return "memory: ? (build with the batch size in the shape to predict each stage's peak)"
+        return "memory: ? (build with the batch size in the shape to predict each device's peak)"
     return (
-        f"memory: largest stage peak {memory.format_bytes(max(peaks))}, "
+        f"memory: largest device peak {memory.format_bytes(max(peaks))}, "
         f"{memory.spread(peaks):.2f}× the smallest (estimated from shapes; "
         'balance="memory" evens it, hybrid.plan measures)'
     )
