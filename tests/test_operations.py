@@ -314,7 +314,7 @@ def pipeline(**arguments):
         ({"jit_compile": "no"}, TypeError, "jit_compile='no' (str): give True or False"),
         ({"micro_batches": 2.0}, ValueError, "micro_batches must be a positive integer, got 2.0"),
         ({"prefetch": "2"}, ValueError, "prefetch='2': give the number of batches to prepare"),
-        ({"balance": 5}, TypeError, "balance=5 (int): give None, one of ['params', 'time'], or"),
+        ({"balance": 5}, TypeError, "balance=5 (int): give None, one of ['params', 'time', 'memory'], or"),
     ],
 )
 def test_pipeline_refuses_arguments_of_the_wrong_type(arguments, error, message):
