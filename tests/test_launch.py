@@ -110,7 +110,7 @@ def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     run = launch(
         "--mesh=auto", "--simulated_devices=2", "--model=mlp", "--data=synthetic", "--width=16",
         "--depth=1", "--global_batch_size=8", "--train_steps=4", "--schedule=1f1b",
-        "--progress_bar", f"--keras_file={tmp_path}/mlp.keras",
+        "--progress_bar", f"--keras_file={tmp_path}/mlp.keras", "--memory_per_device=1GiB",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "4/4" in run.stdout and "loss:" in run.stdout  # Keras's progress bar
@@ -124,6 +124,9 @@ def test_mesh_auto_trains_on_the_planned_mesh(tmp_path):
     deferred = "--defer_weight_gradients=True" in planned[0]  # the plan's choice is applied
     assert deferred or "--defer_weight_gradients=False" in planned[0], planned[0]
     assert ("deferred weight gradients" in run.stdout) == deferred
+    sharded = "--shard_optimizer_states=True" in planned[0]  # judged under a memory budget
+    assert sharded or "--shard_optimizer_states=False" in planned[0], planned[0]
+    assert "predicted peak memory (from shapes) per stage (replica 0): stage 0" in run.stdout
 
 
 def test_micro_batches_auto_times_every_m_at_the_first_step():

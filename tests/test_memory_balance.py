@@ -218,3 +218,41 @@ def test_the_planner_cuts_by_memory_to_fit_a_budget():
 
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))
+
+
+def test_the_planner_shards_optimizer_states_to_fit_a_budget():
+    """On 1 × 2 devices with Adam, sharding halves the optimizer state per device: with a
+    budget between the two peaks plan() chooses shard_optimizer_states=True; a stage with
+    fewer weight arrays than replicas cannot shard (the Pipeline refuses it too)."""
+    profile = uniform_profile(4, forward=1e-3, param_bytes=1000.0, output_bytes=10.0)
+    whole = RunConfig(1, 2, 1, "gpipe", "never")
+    plain = cost_model.evaluate(profile, whole, 8)
+    sharded = cost_model.evaluate(
+        profile, dataclasses.replace(whole, shard_optimizer_states=True), 8
+    )
+    # Adam's state (2 × 4000 bytes) and the update's temporaries over it both halve
+    assert plain.peak_memory - sharded.peak_memory == pytest.approx(2 * (2 * 4000) / 2)
+    budget = (plain.peak_memory + sharded.peak_memory) / 2
+    plan = hybrid.plan(
+        profile, devices=2, global_batch=8, memory_per_device=budget, stages=[1],
+        schedules=["gpipe"], remats=["never"], micro_batches=[1], verbose=0,
+    )  # fmt: skip
+    assert plan.best.config.shard_optimizer_states
+    assert plan.best.peak_memory == pytest.approx(sharded.peak_memory)
+    one_array = dataclasses.replace(
+        profile, layers=tuple(dataclasses.replace(x, param_bytes=0.0) for x in profile.layers)
+    )
+    one_array = dataclasses.replace(
+        one_array,
+        layers=(
+            dataclasses.replace(one_array.layers[0], param_bytes=4000.0),
+            *one_array.layers[1:],
+        ),
+    )
+    refused = hybrid.plan(
+        one_array, devices=2, global_batch=8, memory_per_device=1e12, stages=[1],
+        schedules=["gpipe"], remats=["never"], micro_batches=[1], verbose=0,
+    )  # fmt: skip
+    (rejection,) = [r for r in refused.rejected if r.config.shard_optimizer_states]
+    assert rejection.kind == "too few variables to shard"
+    assert "model stage 0 has 1 weight array(s) for 2 replicas" in rejection.reason

@@ -314,7 +314,11 @@ def pipeline(**arguments):
         ({"jit_compile": "no"}, TypeError, "jit_compile='no' (str): give True or False"),
         ({"micro_batches": 2.0}, ValueError, "micro_batches must be a positive integer, got 2.0"),
         ({"prefetch": "2"}, ValueError, "prefetch='2': give the number of batches to prepare"),
-        ({"balance": 5}, TypeError, "balance=5 (int): give None, one of ['params', 'time', 'memory'], or"),
+        (
+            {"balance": 5},
+            TypeError,
+            "balance=5 (int): give None, one of ['params', 'time', 'memory'], or",
+        ),
     ],
 )
 def test_pipeline_refuses_arguments_of_the_wrong_type(arguments, error, message):
@@ -511,8 +515,8 @@ def test_stage_peaks_go_to_the_log_and_tensorboard(monkeypatch, tmp_path):
     callbacks._report_memory(pipe, 10, lines.append, writer)
     writer.flush()
     assert lines[1] == (
-        "peak memory per stage (replica 0): stage 0 1.0 MiB (predicted 1.5 MiB), "
-        "stage 1 3.0 MiB (predicted 2.5 MiB)"
+        "peak memory per stage (replica 0): stage 0 1 MiB (predicted 1.5 MiB), "
+        "stage 1 3 MiB (predicted 2.5 MiB)"
     )
     events = [str(p) for p in tmp_path.iterdir()]
     tags = {

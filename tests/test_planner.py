@@ -441,6 +441,7 @@ def test_the_planner_never_proposes_what_pipeline_refuses(num_layers):
                 max_micro_batches=8,
                 max_virtual_stages=3,
                 balances=[None],  # the rules, not the cuts (test_memory_balance.py)
+                shardings=[False],  # nor ZeRO-1 (test_memory_balance.py)
             )
             considered = search.candidates(
                 devices,

@@ -89,7 +89,9 @@ def _planned(config: Any, devices: int) -> Any:
     from hybrid.run.user_model import build_model
 
     layers, shape, dtype = build_model(config)
-    flags_given = ("schedule", "remat", "micro_batches", "defer_weight_gradients")
+    flags_given = (
+        "schedule", "remat", "micro_batches", "defer_weight_gradients", "shard_optimizer_states"
+    )  # fmt: skip
     given = {name: FLAGS[name].present for name in flags_given}
     micro = config.layout.micro_batches
     choice = planner.choose_mesh(
@@ -104,6 +106,9 @@ def _planned(config: Any, devices: int) -> Any:
         defer_weight_gradients=config.layout.defer_weight_gradients
         if given["defer_weight_gradients"]
         else None,
+        shard_optimizer_states=config.layout.shard_optimizer_states
+        if given["shard_optimizer_states"] or config.platform == "tpu"
+        else None,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=lambda: keras.optimizers.Adam(config.optimizer.learning_rate),
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
@@ -116,7 +121,8 @@ def _planned(config: Any, devices: int) -> Any:
         f"planned: --mesh={run.mesh_spec.replace(';', ',')} --micro_batches={run.micro_batches} "
         f"--schedule={run.schedule} --remat={run.remat} --virtual_stages="
         f"{run.virtual_stages} --balance={','.join(map(str, run.balance))} "
-        f"--defer_weight_gradients={run.defer_weight_gradients} (predicted "
+        f"--defer_weight_gradients={run.defer_weight_gradients} "
+        f"--shard_optimizer_states={run.shard_optimizer_states} (predicted "
         f"{choice.step_time * 1e3:.1f} ms/step, {format_bytes(choice.peak_memory)}/device)"
     )
     return dataclasses.replace(config, mesh=run.mesh_spec, layout=layout_of(run))

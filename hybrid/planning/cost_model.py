@@ -17,7 +17,7 @@ from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import RunConfig, validate_run
 from hybrid.core.memory import activation_bytes, deferred_bytes, memory_terms
 from hybrid.planning.costs import CostProfile
-from hybrid.planning.hardware import Hardware, all_reduce_time
+from hybrid.planning.hardware import Hardware, all_gather_time, all_reduce_time
 from hybrid.planning.stage_costs import (
     ActionCosts,
     StageCost,
@@ -82,7 +82,8 @@ class _DeviceCost:
     Attributes:
       finish: when its last action ends, plus its all-reduce and its update.
       reduce: its gradient all-reduce.
-      update: its optimizer updates (one launch per model stage it holds).
+      update: its optimizer updates (one launch per model stage it holds; sharded: its
+        share of them, then the all-gather of the updated weights).
       work: busy time + all-reduce + update, summed over the R replicas of this device.
       memory: peak bytes: weights, gradients, optimizer slots, all-reduce buffers and the
         activations of its fullest model stage.
@@ -303,6 +304,8 @@ def _device_cost(
     params = sum(stages[k].params for k in ks)
     reduce = all_reduce_time(params, R, hardware.replica)
     update = sum(stages[k].update for k in ks) + hardware.action_overhead * len(ks)
+    if config.shard_optimizer_states:  # each replica updates its share, then sends it
+        update = update / R + all_gather_time(params, R, hardware.replica)
     fused = fused_pairs(sched)
     held = max(
         deferred_bytes(stages[k], whole[k], M)

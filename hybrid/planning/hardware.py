@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Hardware", "Link", "all_reduce_time"]
+__all__ = ["Hardware", "Link", "all_gather_time", "all_reduce_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +119,12 @@ def all_reduce_time(nbytes: float, replicas: int, link: Link) -> float:
         return 0.0
     steps = 2 * (replicas - 1)
     return steps / replicas * nbytes / link.bandwidth + steps * link.latency
+
+
+def all_gather_time(nbytes: float, replicas: int, link: Link) -> float:
+    """Seconds for ``replicas`` devices that each own 1/R of ``nbytes`` to give every device
+    all of them (ZeRO-1's updated weights, sent by their owners after the update)::
+
+        time = (R−1)/R · nbytes / bandwidth + (R−1) · latency        (0 when R = 1)
+    """
+    return all_reduce_time(nbytes, replicas, link) / 2

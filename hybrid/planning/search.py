@@ -7,6 +7,7 @@ virtual stages, remat), each judged by the cost model and ranked by predicted st
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -53,13 +54,15 @@ def candidates(
     stages: Sequence[int] | None,
     deferrals: Sequence[bool] = (False, True),
     balances: Sequence[str | None] = (None,),
+    shardings: Sequence[bool] = (False,),
 ) -> Iterator[RunConfig]:
     """Every configuration :func:`plan` judges, with the global batch and layer count: each
     S × R = devices (S in ``stages`` when given), each M in ``micro_batches`` (default: the
     divisors of the per-replica batch up to ``max_micro_batches``, or 1), each schedule
     (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode, with
     ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight gradients or not),
-    and each cut of ``balances`` (None: by time; "memory")."""
+    each cut of ``balances`` (None: by time; "memory"), and with R > 1 each of
+    ``shardings`` (optimizer states sharded across the replicas, ZeRO-1, or not)."""
     for S in stages if stages is not None else _divisors(devices):
         R = devices // S
         per_replica = global_batch // R if global_batch % R == 0 else 0
@@ -69,10 +72,15 @@ def candidates(
             for v in virtuals:
                 for M in ms:
                     for remat in remats:
-                        for balance in balances:
-                            args = (S, R, M, name, remat, v, balance, global_batch, num_layers)
-                            for defer in deferrals if remat == "never" and M > 1 else [False]:
-                                yield RunConfig(*args, defer_weight_gradients=defer)
+                        defers = deferrals if remat == "never" and M > 1 else [False]
+                        for balance, defer, shard in itertools.product(
+                            balances, defers, shardings if R > 1 else [False]
+                        ):
+                            yield RunConfig(
+                                *(S, R, M, name, remat, v, balance, global_batch, num_layers),
+                                defer_weight_gradients=defer,
+                                shard_optimizer_states=shard,
+                            )
 
 
 def plan(
@@ -97,6 +105,7 @@ def plan(
     device: str | None = None,
     deferrals: Sequence[bool] = (False, True),
     balances: Sequence[str | None] | None = None,
+    shardings: Sequence[bool] | None = None,
     verbose: int = 1,
 ) -> Plan:
     """Ranks every way to train ``model`` on ``devices`` devices by predicted step time.
@@ -126,6 +135,9 @@ def plan(
         (``Pipeline(defer_weight_gradients=...)``; default: both are judged).
       balances: the cuts to judge: None (balance time) and/or "memory" (the smallest
         largest stage peak); default: both when a memory budget is given, else by time.
+      shardings: with R > 1, whether optimizer states are sharded across the replicas
+        (``Pipeline(shard_optimizer_states=...)``); default: both when a memory budget is
+        given, else not.
       verbose: 1 (the default) shows ``keras.utils.Progbar`` bars over the profiled layers
         and over the candidates; 0 is silent. ``Plan.seconds`` holds the time either way.
 
@@ -161,6 +173,7 @@ def plan(
             stages,
             deferrals,
             balances if balances is not None else _balances(hardware),
+            shardings if shardings is not None else _shardings(hardware),
         )
     )
     ranked, rejected, seen, merged = [], [], set(), 0
@@ -200,6 +213,11 @@ def _judged_before(
 def _balances(hardware: Hardware) -> tuple[str | None, ...]:
     """The cuts to judge by default: by time, and with a memory budget also by memory."""
     return (None,) if hardware.memory_per_device is None else (None, "memory")
+
+
+def _shardings(hardware: Hardware) -> tuple[bool, ...]:
+    """Whether to judge sharded optimizer states by default: with a memory budget."""
+    return (False,) if hardware.memory_per_device is None else (False, True)
 
 
 def _progress_bar(candidates: int, verbose: int) -> Any:
@@ -269,12 +287,35 @@ def _judge(
         prediction = evaluate(profile, config, global_batch, hardware, optimizer_slots)
     except ConfigError as err:
         return Rejection(config, err.kind, str(err))
+    unsharded = _too_few_to_shard(profile, prediction.config)
+    if unsharded:
+        return Rejection(prediction.config, "too few variables to shard", unsharded)
     limit = hardware.memory_per_device
     if limit is not None and prediction.peak_memory > limit:
         needs, has = format_bytes(prediction.peak_memory), format_bytes(limit)
         reason = f"out of memory: needs {needs} per device, has {has}"
         return Rejection(prediction.config, "out of memory", reason, prediction)
     return prediction
+
+
+def _too_few_to_shard(profile: CostProfile, config: RunConfig) -> str:
+    """Why the Pipeline would refuse ``config``'s sharded optimizer states ("" if it would
+    not): a model stage with fewer weight arrays than replicas (whole arrays are shared
+    out; a layer whose profile counts no arrays but has weights counts as one)."""
+    if not config.shard_optimizer_states:
+        return ""
+    assert isinstance(config.balance, tuple)
+    start = 0
+    for k, count in enumerate(config.balance):
+        layers = profile.layers[start : start + count]
+        start += count
+        arrays = sum(max(x.param_tensors, 1 if x.param_bytes else 0) for x in layers)
+        if arrays < config.replicas:
+            return (
+                f"shard_optimizer_states=True: model stage {k} has {arrays} weight array(s) "
+                f"for {config.replicas} replicas; each replica needs one at least"
+            )
+    return ""
 
 
 def _small_norm(profile: CostProfile, p: Prediction) -> bool:
@@ -383,6 +424,7 @@ def choose_mesh(
     stages: int | None = None,
     device: str | None = None,
     defer_weight_gradients: bool | None = None,
+    shard_optimizer_states: bool | None = None,
     verbose: int = 1,
 ) -> Prediction:
     """The fastest configuration of ``devices`` devices that fits.
@@ -392,8 +434,8 @@ def choose_mesh(
     predicts.
 
     :func:`plan` over every mesh (only S = ``stages`` × R when given), with ``schedule``,
-    ``remat``, ``micro_batches`` and ``defer_weight_gradients`` fixed when given (None: the
-    planner chooses). On a
+    ``remat``, ``micro_batches``, ``defer_weight_gradients`` and ``shard_optimizer_states``
+    fixed when given (None: the planner chooses). On a
     given mesh (``stages`` and ``devices`` = S × R) with ``schedule`` and ``remat`` fixed,
     it is the choice of M alone: the fastest on the profiled cost curve of the model.
 
@@ -423,6 +465,7 @@ def choose_mesh(
         stages=[stages] if stages else None,
         device=device,
         deferrals=(False, True) if defer_weight_gradients is None else [defer_weight_gradients],
+        shardings=None if shard_optimizer_states is None else [shard_optimizer_states],
         verbose=verbose,
     )
     best = result.best

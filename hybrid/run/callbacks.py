@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
+from hybrid.core.memory import format_bytes
 from hybrid.engine.api.pipeline import Pipeline
 from hybrid.engine.step.clocks import StepView
 from hybrid.run import resume, timeline
@@ -261,8 +262,8 @@ def _report_memory(pipe: Pipeline, step: int, log: Callable[[str], None], writer
         return
     rows = []
     for s in range(pipe.mesh.num_stages):
-        measured = f"{peaks[s] / 2**20:.1f} MiB" if peaks is not None else ""
-        guess = f"predicted {predicted[s] / 2**20:.1f} MiB" if predicted is not None else ""
+        measured = format_bytes(peaks[s]) if peaks is not None else ""
+        guess = f"predicted {format_bytes(predicted[s])}" if predicted is not None else ""
         both = f"{measured} ({guess})" if measured and guess else measured or guess
         rows.append(f"stage {s} {both}")
     kind = "peak memory" if peaks is not None else "predicted peak memory (from shapes)"
