@@ -17,8 +17,8 @@ XLA programs that run the segment there:
 Everything of a copy a program reads (weights, BN moving statistics, the activity penalty's
 seed) is an argument, so the copies of one stage on the R replicas share one trace of their
 forward and backward programs (``share_programs``); each device still compiles it. So do
-their optimizer updates (``share_update``): the variables an update reads and writes are
-its arguments (``update.py``).
+their updates, the optimizer's and the BN moving statistics' (``share_update``): the
+variables an update reads and writes are its arguments (``update.py``).
 
 The programs call the user's own layer objects (``Layer.__call__``, Keras's call semantics)
 inside a ``keras.StatelessScope`` that binds each of their variables to this device's value,
@@ -187,12 +187,26 @@ class StageReplica:
         on_cpu = tf.DeviceSpec.from_string(device).device_type == "CPU"
         scatters = on_cpu and any(self.sparse)
         jit_update = jit_compile and not scatters
-        self._update = None
+        # This copy's updates (its optimizer's, its BN moving statistics') as programs that
+        # take the variables they write: the copies of a stage share one trace of each
+        # (share_update, update.py).
+        self._update: Update | None = None
         if self.optimizer is not None:
+            optimizer, mine = self.optimizer, self.updated_variables
             self._update = Update(
-                self.optimizer, self.updated_variables, lambda fn: program(fn, jit_update)
+                type(optimizer),
+                lambda grads: optimizer.apply(grads, mine),
+                lambda: [*mine, *optimizer.variables],
+                lambda fn: program(fn, jit_update),
             )
-        self._updates_by: Update | None = None  # another copy's update program, shared
+        self._norms_update = Update(
+            "norms",
+            lambda summed, count: batch_norm.update_copy(self, summed, count),
+            lambda: self._state_copies,
+            lambda fn: program(fn, False),
+        )
+        # Another copy's programs this one runs instead of its own (share_update).
+        self._shared_updates: tuple[Update | None, Update | None] = (None, None)
         self.jit_compile, self._cut = jit_compile, dict[str, programs.SplitPrograms]()
 
     def share_programs(self, first: StageReplica) -> None:
@@ -212,13 +226,18 @@ class StageReplica:
         self._cut = first._cut
 
     def share_update(self, first: StageReplica) -> None:
-        """Runs ``first``'s traced optimizer update on this copy's variables and optimizer
-        state (``update.py``) when both update the same variables of model stage
-        :attr:`index` (not with sharded optimizer states, where each updates its share)."""
+        """Runs ``first``'s traced updates on this copy's variables (``update.py``): its
+        optimizer's when both update the same variables of model stage :attr:`index` (not
+        with sharded optimizer states, where each updates its share), its BN moving
+        statistics' unless synchronized."""
         if first is self or self.inline or first.index != self.index:
             return
-        if self.updates == first.updates and self.unused == first.unused:
-            self._updates_by = first._update
+        same = self.updates == first.updates and self.unused == first.unused
+        synced = self.synced is not None or first.synced is not None
+        self._shared_updates = (
+            first._update if same else None,
+            None if synced else first._norms_update,
+        )
 
     def traced_programs(self) -> list[Any]:
         """The traced programs this copy runs: its forward and forward + backward functions
@@ -561,14 +580,11 @@ class StageReplica:
         assert self._update is not None
         given = [None if u else g for g, u in zip(grads, self.unused, strict=True)]
         mine = [g for g, u in zip(given, self.updates, strict=True) if u]
-        if self._updates_by is None:
-            self._update(mine)
-        else:
-            self._updates_by(mine, on=self._update)
+        (self._shared_updates[0] or self._update)(mine, on=self._update)
 
     def update_norms(self, summed: Any, count: int) -> None:
         """Updates this copy's BatchNormalization moving statistics (``batch_norm.update_copy``)."""
-        batch_norm.update_copy(self, summed, count)
+        (self._shared_updates[1] or self._norms_update)(summed, count, on=self._norms_update)
 
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization and its gradients (``gradients``), or None."""
