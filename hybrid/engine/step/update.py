@@ -52,6 +52,8 @@ class Update:
     ) -> None:
         self.kind, self._fn, self._variables = kind, fn, variables
         self._program = compile(self._run)
+        # A traced program (not ops inline in the caller's): it takes the variables.
+        self._traced = hasattr(self._program, "get_concrete_function")
 
     def _run(self, args: tuple[Any, ...], state: list[tf.Variable]) -> None:
         """The traced update: ``state`` (:meth:`state`) holds what it reads and writes, as
@@ -68,7 +70,7 @@ class Update:
         by this program, when its trace reads nothing of this copy but its arguments and
         ``on`` matches it; otherwise by ``on``'s own program."""
         target = self if on is None else on
-        state = target.state()
+        state = target.state() if self._traced else []
         if target is not self and not self._serves(target, args, state):
             target(*args)
             return
@@ -78,10 +80,9 @@ class Update:
         """Whether this program updates ``other`` as ``other``'s own would: the same kind
         over variables of the same shapes and dtypes, and a trace (for these arguments)
         that captures no variable."""
-        find = getattr(self._program, "get_concrete_function", None)
-        if find is None or other.kind != self.kind:
+        if not self._traced or other.kind != self.kind:
             return False
         mine = self.state()
         if [(v.shape, v.dtype) for v in mine] != [(v.shape, v.dtype) for v in state]:
             return False
-        return not find(args, mine).variables
+        return not self._program.get_concrete_function(args, mine).variables
