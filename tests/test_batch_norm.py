@@ -120,6 +120,36 @@ def test_moving_statistics_come_from_the_whole_batch(stages, replicas, micro_bat
     assert not np.allclose(second[1], moving(keras_model.get_weights(), keras_model, "second")[1])
 
 
+def test_the_copies_of_a_stage_trace_one_moving_statistics_update(monkeypatch):
+    """At 2×2 the moving statistics' update (``batch_norm.update_copy``) is traced as often
+    per stage as at 2×1: the copies of a stage run one traced update on their own
+    statistics (``hybrid/engine/step/update.py``); every replica still ends with the
+    moving statistics of the whole batch (test_moving_statistics_come_from_the_whole_batch)."""
+    from hybrid.engine.model import batch_norm
+
+    traced = []
+    update_copy = batch_norm.update_copy
+
+    def counting(copy, summed, count):
+        traced.append(copy.index)
+        return update_copy(copy, summed, count)
+
+    monkeypatch.setattr(batch_norm, "update_copy", counting)
+
+    def counts(replicas):
+        traced.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # micro-batches of 4 examples
+            _, pipe = pair(2, replicas, 2, schedule="1f1b")
+            for step in range(2):
+                pipe.train_step(*ref.batch(BATCH, seed=step + 1))
+        return [traced.count(k) for k in range(2)]
+
+    one = counts(1)
+    assert min(one) > 0, one
+    assert counts(2) == one
+
+
 def test_no_warning_with_one_micro_batch_per_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -384,6 +384,39 @@ def test_the_copies_of_a_stage_trace_its_programs_once(remat):
     assert counts(2) == one
 
 
+@pytest.mark.parametrize("recipe", ["weight_decay", "clipnorm_ema"])
+def test_the_copies_of_a_stage_trace_one_optimizer_update(recipe, monkeypatch):
+    """At 2×2 Keras's ``optimizer.apply`` is traced as often per stage as at 2×1: the copies
+    of a stage run one traced update on their own variables and optimizer states (weight
+    decay with exclusions, EMA: what a copy's update reads of the copy is its arguments;
+    that the copies still train as Keras is test_recipe_matches_keras's)."""
+    traced = []
+    apply = keras.optimizers.Optimizer.apply
+
+    def counting(self, grads, variables=None):
+        traced.append(self)
+        return apply(self, grads, variables)
+
+    monkeypatch.setattr(keras.optimizers.Optimizer, "apply", counting)
+
+    def counts(replicas):
+        traced.clear()
+        template = model()
+        pipe = hybrid.Pipeline(
+            template, mesh=hybrid.DeviceMesh.create(2, replicas), micro_batches=2
+        )
+        optimizer = optimizer_for(recipe, template)
+        pipe.compile(optimizer=optimizer, loss=loss_for(None), jit_compile=False)
+        for step in range(STEPS):
+            pipe.train_step(*ref.batch(BATCH, seed=step + 1))
+        stage = {id(copy.optimizer): k for k, row in enumerate(pipe.stages) for copy in row}
+        return [sum(stage[id(o)] == k for o in traced) for k in range(len(pipe.stages))]
+
+    one = counts(1)
+    assert min(one) > 0, one
+    assert counts(2) == one
+
+
 def test_the_comparison_can_fail():
     """A pipeline with another reduction must not pass as the Keras run."""
     keras_model = model()

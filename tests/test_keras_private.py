@@ -157,5 +157,43 @@ def test_an_optimizer_in_a_replica_context_sums_gradients_unless_kept_local(loca
     np.testing.assert_array_equal(variable.numpy(), -np.ones(3) * (1 if local else replicas))
 
 
+def test_a_program_given_an_optimizers_tf_variables_updates_whichever_it_is_given():
+    """``tf_variable`` is the ``tf.Variable`` Keras's TensorFlow optimizer writes (dense
+    assigns and sparse scatters): one traced ``apply`` of optimizer ``a`` over its own
+    variables, given ``b``'s variables and optimizer state as arguments, updates ``b``
+    exactly as ``b.apply`` does and leaves ``a`` alone (a trace made on other variables
+    than those the function reads would capture them instead) (``hybrid/engine/step/update.py``)."""
+
+    def copy():
+        weights = [
+            keras.Variable(np.ones((4, 2), "float32")),
+            keras.Variable(np.ones(2, "float32")),
+        ]
+        optimizer = keras.optimizers.Adam(0.1, use_ema=True)
+        optimizer.build(weights)
+        return weights, optimizer
+
+    (wa, a), (wb, b), (wc, c) = copy(), copy(), copy()
+    sparse = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([2]), tf.constant([4, 2]))
+    grads = [sparse, tf.constant([0.5, -1.0])]
+
+    def state(weights, optimizer):
+        return [keras_private.tf_variable(v) for v in [*weights, *optimizer.variables]]
+
+    program = tf.function(lambda g, s: a.apply(g, wa), autograph=False)
+    traced = program.get_concrete_function(grads, state(wa, a))  # traced on a's own
+    assert not traced.variables  # a's variables are its inputs, none captured
+    for _ in range(2):
+        program(grads, state(wb, b))
+        c.apply(grads, wc)
+    assert program.experimental_get_tracing_count() == 1
+    for mine, want in zip(state(wb, b), state(wc, c), strict=True):
+        np.testing.assert_array_equal(mine.numpy(), want.numpy())
+    assert int(a.iterations.numpy()) == 0 and int(b.iterations.numpy()) == 2
+    np.testing.assert_array_equal(wa[0].numpy(), np.ones((4, 2)))
+    with pytest.raises(TypeError, match="not a tf.Variable"):
+        keras_private.tf_variable(keras.Variable(1.0).value.read_value())
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

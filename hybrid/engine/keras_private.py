@@ -25,6 +25,9 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   excluded variables by identity and the name patterns as a regex in private attributes, which
   ``get_config`` does not carry; a copy of the optimizer for a stage's variables gets the
   same exclusions, mapped onto the stage's copies of the variables.
+- ``tf_variable``: on the TensorFlow backend a ``keras.Variable``'s ``value`` is the
+  ``tf.Variable`` that holds it, which Keras's TensorFlow optimizer assigns to (and scatters
+  into) directly; a program that takes it as an argument updates that variable.
 - ``keep_gradients_local``: under a ``tf.distribute`` strategy, Keras's TensorFlow optimizer
   sums the gradients over the replicas itself before its update
   (``TFOptimizer._all_reduce_sum_gradients``, through the replica context); the engine's
@@ -49,6 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 from keras.src.losses.losses import LossFunctionWrapper
@@ -78,6 +82,7 @@ __all__ = [
     "same_rank",
     "set_mask",
     "set_variable_path",
+    "tf_variable",
     "with_training",
 ]
 
@@ -134,6 +139,19 @@ def _given(moments: Callable[[Any, Any], Any], layer: Any, inputs: Any, mask: An
 def set_variable_path(variable: Any, path: str) -> None:
     """Gives ``variable`` the path ``path`` (a template variable's)."""
     variable._path = path
+
+
+def tf_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` holding ``variable``'s value (``variable`` itself if it is one).
+
+    Raises:
+      TypeError: a Keras variable whose value is not a ``tf.Variable`` (another backend).
+    """
+    found = variable.value if isinstance(variable, keras.Variable) else variable
+    if not isinstance(found, tf.Variable):
+        name = getattr(variable, "path", type(variable).__name__)
+        raise TypeError(f"{name}: its value is a {type(found).__name__}, not a tf.Variable")
+    return found
 
 
 def keep_gradients_local(optimizer: keras.optimizers.Optimizer) -> None:

@@ -245,6 +245,8 @@ def place(
         if group is None and logical is None:  # one trace of the stage's programs for all
             for copy in row:
                 copy.share_programs(row[0])
+        for copy in row:  # and of its updates (the optimizer's, the BN moving statistics')
+            copy.share_update(row[0])
         for copy in row:
             copy.owned = layout.placement.owned(k)
             if copy.regularized and loss.late:

@@ -16,8 +16,9 @@ XLA programs that run the segment there:
 
 Everything of a copy a program reads (weights, BN moving statistics, the activity penalty's
 seed) is an argument, so the copies of one stage on the R replicas share one trace of their
-forward and backward programs (``share_programs``); each device still compiles it. The
-optimizer update is traced per copy (it updates that copy's own optimizer variables).
+forward and backward programs (``share_programs``); each device still compiles it. So do
+their updates, the optimizer's and the BN moving statistics' (``share_update``): the
+variables an update reads and writes are its arguments (``update.py``).
 
 The programs call the user's own layer objects (``Layer.__call__``, Keras's call semantics)
 inside a ``keras.StatelessScope`` that binds each of their variables to this device's value,
@@ -58,6 +59,7 @@ from hybrid.engine.programs import (
     weight_penalty,
 )
 from hybrid.engine.step.synced_norm import Member, bound, with_backward
+from hybrid.engine.step.update import Update
 
 __all__ = ["Labels", "Saved", "StageReplica", "TensorSpec"]
 
@@ -184,7 +186,27 @@ class StageReplica:
         # Adam, 32000 x 128 rows, benchmarks/sparse_embedding.py): on a CPU it is not compiled.
         on_cpu = tf.DeviceSpec.from_string(device).device_type == "CPU"
         scatters = on_cpu and any(self.sparse)
-        self._apply = program(self._apply_gradients, jit_compile and not scatters)
+        jit_update = jit_compile and not scatters
+        # This copy's updates (its optimizer's, its BN moving statistics') as programs that
+        # take the variables they write: the copies of a stage share one trace of each
+        # (share_update, update.py).
+        self._update: Update | None = None
+        if self.optimizer is not None:
+            optimizer, mine = self.optimizer, self.updated_variables
+            self._update = Update(
+                type(optimizer),
+                lambda grads: optimizer.apply(grads, mine),
+                lambda: [*mine, *optimizer.variables],
+                lambda fn: program(fn, jit_update),
+            )
+        self._norms_update = Update(
+            "norms",
+            lambda summed, count: batch_norm.update_copy(self, summed, count),
+            lambda: self._state_copies,
+            lambda fn: program(fn, False),
+        )
+        # Another copy's programs this one runs instead of its own (share_update).
+        self._shared_updates: tuple[Update | None, Update | None] = (None, None)
         self.jit_compile, self._cut = jit_compile, dict[str, programs.SplitPrograms]()
 
     def share_programs(self, first: StageReplica) -> None:
@@ -202,6 +224,20 @@ class StageReplica:
             )
         self._forward, self._forward_backward = first._forward, first._forward_backward
         self._cut = first._cut
+
+    def share_update(self, first: StageReplica) -> None:
+        """Runs ``first``'s traced updates on this copy's variables (``update.py``): its
+        optimizer's when both update the same variables of model stage :attr:`index` (not
+        with sharded optimizer states, where each updates its share), its BN moving
+        statistics' unless synchronized."""
+        if first is self or self.inline or first.index != self.index:
+            return
+        same = self.updates == first.updates and self.unused == first.unused
+        synced = self.synced is not None or first.synced is not None
+        self._shared_updates = (
+            first._update if same else None,
+            None if synced else first._norms_update,
+        )
 
     def traced_programs(self) -> list[Any]:
         """The traced programs this copy runs: its forward and forward + backward functions
@@ -426,11 +462,6 @@ class StageReplica:
         end = len(args) - n
         return list(args[end - w : end]), list(args[end:])
 
-    def _apply_gradients(self, grads: list[tf.Tensor]) -> None:
-        assert self.optimizer is not None
-        mine = [g for g, u in zip(grads, self.updates, strict=True) if u]
-        self.optimizer.apply(mine, self.updated_variables)
-
     # -- what the engine calls, inside its step function, under tf.device(self.device) --
 
     def forward(
@@ -546,11 +577,14 @@ class StageReplica:
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer (given None for the variables
         Keras's step gets no gradient for: it leaves them alone, weight decay included)."""
-        self._apply([None if u else g for g, u in zip(grads, self.unused, strict=True)])
+        assert self._update is not None
+        given = [None if u else g for g, u in zip(grads, self.unused, strict=True)]
+        mine = [g for g, u in zip(given, self.updates, strict=True) if u]
+        (self._shared_updates[0] or self._update)(mine, on=self._update)
 
     def update_norms(self, summed: Any, count: int) -> None:
         """Updates this copy's BatchNormalization moving statistics (``batch_norm.update_copy``)."""
-        batch_norm.update_copy(self, summed, count)
+        (self._shared_updates[1] or self._norms_update)(summed, count, on=self._norms_update)
 
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization and its gradients (``gradients``), or None."""
