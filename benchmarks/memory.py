@@ -1,29 +1,36 @@
-"""Per-stage peak memory, measured in one process per stage and predicted by the planner.
+"""Per-stage peak memory, measured in one process per device and predicted by the planner.
 
-A 2-stage × 1-replica pipeline of ``depth`` × Dense(width) + Dense(10), trained with Adam, runs
-over TensorFlow's multi-host runtime on loopback: each stage's device is the one CPU device of
-its own worker process (``benchmarks/memory_worker.py``), and a client process builds the
-pipeline and runs two steps. Each worker reads its own allocator (BFC, so it keeps statistics:
+A pipeline of ``depth`` × Dense(width) + Dense(10) (or, for the tied case, an Embedding, the
+Dense stack and a head reading the embedding's matrix), trained with Adam, runs over
+TensorFlow's multi-host runtime on loopback: each mesh device is the one CPU device of its own
+worker process (``benchmarks/memory_worker.py``), and a client process builds the pipeline and
+runs two steps. Each worker reads its own allocator (BFC, so it keeps statistics:
 ``tf.config.experimental.get_memory_info("CPU:0")``) and reports, relative to the bytes held
 once its server had started:
 
-    measured peak      = allocator peak − baseline          (what the stage needed at most)
+    measured peak      = allocator peak − baseline          (what the device needed at most)
     measured resident  = allocator current at the end − baseline
                          (weights + optimizer slots + what the engine keeps between steps)
     measured transient = peak − resident (gradient accumulators, activations in flight,
                          received micro-batches, XLA temporaries)
 
-Beside each, the cost model's prediction for that stage (``hybrid.planning.cost_model.evaluate``
-on a profile measured on one device at the micro-batch size) and its terms: parameters,
-gradients, optimizer state (Adam: 2 × parameters), activations. Every schedule × remat mode of
-the grid runs in its own three processes.
+Beside each, the planner's prediction for that device (``hybrid.planning.cost_model.evaluate``
+on a profile measured on one device at the micro-batch size, for the cut the pipeline made)
+and its terms (``hybrid.core.memory.memory_terms``). Each case of :data:`CASES` runs in its own
+processes: every schedule × remat mode, deferred weight gradients, a 2 × 2 mesh with and
+without sharded optimizer states, a tied embedding held on both stages, and the memory-balanced
+cut (``balance="memory"``: its largest over its smallest stage peak, measured and predicted).
 
-    python benchmarks/memory.py                         # gpipe, 1f1b × never, always
-    python benchmarks/memory.py --schedules=gpipe,1f1b --remats=never,except_last,always
+    python benchmarks/memory.py                         # every case
+    python benchmarks/memory.py --cases=1f1b,tied --trace
+
+``--trace`` also logs every allocation of each worker (TensorFlow's memory log) and prints
+what was live at the worker's peak, by kernel (``benchmarks/memory_trace.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,13 +40,52 @@ from typing import Any
 from absl import app, flags
 
 import common
+import memory_trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One run of the grid (a :class:`hybrid.core.config.RunConfig`'s memory-relevant part)."""
+
+    schedule: str = "1f1b"
+    remat: str = "never"
+    replicas: int = 1
+    deferred: bool = False
+    sharded: bool = False
+    tied: bool = False
+    balance: str | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The Pipeline's arguments for this case."""
+        extra: dict[str, Any] = {"balance": self.balance} if self.balance else {}
+        if self.deferred:
+            extra["defer_weight_gradients"] = True
+        if self.sharded:
+            extra["shard_optimizer_states"] = True
+        return {"schedule": self.schedule, "remat": self.remat, **extra}
+
+
+CASES = {
+    "gpipe": Case("gpipe"),
+    "gpipe-remat": Case("gpipe", "always"),
+    "1f1b": Case(),
+    "1f1b-remat": Case(remat="always"),
+    "1f1b-except-last": Case(remat="except_last"),
+    "zb-h1": Case("zb-h1"),
+    "deferred": Case(deferred=True),
+    "2x2": Case(replicas=2),
+    "2x2-sharded": Case(replicas=2, sharded=True),
+    "tied": Case(tied=True),
+    "memory-cut": Case(balance="memory"),
+}
 
 common.define_model_flags(depth=4, batch=512, width=256)
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches M.")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules.")
-flags.DEFINE_list("remats", ["never", "always"], "Remat modes.")
+flags.DEFINE_integer("vocabulary", 2048, "Tied case: the embedding's rows (and the classes).")
+flags.DEFINE_list("cases", list(CASES), f"Of {list(CASES)}.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
-flags.DEFINE_string("client", None, "Internal: 'schedule,remat,CLUSTER_JSON': run the client.")
+flags.DEFINE_bool("trace", False, "Log each worker's allocations; print what its peak holds.")
+flags.DEFINE_string("client", None, "Internal: 'CASE,CLUSTER_JSON': run the client.")
 FLAGS = flags.FLAGS
 
 STAGES = 2
@@ -47,39 +93,60 @@ STEPS = 2
 MB = 1024 * 1024
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_worker.py")
 CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+TRACE_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "log_memory=2"}
 
 
-def build_pipeline(mesh: Any, schedule: str, remat: str) -> Any:
-    """The benchmark's pipeline (the one place that calls the Pipeline API)."""
+def layers(case: Case) -> list[Any]:
+    """The case's model as layers, seeded: the same weights in the client and the profile."""
     import keras
 
-    return common.dense_pipeline(
-        FLAGS.width,
-        FLAGS.depth,
-        mesh,
-        keras.optimizers.Adam(1e-4),
-        micro_batches=FLAGS.micro_batches,
-        schedule=schedule,
-        remat=remat,
-        jit_compile=FLAGS.jit_compile,
-    )
+    from hybrid.models.transformer import TiedHead
+
+    stack = common.dense_stack(FLAGS.width, FLAGS.depth)
+    if not case.tied:
+        return stack
+    embedding = keras.layers.Embedding(FLAGS.vocabulary, FLAGS.width)
+    return [embedding, *stack[:-1], TiedHead(embedding)]
 
 
-def run_client(schedule: str, remat: str, spec: str) -> None:
-    """In this process: connect to the workers, build (then print ``BUILT`` and wait for a
-    line on stdin), train ``STEPS`` steps (then print ``STEPPED`` and wait again)."""
+def batch(case: Case) -> tuple[Any, Any]:
+    """The case's fixed batch: features and labels, or tokens and next tokens."""
+    import numpy as np
     import tensorflow as tf
 
+    if not case.tied:
+        return common.synthetic_batch(FLAGS.batch, FLAGS.width)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, FLAGS.vocabulary, size=(2, FLAGS.batch)).astype("int32")
+    return tf.constant(tokens[0]), tf.constant(tokens[1])
+
+
+def run_client(case: Case, spec: str) -> None:
+    """In this process: connect to the workers, build (then print ``BUILT`` and wait for a
+    line on stdin), train ``STEPS`` steps (then print ``STEPPED`` and wait again)."""
+    import keras
+    import tensorflow as tf
+
+    import hybrid
     from hybrid.platforms import cluster
 
     job = cluster.connect(spec, timeout_s=60.0)
-    mesh = cluster.mesh(job, stages=STAGES, replicas=1)
+    mesh = cluster.mesh(job, stages=STAGES, replicas=case.replicas)
     # Connecting makes the first worker the default device: keep the Keras template model and
     # the batch in this process, so a worker holds only what its stage's programs put there.
     with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
-        pipe = build_pipeline(mesh, schedule, remat)
-        x, y = common.synthetic_batch(FLAGS.batch, FLAGS.width)
+        pipe = hybrid.Pipeline(
+            layers(case), mesh=mesh, micro_batches=FLAGS.micro_batches, **case.options()
+        )
+        pipe.compile(
+            optimizer=keras.optimizers.Adam(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=FLAGS.jit_compile,
+        )
+        x, y = batch(case)
+        pipe.build((FLAGS.batch, *x.shape[1:]), x.dtype.name)
     print("DEVICES " + json.dumps([list(row) for row in mesh.devices]), flush=True)
+    print("BALANCE " + json.dumps(list(pipe.balance)), flush=True)
     print("BUILT", flush=True)
     sys.stdin.readline()
     with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
@@ -113,31 +180,38 @@ def _go(client: subprocess.Popen) -> None:
     client.stdin.flush()
 
 
-def measure(schedule: str, remat: str) -> list[dict[str, float]]:
-    """Per stage, in MiB of its worker process's allocator beyond the bytes held when its
+def _trace_path(name: str, task: int) -> str:
+    return os.path.join(common.RESULTS, f"memory_trace_{name}_task{task}.log")
+
+
+def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[int, ...]]:
+    """Per stage, per replica: MiB of its device's allocator beyond the bytes held when its
     server started: ``built`` (after building), ``resident`` (after ``STEPS`` steps),
-    ``peak`` (the high-water mark), ``transient`` (peak − resident)."""
-    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(STAGES)]})
-    env = {**os.environ, **CHILD_ENV}
+    ``peak`` (the high-water mark), ``transient`` (peak − resident); and the pipeline's cut."""
+    tasks = STAGES * case.replicas
+    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(tasks)]})
+    env = {**os.environ, **CHILD_ENV, **(TRACE_ENV if FLAGS.trace else {})}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
+    os.makedirs(common.RESULTS, exist_ok=True)
     workers = [
         subprocess.Popen(
-            [sys.executable, WORKER, f"--cluster={spec}", f"--task_index={i}"], **pipes
+            [sys.executable, WORKER, f"--cluster={spec}", f"--task_index={i}"]
+            + ([f"--log={_trace_path(name, i)}"] if FLAGS.trace else []),
+            **pipes,
         )
-        for i in range(STAGES)
+        for i in range(tasks)
     ]
     client = None
     try:
         for w in workers:
             _line(w, "READY")
         client = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), f"--client={schedule},{remat},{spec}"]
-            + common.flag_args(*common.MODEL_FLAGS, "micro_batches", "jit_compile"),
-            **pipes,
+            [sys.executable, os.path.abspath(__file__), f"--client={name},{spec}"]
+            + common.flag_args(*common.MODEL_FLAGS, "micro_batches", "vocabulary", "jit_compile"),
+            **{**pipes, "env": {**os.environ, **CHILD_ENV}},
         )
         devices = json.loads(_line(client, "DEVICES "))
-        if any(f"task:{s}/" not in devices[s][0] for s in range(STAGES)):
-            raise RuntimeError(f"stage s should be on task s: {devices}")
+        balance = tuple(json.loads(_line(client, "BALANCE ")))
         _line(client, "BUILT")
         built = _snapshot(workers)
         _go(client)
@@ -151,46 +225,62 @@ def measure(schedule: str, remat: str) -> list[dict[str, float]]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    task = [[int(d.split("task:")[1].split("/")[0]) for d in row] for row in devices]
     return [
-        {
-            "built": (b["current"] - b["baseline"]) / MB,
-            "peak": (a["peak"] - a["baseline"]) / MB,
-            "resident": (a["current"] - a["baseline"]) / MB,
-            "transient": (a["peak"] - a["current"]) / MB,
-        }
-        for b, a in zip(built, after, strict=True)
-    ]
+        [
+            {
+                "task": t,
+                "built": (built[t]["current"] - built[t]["baseline"]) / MB,
+                "peak": (after[t]["peak"] - after[t]["baseline"]) / MB,
+                "resident": (after[t]["current"] - after[t]["baseline"]) / MB,
+                "transient": (after[t]["peak"] - after[t]["current"]) / MB,
+            }
+            for t in row
+        ]
+        for row in task
+    ], balance
 
 
-def predict(schedules: list[str], remats: list[str]) -> dict[tuple[str, str], list[dict]]:
-    """Per (schedule, remat): the cost model's per-stage terms, in MiB."""
+def predict(case: Case, balance: tuple[int, ...]) -> list[dict[str, float]]:
+    """The cost model's per-device terms, in MiB, for the case and the pipeline's cut."""
     import keras
 
     from hybrid.core.config import RunConfig
     from hybrid.planning import cost_model, costs
 
-    b = FLAGS.batch // FLAGS.micro_batches
+    b = FLAGS.batch // (FLAGS.micro_batches * case.replicas)
     profile = costs.profile_model(
-        common.dense_stack(FLAGS.width, FLAGS.depth),
-        (FLAGS.width,),
-        "float32",
+        layers(case),
+        () if case.tied else (FLAGS.width,),
+        "int32" if case.tied else "float32",
         [b],
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         target_shape=(),
         repeats=1,
     )
-    out = {}
-    for s in schedules:
-        for r in remats:
-            config = RunConfig(STAGES, 1, FLAGS.micro_batches, s, r)
-            p = cost_model.evaluate(profile, config, FLAGS.batch, optimizer_slots=2)
-            out[(s, r)] = [{k: v / MB for k, v in terms.items()} for terms in p.memory_terms]
-    return out
+    config = RunConfig(
+        STAGES,
+        case.replicas,
+        FLAGS.micro_batches,
+        case.schedule,
+        case.remat,
+        balance=balance,
+        defer_weight_gradients=case.deferred,
+        shard_optimizer_states=case.sharded,
+    )
+    p = cost_model.evaluate(profile, config, FLAGS.batch, optimizer_slots=2)
+    return [{k: v / MB for k, v in terms.items()} for terms in p.memory_terms]
+
+
+def _without_template(terms: dict[str, float]) -> dict[str, float]:
+    """A device's terms on replica r > 0: the Keras template model is on replica 0's
+    device of stage 0 only (it is in both phases of the peak, so it comes off the total)."""
+    return {**terms, "template": 0.0, "total": terms["total"] - terms["template"]}
 
 
 def write_results(env: dict[str, Any], rows: list[dict[str, Any]], worst: float) -> None:
     config = common.flag_values(
-        *common.MODEL_FLAGS, "micro_batches", "schedules", "remats", "jit_compile"
+        *common.MODEL_FLAGS, "micro_batches", "vocabulary", "cases", "jit_compile"
     )
     path = common.write_json(
         "memory", {"environment": env, "config": config, "rows": rows, "worst_error": worst}
@@ -201,41 +291,54 @@ def write_results(env: dict[str, Any], rows: list[dict[str, Any]], worst: float)
 
 
 def _chart(rows: list[dict[str, Any]]) -> None:
-    """One bar group per (schedule, remat, stage): predicted beside measured peak."""
+    """One bar group per (case, stage): predicted beside measured peak."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['schedule']}\n{r['remat']}\nstage {r['stage']}" for r in rows]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-    ax.bar([x - 0.2 for x in xs], [r["measured_peak_mib"] for r in rows], 0.4, label="measured")
-    ax.bar([x + 0.2 for x in xs], [r["predicted_peak_mib"] for r in rows], 0.4, label="predicted")
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("peak MiB per stage")
+    shown = [r for r in rows if r["replica"] == 0]
+    labels = [f"{r['case']}\nstage {r['stage']}" for r in shown]
+    xs = range(len(shown))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(shown)), 4.5))
+    ax.bar([x - 0.2 for x in xs], [r["measured_peak_mib"] for r in shown], 0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], [r["predicted_peak_mib"] for r in shown], 0.4, label="predicted")
+    ax.set_xticks(list(xs), labels, fontsize=6, rotation=90)
+    ax.set_ylabel("peak MiB per device")
     ax.set_title(f"{STAGES} stages, M={FLAGS.micro_batches}, batch {FLAGS.batch}, Adam")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(common.RESULTS, "memory.png"))
 
 
+def _print_trace(name: str, row: dict[str, Any]) -> None:
+    with open(_trace_path(name, row["task"])) as f:
+        peak = memory_trace.replay(f.readlines())
+    top = ", ".join(f"{k} {v / MB:.2f}" for k, v in peak.by_kernel[:12])
+    print(f"      trace: peak {peak.bytes / MB:.2f} MiB (with the server's own): {top}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.client:
-        schedule, remat, spec = FLAGS.client.split(",", 2)
-        run_client(schedule, remat, spec)
+        name, spec = FLAGS.client.split(",", 1)
+        run_client(CASES[name], spec)
         return
     env = common.start("memory", devices=1)
-    predicted = predict(FLAGS.schedules, FLAGS.remats)
     rows = []
-    for s in FLAGS.schedules:
-        for r in FLAGS.remats:
-            for stage, (m, p) in enumerate(zip(measure(s, r), predicted[(s, r)], strict=True)):
+    for name in FLAGS.cases:
+        case = CASES[name]
+        measured, balance = measure(name, case)
+        predicted = predict(case, balance)
+        for stage, (replicas, terms) in enumerate(zip(measured, predicted, strict=True)):
+            for replica, m in enumerate(replicas):
+                p = terms if replica == 0 else _without_template(terms)
                 row = {
-                    "schedule": s,
-                    "remat": r,
+                    "case": name,
+                    **dataclasses.asdict(case),
+                    "balance": list(balance),
                     "stage": stage,
+                    "replica": replica,
                     "measured_peak_mib": m["peak"],
                     "predicted_peak_mib": p["total"],
                     "error": p["total"] / m["peak"] - 1,
@@ -246,16 +349,26 @@ def main(argv: list[str]) -> None:
                 }
                 rows.append(row)
                 print(
-                    f"  {s:6s} {r:12s} stage {stage}: measured {m['peak']:7.2f} MiB "
-                    f"(built {m['built']:5.2f}, resident {m['resident']:5.2f}, "
-                    f"transient {m['transient']:5.2f})  predicted {p['total']:7.2f} "
-                    f"{ {k: round(v, 2) for k, v in p.items() if k != 'total'} } "
+                    f"  {name:16s} {str(balance):7s} stage {stage} replica {replica}: "
+                    f"measured {m['peak']:6.2f} MiB (built {m['built']:5.2f}, resident "
+                    f"{m['resident']:5.2f})  predicted {p['total']:6.2f} "
+                    f"{ {k: round(v, 2) for k, v in p.items() if k != 'total' and v} } "
                     f"error {row['error']:+.1%}",
                     flush=True,
                 )
+                if FLAGS.trace:
+                    _print_trace(name, m)
+        peaks = [r for r in rows if r["case"] == name and r["replica"] == 0]
+        m_peaks = [r["measured_peak_mib"] for r in peaks]
+        p_peaks = [r["predicted_peak_mib"] for r in peaks]
+        print(
+            f"  {name}: largest/smallest stage peak measured {max(m_peaks) / min(m_peaks):.2f}, "
+            f"predicted {max(p_peaks) / min(p_peaks):.2f}",
+            flush=True,
+        )
     worst = max(abs(row["error"]) for row in rows)
     write_results(env, rows, worst)
-    print(f"SUMMARY memory configs={len(rows) // STAGES} stages={STAGES} worst_error={worst:.3f}")
+    print(f"SUMMARY memory cases={len(FLAGS.cases)} rows={len(rows)} worst_error={worst:.3f}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cluster", required=True)
     parser.add_argument("--task_index", type=int, required=True)
+    parser.add_argument("--log", default="", help="Write this process's stderr here.")
     args = parser.parse_args()
+    if args.log:  # before TensorFlow logs anything: its memory log is what --trace reads
+        os.dup2(os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
 
     import tensorflow as tf
 
@@ -43,6 +46,8 @@ def main() -> int:
         if line.strip() == "exit":
             break
         info = tf.config.experimental.get_memory_info("CPU:0")
+        sys.stderr.write(f"__MARK__ {json.dumps(info)}\n")  # a phase boundary in a --log
+        sys.stderr.flush()
         print("MEMORY " + json.dumps({"baseline": baseline, **info}), flush=True)
     del server
     os._exit(0)  # a tf.distribute.Server cannot be stopped; end the process

@@ -77,10 +77,11 @@ def test_stage_peaks_apply_the_terms_stage_by_stage():
     assert usage.in_flight == (2, 1)
     s0, s1 = memory.stage_peaks(layers, (1, 1), usage)
     # stage 0: params 100, Adam state 200, template 50, input shard 4·2, gradients 200,
-    # activations 2·(2 + 10) + 5; update phase: 100 + 200 + 50 + 8 + 200 + 200; + all-reduce
-    assert s0 == max(100 + 200 + 50 + 8 + 200 + 29, 758) + 200
-    # stage 1: 200 + 400 + 400 + (1·(3 + 20) + 7) vs 200 + 400 + 400 + 400; + all-reduce 400
-    assert s1 == max(200 + 400 + 400 + 30, 1400) + 400
+    # activations 2·(2 + 10) + 5; update phase: 100 + 200 + 50 + 8 + 200 + 200 (R = 2: the
+    # all-reduce writes the reduced gradients, the update's second copy)
+    assert s0 == max(100 + 200 + 50 + 8 + 200 + 29, 758)
+    # stage 1: 200 + 400 + 400 + (1·(3 + 20) + 7) vs 200 + 400 + 400 + 400
+    assert s1 == max(200 + 400 + 400 + 30, 1400)
 
 
 def test_a_device_holding_virtual_stages_holds_all_their_weights():

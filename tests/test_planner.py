@@ -259,8 +259,8 @@ def test_memory_per_device_follows_peak_in_flight():
         (200 * 3 + 400 + M + M * 21 + 5, 200 * 3 + M * 21 + 5)
     )
     two = planner.evaluate(profile, RunConfig(S, 2, M, "gpipe", "never"), 2 * M)
-    # replicas add the flattened all-reduce buffers (twice the stage's parameters)
-    assert two.peak_memory == pytest.approx(gpipe.peak_memory + 2 * 200.0)
+    # replicas reduce the accumulated gradients into the update's second copy: nothing more
+    assert two.peak_memory == pytest.approx(gpipe.peak_memory)
     assert two.total_memory == pytest.approx(2 * sum(two.memory_per_device))
 
 
@@ -271,9 +271,8 @@ def test_model_that_does_not_fit_one_device_is_pipelined():
     )
     oom = [r for r in result.rejected if r.kind == "out of memory"]
     assert oom and all(r.config.stages == 1 for r in oom)
-    # 1×2: 400 × (1 weights + 2 slots) + 400 template + Adam's update (400 × 4) + 800
-    # all-reduce buffers
-    assert oom[0].reason == "out of memory: needs 3.91 KiB per device, has 1.95 KiB"
+    # 1×2: 400 × (1 weights + 2 slots) + 400 template + Adam's update (400 × 4)
+    assert oom[0].reason == "out of memory: needs 3.12 KiB per device, has 1.95 KiB"
     # 2×1: stage 0's device holds 200 × 3 + the template 400 + Adam's update 200 × 4 = 1800
     assert result.best.config.stages == 2
     with pytest.raises(ValueError, match=r"no configuration of 2 devices fits .*out of memory ×"):
@@ -627,6 +626,30 @@ def test_a_model_with_batch_norm_prefers_enough_examples_per_normalization(kind,
     assert c.micro_batches == micro_batches
     assert with_bn.batch_norm_examples(64, c.replicas, c.micro_batches) == 16
     assert search.BATCH_NORM_MIN_EXAMPLES == 16
+
+
+def test_profile_of_a_tied_model_counts_the_embedding_once():
+    """A layer without ``get_config`` (a user's tied head) is profiled on its own, and the
+    whole model's bytes count the embedding it shares once; each layer reading it counts
+    it (both stages hold it)."""
+    from hybrid.models.transformer import TiedHead
+    from hybrid.planning import costs
+
+    embedding = keras.layers.Embedding(64, 8)
+    layers = [embedding, keras.layers.Dense(8), TiedHead(embedding)]
+    profile = costs.profile_model(
+        layers,
+        (),
+        "int32",
+        [4],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        target_shape=(),
+        repeats=1,
+    )
+    table = 64 * 8 * 4
+    assert [x.param_bytes for x in profile.layers] == [table, (8 * 8 + 8) * 4, table]
+    assert profile.model_bytes == table + (8 * 8 + 8) * 4
+    assert profile.template_bytes == profile.model_bytes < profile.param_bytes
 
 
 if __name__ == "__main__":

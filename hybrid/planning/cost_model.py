@@ -44,8 +44,9 @@ class Prediction:
       memory_per_device: peak bytes of each pipeline device (equal on every replica).
       peak_in_flight: per pipeline device, micro-batches whose activations it holds at once.
       memory_terms: per pipeline device, ``memory_per_device`` in its terms (bytes):
-        ``params``, ``gradients`` (the accumulator), ``optimizer`` (slots), ``all_reduce``
-        (flattened buffers, R > 1), ``activations`` and their ``total``.
+        ``params``, ``template``, ``optimizer`` (slots), ``batch_input``, ``gradients``,
+        ``activations``, ``update_temporaries`` and their ``total``
+        (:func:`hybrid.core.memory.memory_terms`).
     """
 
     config: RunConfig
@@ -85,8 +86,8 @@ class _DeviceCost:
       update: its optimizer updates (one launch per model stage it holds; sharded: its
         share of them, then the all-gather of the updated weights).
       work: busy time + all-reduce + update, summed over the R replicas of this device.
-      memory: peak bytes: weights, gradients, optimizer slots, all-reduce buffers and the
-        activations of its fullest model stage.
+      memory: peak bytes: weights, gradients, optimizer slots and the activations of its
+        fullest model stage.
     """
 
     finish: float
@@ -120,10 +121,11 @@ def evaluate(
                                 the activations peak_in_flight[d] micro-batches hold
                                 (its largest stage), ...)["total"]
 
-    (weights, the gradient accumulator and the optimizer slots; the flattened all-reduce
-    buffers; activations by remat mode, see :func:`activation_bytes`). Deferred weight
-    gradients: B is each micro-batch's input gradient, the rest of every stage's backward
-    runs once at M·b rows, and every micro-batch's activations stay (``deferred_bytes``).
+    (weights, the gradient accumulator and the optimizer slots; the update phase's reduced
+    gradients and temporaries; activations by remat mode, see :func:`activation_bytes`).
+    Deferred weight gradients: B is each micro-batch's input gradient, the rest of every
+    stage's backward runs once at M·b rows, and every micro-batch's activations stay
+    (``deferred_bytes``).
 
     Args:
       profile: per-layer costs.
@@ -166,7 +168,7 @@ def evaluate(
             hardware,
             optimizer_slots,
             whole,
-            profile.param_bytes,
+            profile.template_bytes,
         )
         for d in range(S)
     ]
@@ -225,7 +227,7 @@ def _balance(
         return tuple(config.balance)
     if config.balance == "memory":
         M = config.micro_batches
-        usage = memory.usage_of(config, sched, optimizer_slots, profile.param_bytes)
+        usage = memory.usage_of(config, sched, optimizer_slots, profile.template_bytes)
         whole = layer_bytes(profile, batch * M)
         return memory.balance_by_memory(
             layer_bytes(profile, batch), config.model_stages, usage, whole

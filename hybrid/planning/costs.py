@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,8 @@ class CostProfile:
       batch_norm: the model's training-mode BatchNormalization: "" (none), "micro-batch"
         (some normalize each micro-batch alone) or "synchronized" (all are
         ``synchronized=True``: the R replicas' micro-batches together).
+      model_bytes: bytes of the whole model's weights, a variable read by several layers
+        (a tied embedding) once; 0: not measured, the layers' sum (:attr:`template_bytes`).
     """
 
     layers: tuple[LayerCost, ...]
@@ -95,6 +98,7 @@ class CostProfile:
     input_is_float: bool = True
     source: str = ""
     batch_norm: str = ""
+    model_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -130,7 +134,13 @@ class CostProfile:
 
     @property
     def param_bytes(self) -> float:
+        """Every layer's weights summed (a tied variable once per layer reading it)."""
         return float(sum(layer.param_bytes for layer in self.layers))
+
+    @property
+    def template_bytes(self) -> float:
+        """The bytes of the user's whole model: :attr:`model_bytes`, else the layers' sum."""
+        return self.model_bytes or self.param_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form; :meth:`from_dict` reads it back."""
@@ -157,6 +167,8 @@ class CostProfile:
             input_bytes=float(data["input_bytes"]),
             input_is_float=bool(data.get("input_is_float", True)),
             source=str(data.get("source", "")),
+            batch_norm=str(data.get("batch_norm", "")),
+            model_bytes=float(data.get("model_bytes", 0.0)),
         )
 
     @classmethod
@@ -276,7 +288,11 @@ def profile_model(
     profile = CostProfile.from_measurement(
         measurement, input_is_float=tf.as_dtype(input_dtype).is_floating
     )
-    return dataclasses.replace(profile, batch_norm=_batch_norm_kind(layers))
+    unique = {id(v): v for layer in layers for v in layer.weights}.values()
+    model_bytes = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in unique)
+    return dataclasses.replace(
+        profile, batch_norm=_batch_norm_kind(layers), model_bytes=float(model_bytes)
+    )
 
 
 def _batch_norm_kind(layers: Sequence[Any]) -> str:

@@ -148,7 +148,8 @@ def measure_memory(
 
 def signature(layer: keras.layers.Layer, spec: TensorSpec, last: bool) -> str:
     """Layers with equal signatures cost the same: same class and configuration (names and
-    seeds aside), same input, same position (last or not)."""
+    seeds aside), same input, same position (last or not). A layer without a configuration
+    (a user's layer with no ``get_config``) is its own signature: measured alone."""
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
@@ -157,7 +158,10 @@ def signature(layer: keras.layers.Layer, spec: TensorSpec, last: bool) -> str:
             return [strip(v) for v in value]
         return value
 
-    config = strip(layer.get_config())
+    try:
+        config = strip(layer.get_config())
+    except NotImplementedError:
+        config = f"id {id(layer)}"
     return repr((type(layer).__qualname__, config, spec, last))
 
 
