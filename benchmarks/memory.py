@@ -1,6 +1,6 @@
 """Per-stage peak memory, measured in one process per device and predicted by the planner.
 
-A pipeline of ``depth`` × Dense(width) + Dense(10) (or, for the tied case, an Embedding, the
+A pipeline of ``depth`` × Dense(width) + Dense(10) (4 × Dense(1024), batch 2048, M = 4) (or, for the tied case, an Embedding, the
 Dense stack and a head reading the embedding's matrix), trained with Adam, runs over
 TensorFlow's multi-host runtime on loopback: each mesh device is the one CPU device of its own
 worker process (``benchmarks/memory_worker.py``), and a client process builds the pipeline and
@@ -31,6 +31,7 @@ what was live at the worker's peak, by kernel (``benchmarks/memory_trace.py``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -79,9 +80,9 @@ CASES = {
     "memory-cut": Case(balance="memory"),
 }
 
-common.define_model_flags(depth=4, batch=512, width=256)
+common.define_model_flags(depth=4, batch=2048, width=1024)
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches M.")
-flags.DEFINE_integer("vocabulary", 2048, "Tied case: the embedding's rows (and the classes).")
+flags.DEFINE_integer("vocabulary", 4096, "Tied case: the embedding's rows (and the classes).")
 flags.DEFINE_list("cases", list(CASES), f"Of {list(CASES)}.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
 flags.DEFINE_bool("trace", False, "Log each worker's allocations; print what its peak holds.")
@@ -145,6 +146,7 @@ def run_client(case: Case, spec: str) -> None:
         )
         x, y = batch(case)
         pipe.build((FLAGS.batch, *x.shape[1:]), x.dtype.name)
+    gc.collect()  # remote tensors the build no longer references are freed on their worker
     print("DEVICES " + json.dumps([list(row) for row in mesh.devices]), flush=True)
     print("BALANCE " + json.dumps(list(pipe.balance)), flush=True)
     print("BUILT", flush=True)
