@@ -196,11 +196,12 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
 
 def _capture_compile_log() -> str:
     """Before TensorFlow loads: its C++ log (stderr) goes to a file, with the XLA device
-    compiler's line per compile ("compiled <program> N times, compile time: T us")."""
+    compiler's lines per compile ("Instantly compiling for signature: <program>", then on
+    the same thread "Compilation of XLA executable time: ... (<T> us)")."""
     import sys
 
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
-    os.environ["TF_CPP_VMODULE"] = "device_compiler=1"
+    os.environ["TF_CPP_VMODULE"] = "device_compiler=2"
     path = os.path.join(tempfile.mkdtemp(), "tf.log")
     sys.stderr.flush()
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
@@ -219,8 +220,17 @@ def _compiles(path: str | None) -> list[tuple[str, float]]:
         f.seek(_read[0])
         text = f.read()
         _read[0] = f.tell()
-    found = re.findall(r"compiled (\S+) \d+ times, compile time: (\d+) us", text)
-    return [(program, int(us) / 1e6) for program, us in found]
+    program: dict[str, str] = {}  # thread -> the program it compiles
+    found = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 4 or "device_compiler.h" not in line:
+            continue
+        if match := re.search(r"Instantly compiling for signature: (\S+)", line):
+            program[parts[2]] = match.group(1)
+        elif match := re.search(r"Compilation of XLA executable time: .* \((\d+) us\)", line):
+            found.append((program.get(parts[2], "?"), int(match.group(1)) / 1e6))
+    return found
 
 
 def _profiler() -> Any:
