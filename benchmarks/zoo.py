@@ -59,6 +59,12 @@ flags.DEFINE_bool(
     "and the step's floor on this host (Keras's own step on the micro-batch, R*M of them, "
     "as many at once as there are cores).",
 )
+flags.DEFINE_string(
+    "xla_cache",
+    None,
+    "A persistent XLA cache directory every child shares (default: a fresh one each): run "
+    "twice, the second run's build + first step has XLA's compiles loaded, not compiled.",
+)
 flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
 FLAGS = flags.FLAGS
 
@@ -372,7 +378,8 @@ def main(argv: list[str]) -> None:
         if name not in MODELS:
             raise app.UsageError(f"--models: unknown model {name!r}; choose from {MODELS}")
         for mesh in FLAGS.meshes:
-            with tempfile.TemporaryDirectory() as cache:
+            with tempfile.TemporaryDirectory() as fresh:
+                cache = FLAGS.xla_cache or fresh
                 (row,) = common.run_child(
                     [os.path.abspath(__file__), f"--child={name},{mesh}"]
                     + common.flag_args(
