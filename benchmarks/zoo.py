@@ -56,8 +56,8 @@ flags.DEFINE_bool(
     False,
     "Also profile build + first step: XLA compiles per program and device (TensorFlow's "
     "device_compiler log), cProfile of the Python side (zoo_profile_<model>_<mesh>.txt), "
-    "and the step's floor on this host (Keras's own step on the micro-batch, R*M of them, "
-    "as many at once as there are cores).",
+    "and the step's floor on this host (the whole model's forward + backward on one "
+    "micro-batch, R*M of them, as many at once as there are cores).",
 )
 flags.DEFINE_string(
     "xla_cache",
@@ -279,8 +279,9 @@ def _profile(name: str, mesh: str, profiles: list[Any], micro_batches: int) -> d
 
 def _floor_ms(name: str, micro_batches: int) -> float:
     """Milliseconds any pipeline of ``micro_batches`` micro-batches in all (R·M) needs on
-    this host for the same global batch, with no bubble, transfer or all-reduce: Keras's
-    own XLA step on one micro-batch's examples, ``micro_batches`` steps run as evenly as
+    this host for the same global batch, with no bubble, transfer, all-reduce or update:
+    the whole model's forward and backward (one XLA program, as Keras's step computes its
+    gradients) on one micro-batch's examples, ``micro_batches`` of them run as evenly as
     they can over as many devices at once as the host has cores (one thread each)."""
     import threading
 
@@ -290,28 +291,33 @@ def _floor_ms(name: str, micro_batches: int) -> float:
 
     lanes = min(os.cpu_count() or 1, micro_batches)
     size = FLAGS.batch // micro_batches
-    steps = []
+    runs = []
     for lane in range(lanes):
         with tf.device(f"/CPU:{lane}"):
             model, x, y = build(name)
             from_logits = name not in MODELS[:5]
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
-            model.compile(keras.optimizers.Adam(1e-3), loss, jit_compile=FLAGS.jit_compile)
-            part = tf.nest.map_structure(lambda a: a[:size], x), y[:size]
+
+            def gradients(x: Any, y: Any, model: Any = model, loss: Any = loss) -> Any:
+                with tf.GradientTape() as tape:
+                    value = loss(y, model(x, training=True))
+                return tape.gradient(value, model.trainable_variables)
+
+            program = tf.function(gradients, jit_compile=FLAGS.jit_compile, autograph=False)
+            part = tf.nest.map_structure(lambda a: tf.constant(a[:size]), x), tf.constant(y[:size])
             count = -(-micro_batches // lanes) if lane == 0 else micro_batches // lanes
 
-            def run(
-                model: Any = model, part: Any = part, count: int = count, lane: int = lane
-            ) -> None:
+            def run(program: Any = program, part: Any = part, count: int = count, lane: int = lane):
                 with tf.device(f"/CPU:{lane}"):
                     for _ in range(count):
-                        model.train_on_batch(*part)
+                        out = program(*part)
+                    tf.nest.map_structure(lambda t: t.numpy(), out)
 
             run()  # compiled
-            steps.append(run)
+            runs.append(run)
     times = []
     for _ in range(FLAGS.steps):
-        threads = [threading.Thread(target=run) for run in steps]
+        threads = [threading.Thread(target=run) for run in runs]
         start = time.perf_counter()
         for thread in threads:
             thread.start()
