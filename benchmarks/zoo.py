@@ -65,6 +65,12 @@ flags.DEFINE_string(
     "A persistent XLA cache directory every child shares (default: a fresh one each): run "
     "twice, the second run's build + first step has XLA's compiles loaded, not compiled.",
 )
+flags.DEFINE_bool(
+    "step_ratio",
+    False,
+    "Instead: per model, the step times of the pipelines on --meshes built in one process "
+    "and timed in alternation (the first mesh is the base; zoo_step_ratio.json).",
+)
 flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
 FLAGS = flags.FLAGS
 
@@ -198,6 +204,36 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
         "build_first_cpu_s": build_cpu,
         "build_over_keras_first_cpu": build_cpu / keras_cpu,
     }
+
+
+def step_ratio(name: str, meshes: list[str]) -> dict[str, Any]:
+    """In this process (4 simulated devices): the pipeline's step on each of ``meshes``,
+    timed in alternation so the host's noise hits all alike; ratios to the first mesh."""
+    import hybrid
+
+    hybrid.simulate_cpu_devices(4)
+    import keras
+    import numpy as np
+
+    steps = {}
+    for mesh in meshes:
+        shape, micro = mesh.split(":")
+        stages, replicas = map(int, shape.split("x"))
+        model, x, y = build(name)
+        pipe = hybrid.Pipeline(
+            model,
+            hybrid.DeviceMesh.create(stages, replicas),
+            micro_batches=int(micro),
+            schedule="1f1b",
+            remat="never",
+        )
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
+        pipe.compile(keras.optimizers.Adam(1e-3), loss, jit_compile=FLAGS.jit_compile)
+        steps[mesh] = lambda pipe=pipe, x=x, y=y: pipe.train_step(x, y)
+    times = common.time_alternating(steps, rounds=FLAGS.steps, steps_per_round=2, warmup=2)
+    ms = {mesh: 1e3 * float(np.median(t)) for mesh, t in times.items()}
+    base = ms[meshes[0]]
+    return {"model": name, "step_ms": ms, "ratio": {m: v / base for m, v in ms.items()}}
 
 
 def _capture_compile_log() -> str:
@@ -376,7 +412,32 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS.child:
         name, mesh = FLAGS.child.split(",")
+        if FLAGS.step_ratio:
+            print("RESULT " + json.dumps(step_ratio(name, FLAGS.meshes)))
+            return
         print("RESULT " + json.dumps(measure(name, mesh)))
+        return
+    if FLAGS.step_ratio:
+        env = common.start("zoo_step_ratio", devices=1)
+        rows = []
+        for name in FLAGS.models:
+            (row,) = common.run_child(
+                [os.path.abspath(__file__), f"--child={name},-", "--step_ratio"]
+                + [f"--meshes={','.join(FLAGS.meshes)}"]
+                + common.flag_args("batch", "image_size", "seq_len", "steps", "jit_compile")
+            )
+            rows.append(row)
+            print(
+                f"  {name:14s} "
+                + "  ".join(
+                    f"{m} {v:7.1f} ms ({row['ratio'][m]:.2f}x)" for m, v in row["step_ms"].items()
+                )
+            )
+        common.write_json("zoo_step_ratio", {"environment": env, "rows": rows})
+        print(
+            "SUMMARY zoo_step_ratio "
+            + " ".join(f"{r['model']}={max(r['ratio'].values()):.2f}" for r in rows)
+        )
         return
     env = common.start("zoo", devices=1)  # the header; each child has its own devices
     rows = []
