@@ -10,7 +10,11 @@ each) and a fresh XLA cache. Measured there, side by side:
     step_ms           the pipeline's next steps (median), XLA stage programs
     examples_per_s    batch / step time, and its ratio to Keras's (speedup)
 
+    keras_first_cpu_s, build_first_cpu_s   the process's CPU seconds in them (steadier)
+
     python benchmarks/zoo.py [--models=mobilenetv2,gpt2] [--meshes=2x1:1,2x2:2] [--batch=16]
+    python benchmarks/zoo.py --models=resnet50 --meshes=2x2:2 --profile   # compiles, floor
+    python benchmarks/zoo.py --models=resnet50 --step_ratio   # 2x1 and 2x2 steps alternated
 
 The CNNs train with BatchNormalization: at R·M > 1 each micro-batch is normalized with its own
 statistics (warned); the timing is what this benchmark reports. Results: zoo.json, zoo.csv,
