@@ -351,7 +351,7 @@ def _floor_ms(name: str, micro_batches: int) -> float:
                 with tf.device(f"/CPU:{lane}"):
                     for _ in range(count):
                         out = program(*part)
-                    [t.numpy() for t in out if t is not None]  # done
+                    [t.numpy() for t in tf.nest.flatten(out, expand_composites=True)]  # done
 
             run()  # compiled
             runs.append(run)
