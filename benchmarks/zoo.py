@@ -10,7 +10,11 @@ each) and a fresh XLA cache. Measured there, side by side:
     step_ms           the pipeline's next steps (median), XLA stage programs
     examples_per_s    batch / step time, and its ratio to Keras's (speedup)
 
+    keras_first_cpu_s, build_first_cpu_s   the process's CPU seconds in them (steadier)
+
     python benchmarks/zoo.py [--models=mobilenetv2,gpt2] [--meshes=2x1:1,2x2:2] [--batch=16]
+    python benchmarks/zoo.py --models=resnet50 --meshes=2x2:2 --profile   # compiles, floor
+    python benchmarks/zoo.py --models=resnet50 --step_ratio   # 2x1 and 2x2 steps alternated
 
 The CNNs train with BatchNormalization: at R·M > 1 each micro-batch is normalized with its own
 statistics (warned); the timing is what this benchmark reports. Results: zoo.json, zoo.csv,
@@ -50,6 +54,26 @@ flags.DEFINE_bool(
     True,
     "XLA for both Keras's step and the stage programs (on a CPU, convolutions with few "
     "examples run several times faster without: MobileNetV2's Keras step 324 vs 57 ms).",
+)
+flags.DEFINE_bool(
+    "profile",
+    False,
+    "Also profile build + first step: XLA compiles per program and device (TensorFlow's "
+    "device_compiler log), cProfile of the Python side (zoo_profile_<model>_<mesh>.txt), "
+    "and the step's floor on this host (the whole model's forward + backward on one "
+    "micro-batch, R*M of them, as many at once as there are cores).",
+)
+flags.DEFINE_string(
+    "xla_cache",
+    None,
+    "A persistent XLA cache directory every child shares (default: a fresh one each): run "
+    "twice, the second run's build + first step has XLA's compiles loaded, not compiled.",
+)
+flags.DEFINE_bool(
+    "step_ratio",
+    False,
+    "Instead: per model, the step times of the pipelines on --meshes built in one process "
+    "and timed in alternation (the first mesh is the base; zoo_step_ratio.json).",
 )
 flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
 FLAGS = flags.FLAGS
@@ -110,6 +134,7 @@ def build(name: str) -> tuple[Any, Any, Any]:
 def measure(name: str, mesh: str) -> dict[str, Any]:
     """In this process (4 simulated devices): Keras's and the pipeline's first and later
     steps of the named model on ``mesh`` ("SxR:M")."""
+    log = _capture_compile_log() if FLAGS.profile else None
     import hybrid
 
     hybrid.simulate_cpu_devices(4)
@@ -122,26 +147,32 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
     def loss() -> Any:
         return keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
 
-    def timed(setup: Any) -> tuple[float, float]:
-        """Seconds of ``setup()`` (which returns the step) and the first step, then the
+    def timed(setup: Any) -> tuple[float, float, float]:
+        """Seconds of ``setup()`` (which returns the step) and the first step, the process's
+        CPU seconds in them (all threads; steadier than wall time on a shared host), then the
         median milliseconds of --steps more steps."""
-        start = time.perf_counter()
+        profiler = _profiler() if FLAGS.profile else None
+        start, cpu = time.perf_counter(), time.process_time()
         step = setup()
         step()
-        first = time.perf_counter() - start
+        first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
+        if profiler is not None:
+            profiler.disable()
+            profiles.append((profiler, _compiles(log)))
         times = []
         for _ in range(FLAGS.steps):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        return first, 1e3 * float(np.median(times))
+        return first, first_cpu, 1e3 * float(np.median(times))
 
     def keras_step() -> Any:
         model, x, y = build(name)
         model.compile(keras.optimizers.Adam(1e-3), loss(), jit_compile=FLAGS.jit_compile)
         return lambda: model.train_on_batch(x, y)
 
-    pipes = []
+    pipes: list[Any] = []
+    profiles: list[Any] = []
 
     def pipeline_step() -> Any:
         model, x, y = build(name)
@@ -156,10 +187,11 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
         pipes.append(pipe)
         return lambda: pipes[0].train_step(x, y)
 
-    keras_first, keras_ms = timed(keras_step)
-    build_first, step_ms = timed(pipeline_step)
+    keras_first, keras_cpu, keras_ms = timed(keras_step)
+    build_first, build_cpu, step_ms = timed(pipeline_step)
     pipe = pipes[0]
-    return {
+    extra = _profile(name, mesh, profiles, replicas * int(micro)) if FLAGS.profile else {}
+    return extra | {
         "model": name,
         "mesh": mesh,
         "balance": list(pipe.balance),
@@ -172,7 +204,167 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
         "keras_examples_per_s": FLAGS.batch / keras_ms * 1e3,
         "speedup": keras_ms / step_ms,
         "build_over_keras_first": build_first / keras_first,
+        "keras_first_cpu_s": keras_cpu,
+        "build_first_cpu_s": build_cpu,
+        "build_over_keras_first_cpu": build_cpu / keras_cpu,
     }
+
+
+def step_ratio(name: str, meshes: list[str]) -> dict[str, Any]:
+    """In this process (4 simulated devices): the pipeline's step on each of ``meshes``,
+    timed in alternation so the host's noise hits all alike; ratios to the first mesh."""
+    import hybrid
+
+    hybrid.simulate_cpu_devices(4)
+    import keras
+    import numpy as np
+
+    steps = {}
+    for mesh in meshes:
+        shape, micro = mesh.split(":")
+        stages, replicas = map(int, shape.split("x"))
+        model, x, y = build(name)
+        pipe = hybrid.Pipeline(
+            model,
+            hybrid.DeviceMesh.create(stages, replicas),
+            micro_batches=int(micro),
+            schedule="1f1b",
+            remat="never",
+        )
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
+        pipe.compile(keras.optimizers.Adam(1e-3), loss, jit_compile=FLAGS.jit_compile)
+        steps[mesh] = lambda pipe=pipe, x=x, y=y: pipe.train_step(x, y)
+    times = common.time_alternating(steps, rounds=FLAGS.steps, steps_per_round=2, warmup=2)
+    ms = {mesh: 1e3 * float(np.median(t)) for mesh, t in times.items()}
+    base = ms[meshes[0]]
+    return {"model": name, "step_ms": ms, "ratio": {m: v / base for m, v in ms.items()}}
+
+
+def _capture_compile_log() -> str:
+    """Before TensorFlow loads: its C++ log (stderr) goes to a file, with the XLA device
+    compiler's lines per compile ("Instantly compiling for signature: <program>", then on
+    the same thread "Compilation of XLA executable time: ... (<T> us)")."""
+    import sys
+
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    os.environ["TF_CPP_VMODULE"] = "device_compiler=2"
+    path = os.path.join(tempfile.mkdtemp(), "tf.log")
+    sys.stderr.flush()
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    return path
+
+
+_read = [0]  # how much of the compile log was read
+
+
+def _compiles(path: str | None) -> list[tuple[str, float]]:
+    """(program, seconds) of each XLA compile logged since the last call."""
+    import re
+
+    assert path is not None
+    with open(path, errors="replace") as f:
+        f.seek(_read[0])
+        text = f.read()
+        _read[0] = f.tell()
+    program: dict[str, str] = {}  # thread -> the program it compiles
+    found = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 4 or "device_compiler.h" not in line:
+            continue
+        if match := re.search(r"Instantly compiling for signature: (\S+)", line):
+            program[parts[2]] = match.group(1)
+        elif match := re.search(r"Compilation of XLA executable time: .* \((\d+) us\)", line):
+            found.append((program.get(parts[2], "?"), int(match.group(1)) / 1e6))
+    return found
+
+
+def _profiler() -> Any:
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _profile(name: str, mesh: str, profiles: list[Any], micro_batches: int) -> dict[str, Any]:
+    """What build + first step spent (Keras's, then the pipeline's): XLA compiles (count,
+    seconds, the largest), Python tracing (cProfile, the top functions written to a text
+    file), and the step's floor on this host (:func:`_floor_ms`)."""
+    import io
+    import pstats
+
+    out: dict[str, Any] = {}
+    report = io.StringIO()
+    for who, (profiler, compiles) in zip(("keras", "pipeline"), profiles, strict=True):
+        stats = pstats.Stats(profiler, stream=report)
+        traced = [v for k, v in stats.stats.items() if k[2] == "func_graph_from_py_func"]  # type: ignore[attr-defined]
+        out[f"{who}_traces"] = sum(v[1] for v in traced)  # primitive calls
+        out[f"{who}_xla_compiles"] = len(compiles)
+        out[f"{who}_xla_compile_s"] = sum(s for _, s in compiles)
+        out[f"{who}_largest_compiles"] = sorted(compiles, key=lambda c: -c[1])[:8]
+        report.write(
+            f"==== {who}: {len(compiles)} XLA compiles, {out[f'{who}_xla_compile_s']:.1f} s\n"
+        )
+        for program, seconds in compiles:
+            report.write(f"  {seconds:8.2f} s  {program}\n")
+        stats.sort_stats("cumulative").print_stats(45)
+    path = os.path.join(common.RESULTS, f"zoo_profile_{name}_{mesh.replace(':', '_')}.txt")
+    os.makedirs(common.RESULTS, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(report.getvalue())
+    out["floor_ms"] = _floor_ms(name, micro_batches)
+    return out
+
+
+def _floor_ms(name: str, micro_batches: int) -> float:
+    """Milliseconds any pipeline of ``micro_batches`` micro-batches in all (R·M) needs on
+    this host for the same global batch, with no bubble, transfer, all-reduce or update:
+    the whole model's forward and backward (one XLA program, as Keras's step computes its
+    gradients) on one micro-batch's examples, ``micro_batches`` of them run as evenly as
+    they can over as many devices at once as the host has cores (one thread each)."""
+    import threading
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    lanes = min(os.cpu_count() or 1, micro_batches)
+    size = FLAGS.batch // micro_batches
+    runs = []
+    for lane in range(lanes):
+        with tf.device(f"/CPU:{lane}"):
+            model, x, y = build(name)
+            from_logits = name not in MODELS[:5]
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+
+            def gradients(x: Any, y: Any, model: Any = model, loss: Any = loss) -> Any:
+                with tf.GradientTape() as tape:
+                    value = loss(y, model(x, training=True))
+                return tape.gradient(value, model.trainable_variables)
+
+            program = tf.function(gradients, jit_compile=FLAGS.jit_compile, autograph=False)
+            part = tf.nest.map_structure(lambda a: tf.constant(a[:size]), x), tf.constant(y[:size])
+            count = -(-micro_batches // lanes) if lane == 0 else micro_batches // lanes
+
+            def run(program: Any = program, part: Any = part, count: int = count, lane: int = lane):
+                with tf.device(f"/CPU:{lane}"):
+                    for _ in range(count):
+                        out = program(*part)
+                    [t.numpy() for t in tf.nest.flatten(out, expand_composites=True)]  # done
+
+            run()  # compiled
+            runs.append(run)
+    times = []
+    for _ in range(FLAGS.steps):
+        threads = [threading.Thread(target=run) for run in runs]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
 
 
 def plot(rows: list[dict[str, Any]]) -> str:
@@ -212,7 +404,8 @@ def plot(rows: list[dict[str, Any]]) -> str:
     xla = "XLA" if FLAGS.jit_compile else "no XLA"
     fig.suptitle(f"Model zoo, batch {FLAGS.batch}, {xla}: plain Keras (one device) vs pipeline")
     fig.tight_layout()
-    path = os.path.join(common.RESULTS, "zoo.png" if FLAGS.jit_compile else "zoo_no_xla.png")
+    name = ("zoo" if FLAGS.jit_compile else "zoo_no_xla") + ("_profile" if FLAGS.profile else "")
+    path = os.path.join(common.RESULTS, f"{name}.png")
     os.makedirs(common.RESULTS, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -223,7 +416,32 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS.child:
         name, mesh = FLAGS.child.split(",")
+        if FLAGS.step_ratio:
+            print("RESULT " + json.dumps(step_ratio(name, FLAGS.meshes)))
+            return
         print("RESULT " + json.dumps(measure(name, mesh)))
+        return
+    if FLAGS.step_ratio:
+        env = common.start("zoo_step_ratio", devices=1)
+        rows = []
+        for name in FLAGS.models:
+            (row,) = common.run_child(
+                [os.path.abspath(__file__), f"--child={name},-", "--step_ratio"]
+                + [f"--meshes={','.join(FLAGS.meshes)}"]
+                + common.flag_args("batch", "image_size", "seq_len", "steps", "jit_compile")
+            )
+            rows.append(row)
+            print(
+                f"  {name:14s} "
+                + "  ".join(
+                    f"{m} {v:7.1f} ms ({row['ratio'][m]:.2f}x)" for m, v in row["step_ms"].items()
+                )
+            )
+        common.write_json("zoo_step_ratio", {"environment": env, "rows": rows})
+        print(
+            "SUMMARY zoo_step_ratio "
+            + " ".join(f"{r['model']}={max(r['ratio'].values()):.2f}" for r in rows)
+        )
         return
     env = common.start("zoo", devices=1)  # the header; each child has its own devices
     rows = []
@@ -231,20 +449,33 @@ def main(argv: list[str]) -> None:
         if name not in MODELS:
             raise app.UsageError(f"--models: unknown model {name!r}; choose from {MODELS}")
         for mesh in FLAGS.meshes:
-            with tempfile.TemporaryDirectory() as cache:
+            with tempfile.TemporaryDirectory() as fresh:
+                cache = FLAGS.xla_cache or fresh
                 (row,) = common.run_child(
                     [os.path.abspath(__file__), f"--child={name},{mesh}"]
-                    + common.flag_args("batch", "image_size", "seq_len", "steps", "jit_compile"),
+                    + common.flag_args(
+                        "batch", "image_size", "seq_len", "steps", "jit_compile", "profile"
+                    ),
                     env={"TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"},
                 )
             rows.append(row)
+            if FLAGS.profile:
+                print(
+                    f"  {name:14s} {mesh:6s} XLA compiles: Keras {row['keras_xla_compiles']}"
+                    f" in {row['keras_xla_compile_s']:.1f} s, pipeline"
+                    f" {row['pipeline_xla_compiles']} in {row['pipeline_xla_compile_s']:.1f} s;"
+                    " traces: Keras"
+                    f" {row['keras_traces']}, pipeline {row['pipeline_traces']}; step floor"
+                    f" {row['floor_ms']:.1f} ms"
+                )
             print(
                 f"  {name:14s} {mesh:6s} balance {str(tuple(row['balance'])):12s} "
                 f"build+first {row['build_first_s']:6.1f} s (Keras {row['keras_first_s']:5.1f} s,"
-                f" {row['build_over_keras_first']:.2f}x)  step {row['step_ms']:7.1f} ms "
+                f" {row['build_over_keras_first']:.2f}x;"
+                f" CPU {row['build_over_keras_first_cpu']:.2f}x)  step {row['step_ms']:7.1f} ms "
                 f"(Keras {row['keras_step_ms']:7.1f} ms, speedup {row['speedup']:.2f})"
             )
-    name = "zoo" if FLAGS.jit_compile else "zoo_no_xla"
+    name = ("zoo" if FLAGS.jit_compile else "zoo_no_xla") + ("_profile" if FLAGS.profile else "")
     common.write_json(name, {"environment": env, "jit_compile": FLAGS.jit_compile, "rows": rows})
     common.write_csv(name, rows)
     print(f"  wrote {plot(rows)}")
