@@ -1,7 +1,8 @@
 """Per-stage peak memory, measured in one process per device and predicted by the planner.
 
-A pipeline of ``depth`` × Dense(width) + Dense(10) (4 × Dense(1024), batch 2048, M = 4) (or, for the tied case, an Embedding, the
-Dense stack and a head reading the embedding's matrix), trained with Adam, runs over
+A pipeline of ``depth`` × Dense(width) + Dense(10) (default 4 × Dense(1024), batch 2048,
+M = 4; for the tied case, an Embedding, the Dense stack and a head reading the embedding's
+matrix), trained with Adam, runs over
 TensorFlow's multi-host runtime on loopback: each mesh device is the one CPU device of its own
 worker process (``benchmarks/memory_worker.py``), and a client process builds the pipeline and
 runs two steps. Each worker reads its own allocator (BFC, so it keeps statistics:
