@@ -6,10 +6,16 @@ matrix), trained with Adam, runs over
 TensorFlow's multi-host runtime on loopback: each mesh device is the one CPU device of its own
 worker process (``benchmarks/memory_worker.py``), and a client process builds the pipeline and
 runs two steps. Each worker reads its own allocator (BFC, so it keeps statistics:
-``tf.config.experimental.get_memory_info("CPU:0")``) and reports, relative to the bytes held
-once its server had started:
+``tf.config.experimental.get_memory_info("CPU:0")``) and profiles itself
+(``benchmarks/allocations.py``: every allocation with the bytes requested and the chunk
+given), and reports, relative to the bytes held once its server had started:
 
-    measured peak      = allocator peak − baseline          (what the device needed at most)
+    measured peak      = allocator peak − baseline          (what the device needed at most,
+                         counted in the allocator's chunks)
+    requested peak     = the high-water mark of the bytes the tensors requested − baseline
+                         (what the programs hold: the quantity the planner predicts)
+    allocator waste    = chunk bytes beyond the requests at the allocator's peak (BFC serves a
+                         request with any free chunk under twice its size, unsplit)
     measured resident  = allocator current at the end − baseline
                          (weights + optimizer slots + what the engine keeps between steps)
     measured transient = peak − resident (gradient accumulators, activations in flight,
@@ -17,6 +23,7 @@ once its server had started:
 
 Beside each, the planner's prediction for that device (``hybrid.planning.cost_model.evaluate``
 on a profile measured on one device at the micro-batch size, for the cut the pipeline made)
+and its error against the requested peak (``error``) and the allocator's (``error_allocated``),
 and its terms (``hybrid.core.memory.memory_terms``). Each case of :data:`CASES` runs in its own
 processes: every schedule × remat mode, deferred weight gradients, a 2 × 2 mesh with and
 without sharded optimizer states, a tied embedding held on both stages, and the memory-balanced
@@ -25,8 +32,8 @@ cut (``balance="memory"``: its largest over its smallest stage peak, measured an
     python benchmarks/memory.py                         # every case
     python benchmarks/memory.py --cases=1f1b,tied --trace
 
-``--trace`` also logs every allocation of each worker (TensorFlow's memory log) and prints
-what was live at the worker's peak, by kernel (``benchmarks/memory_trace.py``).
+``--trace`` keeps each worker's profile (``results/memory_profile_<case>_task<i>``, for
+TensorBoard's memory profile) and prints what was live at its requested peak, by op.
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ from typing import Any
 from absl import app, flags
 
 import common
-import memory_trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,7 @@ flags.DEFINE_integer("micro_batches", 4, "Micro-batches M.")
 flags.DEFINE_integer("vocabulary", 4096, "Tied case: the embedding's rows (and the classes).")
 flags.DEFINE_list("cases", list(CASES), f"Of {list(CASES)}.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
-flags.DEFINE_bool("trace", False, "Log each worker's allocations; print what its peak holds.")
+flags.DEFINE_bool("trace", False, "Keep each worker's profile; print what its peak holds.")
 flags.DEFINE_string("client", None, "Internal: 'CASE,CLUSTER_JSON': run the client.")
 FLAGS = flags.FLAGS
 
@@ -95,7 +101,6 @@ STEPS = 2
 MB = 1024 * 1024
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_worker.py")
 CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
-TRACE_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "log_memory=2"}
 
 
 def layers(case: Case) -> list[Any]:
@@ -168,11 +173,11 @@ def _line(process: subprocess.Popen, prefix: str) -> str:
     raise RuntimeError(f"{process.args[1]} ended (exit {process.wait()}) before {prefix!r}")
 
 
-def _snapshot(workers: list[subprocess.Popen]) -> list[dict[str, int]]:
-    """Every worker's allocator figures, now."""
+def _snapshot(workers: list[subprocess.Popen], command: str = "") -> list[dict[str, Any]]:
+    """Every worker's allocator figures, now (``stop``: with its profile's)."""
     for w in workers:
         assert w.stdin is not None
-        w.stdin.write("\n")
+        w.stdin.write(command + "\n")
         w.stdin.flush()
     return [json.loads(_line(w, "MEMORY ")) for w in workers]
 
@@ -183,23 +188,25 @@ def _go(client: subprocess.Popen) -> None:
     client.stdin.flush()
 
 
-def _trace_path(name: str, task: int) -> str:
-    return os.path.join(common.RESULTS, f"memory_trace_{name}_task{task}.log")
+def _profile_path(name: str, task: int) -> str:
+    return os.path.join(common.RESULTS, f"memory_profile_{name}_task{task}")
 
 
 def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[int, ...]]:
     """Per stage, per replica: MiB of its device's allocator beyond the bytes held when its
     server started: ``built`` (after building), ``resident`` (after ``STEPS`` steps),
-    ``peak`` (the high-water mark), ``transient`` (peak − resident); and the pipeline's cut."""
+    ``peak`` (the high-water mark), ``transient`` (peak − resident), ``requested`` (the
+    high-water mark of the bytes requested), ``waste`` (chunk bytes beyond the requests at
+    the peak), ``by_op`` (requested MiB per op at the requested peak); and the cut."""
     tasks = STAGES * case.replicas
     spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(tasks)]})
-    env = {**os.environ, **CHILD_ENV, **(TRACE_ENV if FLAGS.trace else {})}
+    env = {**os.environ, **CHILD_ENV}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
     os.makedirs(common.RESULTS, exist_ok=True)
     workers = [
         subprocess.Popen(
             [sys.executable, WORKER, f"--cluster={spec}", f"--task_index={i}"]
-            + ([f"--log={_trace_path(name, i)}"] if FLAGS.trace else []),
+            + ([f"--profile_dir={_profile_path(name, i)}"] if FLAGS.trace else []),
             **pipes,
         )
         for i in range(tasks)
@@ -219,7 +226,7 @@ def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[
         built = _snapshot(workers)
         _go(client)
         _line(client, "STEPPED")
-        after = _snapshot(workers)
+        after = _snapshot(workers, "stop")
         _go(client)
         if client.wait(60):
             raise RuntimeError(f"the client failed (exit {client.returncode})")
@@ -237,6 +244,9 @@ def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[
                 "peak": (after[t]["peak"] - after[t]["baseline"]) / MB,
                 "resident": (after[t]["current"] - after[t]["baseline"]) / MB,
                 "transient": (after[t]["peak"] - after[t]["current"]) / MB,
+                "requested": (after[t]["requested_peak"] - after[t]["baseline"]) / MB,
+                "waste": after[t]["waste"] / MB,
+                "by_op": [(op, n / MB) for op, n in after[t]["by_op"]],
             }
             for t in row
         ]
@@ -281,12 +291,21 @@ def _without_template(terms: dict[str, float]) -> dict[str, float]:
     return {**terms, "template": 0.0, "total": terms["total"] - terms["template"]}
 
 
-def write_results(env: dict[str, Any], rows: list[dict[str, Any]], worst: float) -> None:
+def write_results(
+    env: dict[str, Any], rows: list[dict[str, Any]], worst: float, worst_allocated: float
+) -> None:
     config = common.flag_values(
         *common.MODEL_FLAGS, "micro_batches", "vocabulary", "cases", "jit_compile"
     )
     path = common.write_json(
-        "memory", {"environment": env, "config": config, "rows": rows, "worst_error": worst}
+        "memory",
+        {
+            "environment": env,
+            "config": config,
+            "rows": rows,
+            "worst_error": worst,
+            "worst_error_allocated": worst_allocated,
+        },
     )
     csv_path = common.write_csv("memory", rows)
     _chart(rows)
@@ -294,7 +313,8 @@ def write_results(env: dict[str, Any], rows: list[dict[str, Any]], worst: float)
 
 
 def _chart(rows: list[dict[str, Any]]) -> None:
-    """One bar group per (case, stage): predicted beside measured peak."""
+    """One bar group per (case, stage): the allocator's and the requested peak, and the
+    prediction."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,8 +324,13 @@ def _chart(rows: list[dict[str, Any]]) -> None:
     labels = [f"{r['case']}\nstage {r['stage']}" for r in shown]
     xs = range(len(shown))
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(shown)), 4.5))
-    ax.bar([x - 0.2 for x in xs], [r["measured_peak_mib"] for r in shown], 0.4, label="measured")
-    ax.bar([x + 0.2 for x in xs], [r["predicted_peak_mib"] for r in shown], 0.4, label="predicted")
+    bars = [
+        ("measured_peak_mib", "allocator peak"),
+        ("measured_requested_mib", "requested peak"),
+        ("predicted_peak_mib", "predicted"),
+    ]
+    for i, (key, label) in enumerate(bars):
+        ax.bar([x + 0.27 * (i - 1) for x in xs], [r[key] for r in shown], 0.27, label=label)
     ax.set_xticks(list(xs), labels, fontsize=6, rotation=90)
     ax.set_ylabel("peak MiB per device")
     ax.set_title(f"{STAGES} stages, M={FLAGS.micro_batches}, batch {FLAGS.batch}, Adam")
@@ -314,11 +339,9 @@ def _chart(rows: list[dict[str, Any]]) -> None:
     fig.savefig(os.path.join(common.RESULTS, "memory.png"))
 
 
-def _print_trace(name: str, row: dict[str, Any]) -> None:
-    with open(_trace_path(name, row["task"])) as f:
-        peak = memory_trace.replay(f.readlines())
-    top = ", ".join(f"{k} {v / MB:.2f}" for k, v in peak.by_kernel[:12])
-    print(f"      trace: peak {peak.bytes / MB:.2f} MiB (with the server's own): {top}")
+def _print_trace(row: dict[str, Any]) -> None:
+    top = ", ".join(f"{op or '(XLA/transfer)'} {mib:.2f}" for op, mib in row["by_op"])
+    print(f"      at the requested peak, MiB by op: {top}")
 
 
 def main(argv: list[str]) -> None:
@@ -343,8 +366,11 @@ def main(argv: list[str]) -> None:
                     "stage": stage,
                     "replica": replica,
                     "measured_peak_mib": m["peak"],
+                    "measured_requested_mib": m["requested"],
+                    "allocator_waste_mib": m["waste"],
                     "predicted_peak_mib": p["total"],
-                    "error": p["total"] / m["peak"] - 1,
+                    "error": p["total"] / m["requested"] - 1,
+                    "error_allocated": p["total"] / m["peak"] - 1,
                     "measured_built_mib": m["built"],
                     "measured_resident_mib": m["resident"],
                     "measured_transient_mib": m["transient"],
@@ -353,16 +379,17 @@ def main(argv: list[str]) -> None:
                 rows.append(row)
                 print(
                     f"  {name:16s} {str(balance):7s} stage {stage} replica {replica}: "
-                    f"measured {m['peak']:6.2f} MiB (built {m['built']:5.2f}, resident "
+                    f"requested {m['requested']:6.2f} MiB, allocator {m['peak']:6.2f} "
+                    f"(waste {m['waste']:5.2f}; built {m['built']:5.2f}, resident "
                     f"{m['resident']:5.2f})  predicted {p['total']:6.2f} "
                     f"{ {k: round(v, 2) for k, v in p.items() if k != 'total' and v} } "
-                    f"error {row['error']:+.1%}",
+                    f"error {row['error']:+.1%} (allocator {row['error_allocated']:+.1%})",
                     flush=True,
                 )
                 if FLAGS.trace:
-                    _print_trace(name, m)
+                    _print_trace(m)
         peaks = [r for r in rows if r["case"] == name and r["replica"] == 0]
-        m_peaks = [r["measured_peak_mib"] for r in peaks]
+        m_peaks = [r["measured_requested_mib"] for r in peaks]
         p_peaks = [r["predicted_peak_mib"] for r in peaks]
         print(
             f"  {name}: largest/smallest stage peak measured {max(m_peaks) / min(m_peaks):.2f}, "
@@ -370,8 +397,12 @@ def main(argv: list[str]) -> None:
             flush=True,
         )
     worst = max(abs(row["error"]) for row in rows)
-    write_results(env, rows, worst)
-    print(f"SUMMARY memory cases={len(FLAGS.cases)} rows={len(rows)} worst_error={worst:.3f}")
+    worst_allocated = max(abs(row["error_allocated"]) for row in rows)
+    write_results(env, rows, worst, worst_allocated)
+    print(
+        f"SUMMARY memory cases={len(FLAGS.cases)} rows={len(rows)} worst_error={worst:.3f} "
+        f"worst_error_allocated={worst_allocated:.3f}"
+    )
 
 
 if __name__ == "__main__":
