@@ -254,6 +254,19 @@ def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[
     ], balance
 
 
+def _measure_retrying(
+    name: str, case: Case
+) -> tuple[list[list[dict[str, float]]], tuple[int, ...]]:
+    """:func:`measure`, once more if a process died: stopping TensorFlow's profiler in a
+    worker whose gRPC server is up aborted it once in about ten runs here (a profiler
+    crash, not the measurement's)."""
+    try:
+        return measure(name, case)
+    except RuntimeError as error:
+        print(f"  {name}: {error}; measuring again", flush=True)
+        return measure(name, case)
+
+
 def predict(case: Case, balance: tuple[int, ...]) -> list[dict[str, float]]:
     """The cost model's per-device terms, in MiB, for the case and the pipeline's cut."""
     import keras
@@ -354,7 +367,7 @@ def main(argv: list[str]) -> None:
     rows = []
     for name in FLAGS.cases:
         case = CASES[name]
-        measured, balance = measure(name, case)
+        measured, balance = _measure_retrying(name, case)
         predicted = predict(case, balance)
         for stage, (replicas, terms) in enumerate(zip(measured, predicted, strict=True)):
             for replica, m in enumerate(replicas):

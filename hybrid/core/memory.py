@@ -63,6 +63,10 @@ class Held(Protocol):
     def working_sum(self) -> Any:
         """Every layer's temporaries together (one recomputing program)."""
 
+    @property
+    def output(self) -> Any:
+        """Its output (what it sends on)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StageBytes:
@@ -173,22 +177,23 @@ def memory_terms(
         resident    = params + state + template
         pipeline    = resident + batch_input + gradients + activations
         update      = resident + batch_input + 2 · params (accumulated, reduced)
-                      + state (the update's temporaries)
         total       = max(pipeline, update)
 
-    ``gradients`` is the accumulator plus one micro-batch's weight gradients beside it
-    (2 · params), or, with deferred weight gradients, the one W's (params). ``template``
-    is the user's Keras model, which the device of stage 0, replica 0 also holds (the engine
-    builds it there); ``batch_input`` the replica's whole input shard, which stage 0 receives
-    and slices into micro-batches. With R > 1 the all-reduce reads the accumulated gradients
-    and writes the reduced ones, the update phase's two copies: no bytes beyond them
-    (measured on a 2 × 2 mesh by ``benchmarks/memory.py``).
+    ``gradients`` is the running sum a backward reads and the new one it writes
+    (2 · params); with deferred weight gradients none: the one W's weight gradients are
+    its output, inside its working set (``deferred_bytes``). ``template`` is the user's
+    Keras model, which the device of stage 0, replica 0 also holds (the engine builds it
+    there); ``batch_input`` the replica's whole input shard, which stage 0 receives and
+    slices into its micro-batches (slices of it: no bytes of their own). The update reads
+    the reduced gradients beside the accumulated ones and writes the variables and
+    optimizer slots in place (an XLA update aliases them): nothing beyond. All measured
+    by ``benchmarks/memory.py``, as the bytes requested from each device's allocator.
     """
     state = optimizer_slots * params / (replicas if sharded else 1)
     resident = params + state + template
-    gradients = params if deferred else 2 * params
+    gradients = 0.0 * params if deferred else 2 * params
     pipeline = resident + batch_input + gradients + activations
-    update = resident + batch_input + 2 * params + state
+    update = resident + batch_input + 2 * params
     total = np.maximum(pipeline, update)
     return {
         "params": params,
@@ -197,12 +202,13 @@ def memory_terms(
         "batch_input": batch_input,
         "gradients": gradients,
         "activations": activations,
-        "update_temporaries": state,
         "total": float(total) if np.ndim(total) == 0 else total,
     }
 
 
-def activation_bytes(st: Held, in_flight: int, remat: str, keeps_last: bool) -> Any:
+def activation_bytes(
+    st: Held, in_flight: int, remat: str, keeps_last: bool, first: bool = False
+) -> Any:
     """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
 
     never:        in_flight · (input + stored) + the largest layer's working set
@@ -210,21 +216,27 @@ def activation_bytes(st: Held, in_flight: int, remat: str, keeps_last: bool) -> 
                   all its layers' intermediates, and their backward's temporaries)
     except_last:  as always, + stored when the last micro-batch's activations are kept
                   (``keeps_last``: its forward is not fused with its backward)
+
+    The ``first`` model stage's inputs are slices of the batch input (``memory_terms``'
+    ``batch_input``): they count nothing here.
     """
     if in_flight == 0:
         return 0.0 * st.input
+    inputs = in_flight * (0.0 * st.input if first else st.input)
     if remat == "never":
-        return in_flight * (st.input + st.stored) + st.working
+        return inputs + in_flight * st.stored + st.working
     extra = st.stored if remat == "except_last" and keeps_last else 0.0 * st.stored
-    return in_flight * st.input + st.working_sum + extra
+    return inputs + st.working_sum + extra
 
 
 def deferred_bytes(st: Held, whole: Held, micro_batches: int) -> Any:
-    """Peak activation bytes of one model stage deferring its weight gradients: every
-    micro-batch's input and stored activations, and about as many bytes of their output
-    gradients (what W reads), until the one W over all of them (``whole``: the stage at all
-    micro-batches' rows; its working set)."""
-    return micro_batches * (st.input + 2 * st.stored) + whole.working
+    """Peak activation bytes of one model stage deferring its weight gradients: what the
+    one W over all micro-batches reads, joined at M micro-batches' rows (each layer's input:
+    the stage's input and its stored activations but its output; and each layer's output
+    gradient, about as many bytes as the stored activations), and that W's working set
+    (``whole``: the stage at all micro-batches' rows), its weight gradients included."""
+    reads = st.input + 2 * st.stored - st.output
+    return micro_batches * reads + whole.working
 
 
 def holdings(sched: schedule_lib.Schedule) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -274,7 +286,9 @@ def device_terms(
         [
             deferred_bytes(st, whole, M)
             if deferred
-            else activation_bytes(st, usage.in_flight[k], usage.remat, usage.keeps_last[k])
+            else activation_bytes(
+                st, usage.in_flight[k], usage.remat, usage.keeps_last[k], first=k == 0
+            )
             for st, whole, k in zip(stages, wholes, ks, strict=True)
         ],
     )

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from hybrid.core import memory, partition
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import RunConfig, validate_run
-from hybrid.core.memory import activation_bytes, deferred_bytes, memory_terms
 from hybrid.planning.costs import CostProfile
 from hybrid.planning.hardware import Hardware, all_gather_time, all_reduce_time
 from hybrid.planning.stage_costs import (
@@ -45,7 +44,7 @@ class Prediction:
       peak_in_flight: per pipeline device, micro-batches whose activations it holds at once.
       memory_terms: per pipeline device, ``memory_per_device`` in its terms (bytes):
         ``params``, ``template``, ``optimizer`` (slots), ``batch_input``, ``gradients``,
-        ``activations``, ``update_temporaries`` and their ``total``
+        ``activations`` and their ``total``
         (:func:`hybrid.core.memory.memory_terms`).
     """
 
@@ -122,7 +121,7 @@ def evaluate(
                                 (its largest stage), ...)["total"]
 
     (weights, the gradient accumulator and the optimizer slots; the update phase's reduced
-    gradients and temporaries; activations by remat mode, see :func:`activation_bytes`).
+    gradients; activations by remat mode: :func:`hybrid.core.memory.device_terms`).
     Deferred weight gradients: B is each micro-batch's input gradient, the rest of every
     stage's backward runs once at M·b rows, and every micro-batch's activations stay
     (``deferred_bytes``).
@@ -309,26 +308,22 @@ def _device_cost(
     if config.shard_optimizer_states:  # each replica updates its share, then sends it
         update = update / R + all_gather_time(params, R, hardware.replica)
     fused = fused_pairs(sched)
-    held = max(
-        deferred_bytes(stages[k], whole[k], M)
-        if whole is not None
-        else activation_bytes(
-            stages[k],
-            run.peak_in_flight[d],
-            config.remat,
-            M > 1 and schedule_lib.Action(k, schedule_lib.Op.F, M - 1) not in fused,
-        )
-        for k in ks
-    )
-    terms = memory_terms(
-        params=params,
+    usage = memory.Usage(
         optimizer_slots=optimizer_slots,
         replicas=R,
-        activations=held,
-        template=profile_params if d == 0 else 0.0,
-        batch_input=stages[ks[0]].input * M if ks[0] == 0 else 0.0,
+        micro_batches=M,
+        remat=config.remat,
+        in_flight=[run.peak_in_flight[sched.device_of(k)] for k in range(len(stages))],
+        keeps_last=[
+            M > 1 and schedule_lib.Action(k, schedule_lib.Op.F, M - 1) not in fused
+            for k in range(len(stages))
+        ],
+        template=profile_params,
         deferred=whole is not None,
         sharded=config.shard_optimizer_states,
+    )
+    terms = memory.device_terms(
+        [stages[k] for k in ks], [(whole or stages)[k] for k in ks], ks, usage
     )
     return _DeviceCost(
         finish=end + reduce + update,

@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from hybrid.engine.model.losses import as_keras_loss, divisor, loss_terms, per_element
+from hybrid.engine.model.zeros import fresh_zeros
 
 __all__ = ["Objective"]
 
@@ -114,7 +115,7 @@ class Objective:
     def denominators(self, y_true: Sequence[Any], weights: Any, valid: Any = None) -> tf.Tensor:
         """Each output's denominator on one micro-batch, from its labels and weights alone."""
         preds = [
-            tf.zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
+            fresh_zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
             for t, shape in zip(y_true, self.shapes, strict=True)
         ]
         return self.terms(y_true, preds, weights, valid)[:, 1]

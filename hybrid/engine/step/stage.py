@@ -49,6 +49,7 @@ from hybrid.engine.model.graph import Segment, TensorSpec
 from hybrid.engine.model.layer_checks import adds_loss, seed_generators
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.variables import device_copy
+from hybrid.engine.model.zeros import fresh_zeros
 from hybrid.engine.programs import (
     Grads,
     Kept,
@@ -572,7 +573,7 @@ class StageReplica:
         dense = [v for v, s in zip(self.trainable_variables, self.sparse, strict=True) if not s]
         if acc:
             return [a for a, s in zip(acc, self.sparse, strict=True) if not s]
-        return [_fresh_zeros(v.shape, v.dtype, self.inline) for v in dense]
+        return [fresh_zeros(v.shape, v.dtype) for v in dense]
 
     def apply_gradients(self, grads: list[tf.Tensor]) -> None:
         """Updates this copy's variables with its own optimizer (given None for the variables
@@ -589,14 +590,3 @@ class StageReplica:
     def weight_penalty(self) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
         """This stage's weight regularization and its gradients (``gradients``), or None."""
         return weight_penalty(self.trainable_variables, self.owned, self._read_weights)
-
-
-def _fresh_zeros(shape: Any, dtype: Any, inline: bool) -> tf.Tensor:
-    """Zeros made when the step runs and freed after their last use: ``tf.zeros`` in a
-    traced step is folded into a constant that the step's graph holds for good (one per
-    distinct weight shape on each stage device, measured by ``benchmarks/memory.py``);
-    ``Empty(init=True)`` is not folded. Inline (one XLA program for the step) XLA makes
-    its own zeros."""
-    if inline:
-        return tf.zeros(shape, dtype)
-    return tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype, init=True)
