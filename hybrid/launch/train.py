@@ -397,6 +397,10 @@ def main(argv: list[str]) -> None:
         from hybrid.core.quiet import hide_library_info
 
         hide_library_info()
+    if FLAGS.xla_cache_dir:  # before anything compiles: TensorFlow reads it once
+        from hybrid.engine import compile_cache
+
+        compile_cache.enable(FLAGS.xla_cache_dir)
     interrupts = Interrupts()
     try:
         with interrupts.installed():

@@ -125,6 +125,13 @@ def _define_run_flags() -> None:
     flags.DEFINE_string(
         "profile_steps", None, "'FIRST,LAST': capture a TF profiler trace into --model_dir."
     )
+    flags.DEFINE_string(
+        "xla_cache_dir",
+        None,
+        "A persistent XLA compile cache (hybrid.engine.compile_cache): a stage program compiled "
+        "on one replica's device is loaded by the others (the first step runs the replicas in "
+        "turn) and by a restarted run. Off by default; TF_XLA_FLAGS' own directory wins.",
+    )
     flags.DEFINE_integer(
         "simulated_devices",
         None,

@@ -74,11 +74,13 @@ class MeshStep:
     clocks: list[timing.DeviceClock]
     devices: tuple[list[str], list[str]]  # each replica's first- and last-stage device
 
-    def gradients(self, parts: Shards, record: bool) -> StepResult:
+    def gradients(self, parts: Shards, record: bool, ordered: bool = False) -> StepResult:
         """Runs the schedule on every replica, then reduces over the mesh: the loss of the
         global batch, each stage's gradients of it on each replica's device (a tied
         variable's: the sum over its stages), BatchNormalization statistics summed over the
-        global batch, timing events when ``record``, the predictions when returned."""
+        global batch, timing events when ``record``, the predictions when returned.
+        ``ordered``: each replica's every action after replica r − 1's same action (a first
+        step whose programs replicas r > 0 load from a persistent XLA cache)."""
         config, schedule, stages = self.steps.config, self.steps.schedule, self.stages
         loss_fn = self.objective
         R, M = self.mesh.num_replicas, config.micro_batches
@@ -90,21 +92,23 @@ class MeshStep:
         seed = loss_fn.seed(divisors) * (1.0 if loss_scale is None else loss_scale)
         lower = functools.partial(lowering.lower_training, codec=self.codec, defer=self.defer)
         remat = lowering.remat_policy(self.remat, M)
-        steps = [
-            lower(
-                schedule,
-                self.steps.order,
-                self.steps.fused,
-                [row[r] for row in stages],
-                xs[r],
-                labels[r],
-                self.seeds(r),
-                remat,
-                seed,
-                clocks=self.clocks if record and r == 0 else None,
+        steps: list[lowering.ReplicaStep] = []
+        for r in range(R):
+            steps.append(
+                lower(
+                    schedule,
+                    self.steps.order,
+                    self.steps.fused,
+                    [row[r] for row in stages],
+                    xs[r],
+                    labels[r],
+                    self.seeds(r),
+                    remat,
+                    seed,
+                    clocks=self.clocks if record and r == 0 else None,
+                    after=steps[-1].finished if ordered and steps else None,
+                )
             )
-            for r in range(R)
-        ]
         loss, divisors, output_losses = reduction.global_loss(
             loss_fn, [t for s in steps for t in s.losses], divisors
         )
@@ -150,7 +154,7 @@ class TrainOutputs(NamedTuple):
     events: list[Any]
 
 
-Apply = Callable[[list[list[list[tf.Tensor]]], list[Any]], None]
+Apply = Callable[[list[list[list[tf.Tensor]]], list[Any], bool], None]
 Placed = tuple[list[list[StageReplica]], list[ReplicaGroup]]
 
 
@@ -210,11 +214,13 @@ class MeshExecutor:
         """Replica ``replica``'s weights, per stage."""
         return [row[replica].get_weights() for row in stages]
 
-    def train(self, step: MeshStep, parts: Shards, record: bool, apply: Apply) -> TrainOutputs:
+    def train(
+        self, step: MeshStep, parts: Shards, record: bool, apply: Apply, ordered: bool = False
+    ) -> TrainOutputs:
         """The training step: gradients over the mesh (:meth:`MeshStep.gradients`), then
-        every device's update (``apply``)."""
-        result = step.gradients(parts, record)
-        apply(result.grads, result.stats)
+        every device's update (``apply``); ``ordered``: replica by replica (see there)."""
+        result = step.gradients(parts, record, ordered)
+        apply(result.grads, result.stats, ordered)
         return TrainOutputs(result.loss, result.output_losses, result.predictions, result.events)
 
     def forward(self, step: MeshStep, parts: Shards) -> Any:

@@ -78,6 +78,8 @@ class Steps:
       inference, inference_order: the forward-only schedule and its order.
       train, timed, gradients, evaluate, predict: the traced step functions (one trace per
         input signature; a traced step has M in its graph).
+      first_train: the training step with the replicas' programs run replica by replica
+        (``MeshStep.gradients(ordered=True)``), for the first step of a persistent XLA cache.
     """
 
     config: RunConfig
@@ -92,6 +94,7 @@ class Steps:
     gradients: Any
     evaluate: Any
     predict: Any
+    first_train: Any = None
 
     @property
     def micro_batches(self) -> int:
@@ -134,6 +137,7 @@ def steps_for(
         gradients=traced(gradients),
         evaluate=traced(evaluate),
         predict=traced(predict),
+        first_train=traced(functools.partial(train, ordered=True)),
     )
 
 

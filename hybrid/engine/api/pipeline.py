@@ -42,6 +42,7 @@ from hybrid.core.config import (
     validate_run,
 )
 from hybrid.core.mesh import DeviceMesh
+from hybrid.engine import compile_cache
 from hybrid.engine.api import batches, feed, stage_memory
 from hybrid.engine.api.compiled import Compiled
 from hybrid.engine.api.mesh_step import MeshExecutor, MeshStep, Placing
@@ -60,7 +61,7 @@ from hybrid.engine.model.losses import LossLike
 from hybrid.engine.model.optimizers import OptimizerLike
 from hybrid.engine.model.sparse import flat_tensors
 from hybrid.engine.model.variables import Placement
-from hybrid.engine.step import assembly, compression, lowering, reduction, sharding
+from hybrid.engine.step import assembly, compression, lowering, reduction, sharding, update
 from hybrid.engine.step import clocks as timing
 from hybrid.engine.step.clocks import TimedAction
 from hybrid.engine.step.stage import StageReplica, TensorSpec
@@ -199,6 +200,7 @@ class Pipeline(Workflow):
         self._compiled: Compiled | None = None
         self._step = self._executor.step_variable(mesh)  # see step_counter
         self._steps = self._steps_for(M)
+        self._first = compile_cache.FirstStep()  # which traced step trains next
 
     def compile(
         self,
@@ -429,7 +431,8 @@ class Pipeline(Workflow):
         """
         self._require_compiled("train_step")
         self._metrics.reset()
-        self._steps.train(self._batch(x, y, sample_weight))
+        parts = self._batch(x, y, sample_weight)
+        self._first.function(self._steps, self._ordering())(parts)
         return self._metrics.result()
 
     def timed_train_step(
@@ -447,7 +450,12 @@ class Pipeline(Workflow):
         if timed:
             self._timed_step(parts)
         else:
-            self._steps.train(parts)
+            self._first.function(self._steps, self._ordering())(parts)
+
+    def _ordering(self) -> bool:
+        """Whether a first step runs the replicas in turn (``compile_cache.ordered``)."""
+        jit = self._compiled is not None and self._compiled.jit_compile
+        return compile_cache.ordered(self.config.replicas, jit, self.strategy)
 
     def _test_batch(self, parts: Shards) -> None:
         self._steps.evaluate(parts)
@@ -532,8 +540,8 @@ class Pipeline(Workflow):
     def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
         return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
 
-    def _train_step(self, parts: Shards, record: bool = False) -> list[list[tf.Tensor]]:
-        step = self._executor.train(self._mesh_step(), parts, record, self._apply)
+    def _train_step(self, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
+        step = self._executor.train(self._mesh_step(), parts, record, self._apply, ordered)
         y, w = batches.whole_labels(parts)
         examples = batches.examples(parts)
         self._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
@@ -541,18 +549,12 @@ class Pipeline(Workflow):
             self._event_keys = [(device, action) for device, action, _, _ in step.events]
         return [[start, end] for _, _, start, end in step.events]
 
-    def _apply(self, grads: list[list[list[tf.Tensor]]], stats: list[Any]) -> None:
-        """Every device applies its stage's gradients (clipped by the global norm when the
-        optimizer asks) with its copy of the optimizer and updates its BatchNormalization
-        moving statistics from the step's (``stats[k][r]``); then the step counter moves."""
+    def _apply(self, grads: list[list[list[Any]]], stats: list[Any], ordered: bool) -> None:
+        """Every device's update (``update.apply_all``), its gradients clipped by the global
+        norm when the optimizer asks; then the step counter moves."""
         reduction.whole_model(grads, self._stages, self._optimizers)
-        parts = self.config.replicas * self.micro_batches
-        for k, row in enumerate(self._stages):
-            for r, stage in enumerate(row):
-                with tf.device(stage.device):
-                    stage.apply_gradients(grads[k][r])
-                    if stats[k]:
-                        stage.update_norms(stats[k][r][0], parts)
+        R, M = self.config.replicas, self.micro_batches
+        update.apply_all(self._stages, grads, stats, R * M, ordered)
         for row in self._stages:  # sharded optimizer states: owners send their updates
             sharding.broadcast(row)
         done = [g for row in grads for per in row for g in flat_tensors(per)]

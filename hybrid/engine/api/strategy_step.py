@@ -207,9 +207,12 @@ class StrategyExecutor:
 
     # -- the step every replica runs ---------------------------------------------------
 
-    def train(self, step: MeshStep, parts: Shards, record: bool, apply: Apply) -> TrainOutputs:
+    def train(
+        self, step: MeshStep, parts: Shards, record: bool, apply: Apply, ordered: bool = False
+    ) -> TrainOutputs:
         """Every replica's training step (see the module docstring); the loss of replica 0
-        (every replica holds the global one) and every replica's predictions."""
+        (every replica holds the global one) and every replica's predictions. (``ordered``
+        does not apply: the strategy runs its replicas.)"""
         replica_step = functools.partial(self._replica_train, step, apply)
         loss, output_losses, predictions = self.strategy.run(
             replica_step, args=(self._distributed(parts),)
@@ -283,7 +286,7 @@ class StrategyExecutor:
         # As on a mesh: tied gradients summed first, then the pipeline's update (global
         # finite check and clipping over every stage, the updates, the step counter).
         sum_tied([g[0] for g in grads], [s.device for s in stages], step.ties)
-        apply(grads, [[found] if found else [] for found in stats])
+        apply(grads, [[found] if found else [] for found in stats], False)
         with tf.device(stages[-1].device):
             predictions = batches.joined([lowered.predictions[m] for m in range(M)]) or []
         return loss, output_losses, predictions

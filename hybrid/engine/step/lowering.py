@@ -20,7 +20,7 @@ in Python at step time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -88,6 +88,7 @@ class ReplicaStep:
       events: (device, action, start, end) timestamps when recording, else empty.
       predictions: ``predictions[m]``: micro-batch m's model outputs (when the last stage
         returns them, for metrics), else empty.
+      finished: each issued action's last outputs (what waits for it waits on them).
     """
 
     losses: list[tf.Tensor]
@@ -97,6 +98,7 @@ class ReplicaStep:
     stats: list[list[tf.Tensor]]
     activity: list[tf.Tensor]
     predictions: dict[int, list[tf.Tensor]]
+    finished: dict[Action, list[tf.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 Outputs = tuple[list[tf.Tensor], list[tf.Tensor]]  # (what the action computed, the chain tail)
@@ -256,6 +258,7 @@ def lower_training(
     codec: Codec | None = None,
     order_by_data: bool = False,
     defer: bool = False,
+    after: Mapping[Action, list[tf.Tensor]] | None = None,
 ) -> ReplicaStep:
     """Issues one replica's training actions in ``order``.
 
@@ -277,12 +280,15 @@ def lower_training(
         schedules by data and may drop control dependencies.
       defer: compute each stage's weight gradients once per step, over all its
         micro-batches (``deferral.py``; ``fused`` is then ignored).
+      after: each action also waits for these tensors (another replica's same action:
+        ``ReplicaStep.finished``), so that its programs compile after that replica's.
     """
     state = _TrainingLowering(schedule, stages, loss_seed, codec, defer)
     recorder = Recorder(clocks, compiled=all(stage.jit_compile for stage in stages))
     fused = frozenset() if state.defer else fused
     closing = {a.stage: a for a in order if a.op is not Op.F} if state.defer else {}
     skipped = {Action(a.stage, op, a.microbatch) for a in fused for op in (Op.B, Op.W)}
+    finished: dict[Action, list[tf.Tensor]] = {}
     for action in order:
         if action in skipped:
             continue  # already run together with its forward
@@ -301,7 +307,8 @@ def lower_training(
                 dy = _after(dy, state.tails[d]) if order_by_data else dy
                 inputs = [g for g in dy if g is not None] if action.op is Op.B else []
             start = recorder.start(d, state.tails[d] + inputs)
-            with tf.control_dependencies(state.tails[d] + start):
+            waits = list((after or {}).get(action, []))
+            with tf.control_dependencies(state.tails[d] + start + waits):
                 if action in fused:
                     assert labels is not None  # only the last stage's forwards fuse
                     direct, done = state.fused(k, m, x, labels, unit)
@@ -314,6 +321,7 @@ def lower_training(
                 if closing.get(k) == action:
                     direct, done = state.deferred(k, (direct, done))
             state.tails[d] = list(done) + recorder.end(d, action, start, direct)
+            finished[action] = state.tails[d]
     return ReplicaStep(
         state.losses,
         state.grads,
@@ -322,6 +330,7 @@ def lower_training(
         state.stats,
         state.activity,
         state.predictions,
+        finished,
     )
 
 

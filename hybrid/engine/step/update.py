@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private
 
-__all__ = ["Update"]
+__all__ = ["Update", "apply_all"]
 
 
 class Update:
@@ -86,3 +86,27 @@ class Update:
         if [(v.shape, v.dtype) for v in mine] != [(v.shape, v.dtype) for v in state]:
             return False
         return not self._program.get_concrete_function(args, mine).variables
+
+
+def apply_all(
+    stages: Sequence[Sequence[Any]],
+    grads: Sequence[Sequence[Any]],
+    stats: Sequence[Any],
+    parts: int,
+    ordered: bool = False,
+) -> None:
+    """Every stage copy ``stages[k][r]`` (a ``StageReplica``), on its device, applies
+    ``grads[k][r]`` with its optimizer and updates its BatchNormalization moving statistics
+    from ``stats[k][r]`` (summed over ``parts`` micro-batches). ``ordered``: each copy's
+    updates after those of the replica before it, so that their programs compile once and
+    load from a persistent XLA cache (``hybrid.engine.compile_cache``)."""
+    graph = tf.compat.v1.get_default_graph()
+    for k, row in enumerate(stages):
+        previous: list[Any] = []
+        for r, stage in enumerate(row):
+            first = len(graph.get_operations()) if ordered else 0
+            with tf.device(stage.device), tf.control_dependencies(previous):
+                stage.apply_gradients(grads[k][r])
+                if stats[k]:
+                    stage.update_norms(stats[k][r][0], parts)
+            previous = graph.get_operations()[first:] if ordered else []

