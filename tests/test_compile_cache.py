@@ -64,20 +64,23 @@ def test_enable_keeps_the_other_flags_and_a_directory_already_set(monkeypatch, t
 
 
 @pytest.mark.parametrize(
-    "replicas, jit, strategy, cache, want",
+    "replicas, jit, strategy, synced, cache, want",
     [
-        (2, True, None, True, True),
-        (1, True, None, True, False),  # one replica compiles each program once anyway
-        (2, False, None, True, False),  # no XLA programs
-        (2, True, "mirrored", True, False),  # the strategy runs its replicas
-        (2, True, None, False, False),  # nothing to load from
+        (2, True, None, False, True, True),
+        (1, True, None, False, True, False),  # one replica compiles each program once anyway
+        (2, False, None, False, True, False),  # no XLA programs
+        (2, True, "mirrored", False, True, False),  # the strategy runs its replicas
+        (2, True, None, True, True, False),  # synchronized BN: replicas all-reduce in actions
+        (2, True, None, False, False, False),  # nothing to load from
     ],
 )
-def test_ordered_only_where_it_helps(monkeypatch, tmp_path, replicas, jit, strategy, cache, want):
-    monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
+def test_ordered_only_where_it_helps(
+    monkeypatch, tmp_path, replicas, jit, strategy, synced, cache, want
+):
+    monkeypatch.setenv("TF_XLA_FLAGS", "")  # restored after the test, whatever enable sets
     if cache:
         compile_cache.enable(str(tmp_path))
-    assert compile_cache.ordered(replicas, jit, strategy) is want
+    assert compile_cache.ordered(replicas, jit, strategy, synced) is want
 
 
 if __name__ == "__main__":

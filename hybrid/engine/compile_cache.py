@@ -48,11 +48,15 @@ def enable(path: str) -> str:
     return path
 
 
-def ordered(replicas: int, jit_compile: bool, strategy: Any) -> bool:
+def ordered(replicas: int, jit_compile: bool, strategy: Any, collectives: bool = False) -> bool:
     """Whether a pipeline's first training step should run its replicas in turn: R > 1
     replicas over the mesh's own devices (not a ``tf.distribute`` strategy's), XLA stage
-    programs, and a persistent cache for the later replicas to load them from."""
-    return replicas > 1 and jit_compile and strategy is None and directory() is not None
+    programs, a persistent cache for the later replicas to load them from, and no
+    ``collectives`` inside an action (synchronized BatchNormalization all-reduces each
+    micro-batch's moments across the replicas: they must run at once)."""
+    if collectives or strategy is not None:
+        return False
+    return replicas > 1 and jit_compile and directory() is not None
 
 
 class FirstStep:

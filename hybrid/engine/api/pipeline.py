@@ -455,7 +455,8 @@ class Pipeline(Workflow):
     def _ordering(self) -> bool:
         """Whether a first step runs the replicas in turn (``compile_cache.ordered``)."""
         jit = self._compiled is not None and self._compiled.jit_compile
-        return compile_cache.ordered(self.config.replicas, jit, self.strategy)
+        synced = any(copy.synced for row in self._stages for copy in row)
+        return compile_cache.ordered(self.config.replicas, jit, self.strategy, synced)
 
     def _test_batch(self, parts: Shards) -> None:
         self._steps.evaluate(parts)
