@@ -33,6 +33,7 @@ __all__ = [
     "device_terms",
     "format_bytes",
     "holdings",
+    "keeps_last",
     "memory_terms",
     "parse_bytes",
     "spread",
@@ -244,13 +245,18 @@ def holdings(sched: schedule_lib.Schedule) -> tuple[tuple[int, ...], tuple[bool,
     (its device's, from the order of its row), and whether its last micro-batch's
     activations are stored (not fused with its backward in one program)."""
     in_flight = schedule_lib.simulate(sched, schedule_lib.Costs()).peak_in_flight
+    stages = range(sched.num_model_stages)
+    return tuple(in_flight[sched.device_of(k)] for k in stages), keeps_last(sched)
+
+
+def keeps_last(sched: schedule_lib.Schedule) -> tuple[bool, ...]:
+    """Per model stage of ``sched``: whether its last micro-batch's activations are stored
+    (M > 1 and its last forward not fused with its backward in one program)."""
     fused = schedule_lib.pairs_to_fuse(sched)
     M = sched.num_microbatches
-    stages = range(sched.num_model_stages)
-    last = [schedule_lib.Action(k, schedule_lib.Op.F, M - 1) for k in stages]
-    return (
-        tuple(in_flight[sched.device_of(k)] for k in stages),
-        tuple(M > 1 and last[k] not in fused for k in stages),
+    return tuple(
+        M > 1 and schedule_lib.Action(k, schedule_lib.Op.F, M - 1) not in fused
+        for k in range(sched.num_model_stages)
     )
 
 

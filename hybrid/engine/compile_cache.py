@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["FLAG", "FirstStep", "directory", "enable", "ordered"]
@@ -61,13 +62,15 @@ def ordered(replicas: int, jit_compile: bool, strategy: Any, collectives: bool =
 
 class FirstStep:
     """Which traced training step runs next: for each new ``Steps`` (each M) its
-    ``first_train`` once when ``ordered``, else and afterwards its ``train``."""
+    ``first_train`` once when ``ordered()``, else and afterwards its ``train``."""
 
     def __init__(self) -> None:
         self._warmed: Any = None  # the Steps whose first training step has run
 
-    def function(self, steps: Any, ordered: bool) -> Any:
-        """``steps.first_train`` the first time ``steps`` trains and ``ordered``, else
-        ``steps.train``."""
-        first, self._warmed = self._warmed is not steps, steps
-        return steps.first_train if first and ordered else steps.train
+    def function(self, steps: Any, ordered: Callable[[], bool]) -> Any:
+        """``steps.first_train`` the first time ``steps`` trains and ``ordered()`` (asked
+        then only), else ``steps.train``."""
+        if self._warmed is steps:
+            return steps.train
+        self._warmed = steps
+        return steps.first_train if ordered() else steps.train

@@ -22,7 +22,6 @@ from hybrid.planning.stage_costs import (
     StageCost,
     action_costs,
     deferred_schedule,
-    fused_pairs,
 )
 
 __all__ = ["Prediction", "evaluate", "layer_bytes"]
@@ -156,19 +155,19 @@ def evaluate(
     sched = deferred_schedule(sched) if defer else sched
     run = _simulate(sched, stages, config.remat, hardware, whole)
     ends = _device_ends(sched, run)
+    usage = memory.Usage(
+        optimizer_slots=optimizer_slots,
+        replicas=R,
+        micro_batches=M,
+        remat=config.remat,
+        in_flight=[run.peak_in_flight[sched.device_of(k)] for k in range(len(stages))],
+        keeps_last=memory.keeps_last(sched),
+        template=profile.template_bytes,
+        deferred=defer,
+        sharded=config.shard_optimizer_states,
+    )
     devices = [
-        _device_cost(
-            d,
-            ends[d],
-            sched,
-            stages,
-            run,
-            config,
-            hardware,
-            optimizer_slots,
-            whole,
-            profile.template_bytes,
-        )
+        _device_cost(d, ends[d], sched, stages, run, config, hardware, whole, usage)
         for d in range(S)
     ]
     return Prediction(
@@ -295,33 +294,18 @@ def _device_cost(
     run: schedule_lib.SimulationResult,
     config: RunConfig,
     hardware: Hardware,
-    optimizer_slots: int,
     whole: Sequence[StageCost] | None,
-    profile_params: float,
+    usage: memory.Usage,
 ) -> _DeviceCost:
-    """Device ``d``'s all-reduce, update, work and memory, and when it finishes the step."""
-    R, M = config.replicas, config.micro_batches
+    """Device ``d``'s all-reduce, update, work and memory (``usage``: how the run uses it),
+    and when it finishes the step."""
+    R = config.replicas
     ks = [k for k in range(len(stages)) if sched.device_of(k) == d]
     params = sum(stages[k].params for k in ks)
     reduce = all_reduce_time(params, R, hardware.replica)
     update = sum(stages[k].update for k in ks) + hardware.action_overhead * len(ks)
     if config.shard_optimizer_states:  # each replica updates its share, then sends it
         update = update / R + all_gather_time(params, R, hardware.replica)
-    fused = fused_pairs(sched)
-    usage = memory.Usage(
-        optimizer_slots=optimizer_slots,
-        replicas=R,
-        micro_batches=M,
-        remat=config.remat,
-        in_flight=[run.peak_in_flight[sched.device_of(k)] for k in range(len(stages))],
-        keeps_last=[
-            M > 1 and schedule_lib.Action(k, schedule_lib.Op.F, M - 1) not in fused
-            for k in range(len(stages))
-        ],
-        template=profile_params,
-        deferred=whole is not None,
-        sharded=config.shard_optimizer_states,
-    )
     terms = memory.device_terms(
         [stages[k] for k in ks], [(whole or stages)[k] for k in ks], ks, usage
     )

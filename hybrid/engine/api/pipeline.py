@@ -432,7 +432,7 @@ class Pipeline(Workflow):
         self._require_compiled("train_step")
         self._metrics.reset()
         parts = self._batch(x, y, sample_weight)
-        self._first.function(self._steps, self._ordering())(parts)
+        self._first.function(self._steps, self._ordering)(parts)
         return self._metrics.result()
 
     def timed_train_step(
@@ -450,7 +450,7 @@ class Pipeline(Workflow):
         if timed:
             self._timed_step(parts)
         else:
-            self._first.function(self._steps, self._ordering())(parts)
+            self._first.function(self._steps, self._ordering)(parts)
 
     def _ordering(self) -> bool:
         """Whether a first step runs the replicas in turn (``compile_cache.ordered``)."""
