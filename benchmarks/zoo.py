@@ -14,7 +14,8 @@ each) and a fresh XLA cache. Measured there, side by side:
 
     python benchmarks/zoo.py [--models=mobilenetv2,gpt2] [--meshes=2x1:1,2x2:2] [--batch=16]
     python benchmarks/zoo.py --models=resnet50 --meshes=2x2:2 --profile   # compiles, floor
-    python benchmarks/zoo.py --models=resnet50 --step_ratio   # 2x1 and 2x2 steps alternated
+    python benchmarks/zoo.py --models=resnet50 --step_ratio   # 2x1 and 2x2 steps alternated,
+                                                              # cores busy, the host's floor
 
 The CNNs train with BatchNormalization: at R·M > 1 each micro-batch is normalized with its own
 statistics (warned); the timing is what this benchmark reports. Results: zoo.json, zoo.csv,
@@ -73,7 +74,8 @@ flags.DEFINE_bool(
     "step_ratio",
     False,
     "Instead: per model, the step times of the pipelines on --meshes built in one process "
-    "and timed in alternation (the first mesh is the base; zoo_step_ratio.json).",
+    "and timed in alternation (the first mesh is the base; zoo_step_ratio.json), with each "
+    "step's CPU time (cores busy) and the host's floor for its micro-batches.",
 )
 flags.DEFINE_string("child", None, "Internal: measure 'model,SxR:M' in this process.")
 FLAGS = flags.FLAGS
@@ -212,17 +214,21 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
 
 def step_ratio(name: str, meshes: list[str]) -> dict[str, Any]:
     """In this process (4 simulated devices): the pipeline's step on each of ``meshes``,
-    timed in alternation so the host's noise hits all alike; ratios to the first mesh."""
+    timed in alternation so the host's noise hits all alike; ratios to the first mesh. For
+    each mesh also its CPU milliseconds a step (all threads: the work; over the wall time,
+    the cores it kept busy) and the host's floor (:func:`_floor_ms` at its R·M micro-batches)
+    over the first mesh's step: the ratio no pipeline could beat here."""
     import hybrid
 
     hybrid.simulate_cpu_devices(4)
     import keras
     import numpy as np
 
-    steps = {}
+    steps, parts = {}, {}
     for mesh in meshes:
         shape, micro = mesh.split(":")
         stages, replicas = map(int, shape.split("x"))
+        parts[mesh] = replicas * int(micro)
         model, x, y = build(name)
         pipe = hybrid.Pipeline(
             model,
@@ -236,8 +242,23 @@ def step_ratio(name: str, meshes: list[str]) -> dict[str, Any]:
         steps[mesh] = lambda pipe=pipe, x=x, y=y: pipe.train_step(x, y)
     times = common.time_alternating(steps, rounds=FLAGS.steps, steps_per_round=2, warmup=2)
     ms = {mesh: 1e3 * float(np.median(t)) for mesh, t in times.items()}
+    cpu_ms = {}
+    for mesh, step in steps.items():
+        start = time.process_time()
+        for _ in range(FLAGS.steps):
+            step()
+        cpu_ms[mesh] = 1e3 * (time.process_time() - start) / FLAGS.steps
+    floor_ms = {mesh: _floor_ms(name, count) for mesh, count in parts.items()}
     base = ms[meshes[0]]
-    return {"model": name, "step_ms": ms, "ratio": {m: v / base for m, v in ms.items()}}
+    return {
+        "model": name,
+        "step_ms": ms,
+        "ratio": {m: v / base for m, v in ms.items()},
+        "cpu_ms": cpu_ms,
+        "cores_busy": {m: cpu_ms[m] / ms[m] for m in meshes},
+        "floor_ms": floor_ms,
+        "floor_ratio": {m: v / base for m, v in floor_ms.items()},
+    }
 
 
 def _capture_compile_log() -> str:
@@ -434,7 +455,9 @@ def main(argv: list[str]) -> None:
             print(
                 f"  {name:14s} "
                 + "  ".join(
-                    f"{m} {v:7.1f} ms ({row['ratio'][m]:.2f}x)" for m, v in row["step_ms"].items()
+                    f"{m} {v:7.1f} ms ({row['ratio'][m]:.2f}x; {row['cores_busy'][m]:.1f} cores"
+                    f" busy; floor {row['floor_ratio'][m]:.2f}x)"
+                    for m, v in row["step_ms"].items()
                 )
             )
         common.write_json("zoo_step_ratio", {"environment": env, "rows": rows})

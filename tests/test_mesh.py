@@ -1,11 +1,13 @@
 """DeviceMesh layout and spec strings; simulated devices."""
 
+import os
 import sys
 
 import pytest
 
 import hybrid
 from hybrid.core.mesh import parse_spec
+from hybrid.engine import devices
 
 import runner
 from conftest import NUM_DEVICES
@@ -104,6 +106,31 @@ def test_simulate_cpu_devices_after_start_with_other_count():
 def test_simulate_cpu_devices_rejects_zero():
     with pytest.raises(ValueError, match="at least 1 device"):
         hybrid.simulate_cpu_devices(0)
+
+
+def test_simulated_devices_run_xla_programs_in_order():
+    # conftest simulated the devices: XLA:CPU's scheduler for concurrent operations is off,
+    # so a device's program never queues for the one intra-op thread all devices share.
+    flag = devices.XLA_IN_ORDER.partition("=")[0]
+    assert flag in os.environ.get("XLA_FLAGS", ""), os.environ.get("XLA_FLAGS")
+
+
+def test_run_xla_programs_in_order_keeps_other_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
+    devices.run_xla_programs_in_order()
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/dump {devices.XLA_IN_ORDER}"
+    devices.run_xla_programs_in_order()  # once only
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/dump {devices.XLA_IN_ORDER}"
+
+
+def test_run_xla_programs_in_order_keeps_the_users_choice(monkeypatch):
+    mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true --xla_dump_to=/tmp/dump"
+    monkeypatch.setenv("XLA_FLAGS", mine)
+    devices.run_xla_programs_in_order()
+    assert os.environ["XLA_FLAGS"] == mine
+    monkeypatch.delenv("XLA_FLAGS")
+    devices.run_xla_programs_in_order()
+    assert os.environ["XLA_FLAGS"] == devices.XLA_IN_ORDER
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 
 from hybrid.core.mesh import DeviceMesh
+from hybrid.engine.devices import run_xla_programs_in_order
 from hybrid.platforms.cluster_tasks import (
     ClusterError,
     ClusterLike,
@@ -335,7 +336,8 @@ def mesh(
 
 def server_config(simulated_devices: int | None = None) -> tf.compat.v1.ConfigProto:
     """The worker server's session config: ``simulated_devices`` logical CPUs, each with one
-    intra-op thread (like :func:`hybrid.simulate_cpu_devices`), or the defaults."""
+    intra-op thread (like :func:`hybrid.simulate_cpu_devices`; :func:`start_server` also
+    runs their XLA programs in order), or the defaults."""
     config = tf.compat.v1.ConfigProto()
     if simulated_devices is not None:
         if simulated_devices < 1:
@@ -368,6 +370,8 @@ def start_server(
             "pass one of those as task_index"
         )
     address = spec.task_address(job, task_index)
+    if simulated_devices is not None:
+        run_xla_programs_in_order()  # as a simulated device in one process does
     try:
         return tf.distribute.Server(
             spec,
