@@ -343,12 +343,15 @@ def _floor_ms(name: str, micro_batches: int) -> float:
     this host for the same global batch, with no bubble, transfer, all-reduce or update:
     the whole model's forward and backward (one XLA program, as Keras's step computes its
     gradients) on one micro-batch's examples, ``micro_batches`` of them run as evenly as
-    they can over as many devices at once as the host has cores (one thread each)."""
+    they can over as many devices at once as the host has cores (one thread each), with
+    depthwise filter gradients in the stage programs' form (``depthwise.py``)."""
     import threading
 
     import keras
     import numpy as np
     import tensorflow as tf
+
+    from hybrid.engine.programs.depthwise import cheap_filter_gradients
 
     lanes = min(os.cpu_count() or 1, micro_batches)
     size = FLAGS.batch // micro_batches
@@ -362,7 +365,8 @@ def _floor_ms(name: str, micro_batches: int) -> float:
             def gradients(x: Any, y: Any, model: Any = model, loss: Any = loss) -> Any:
                 with tf.GradientTape() as tape:
                     value = loss(y, model(x, training=True))
-                return tape.gradient(value, model.trainable_variables)
+                with cheap_filter_gradients(FLAGS.jit_compile):  # as the stage programs
+                    return tape.gradient(value, model.trainable_variables)
 
             program = tf.function(gradients, jit_compile=FLAGS.jit_compile, autograph=False)
             part = tf.nest.map_structure(lambda a: tf.constant(a[:size]), x), tf.constant(y[:size])

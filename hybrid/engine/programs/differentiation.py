@@ -11,6 +11,7 @@ from typing import Any
 import tensorflow as tf
 
 from hybrid.engine.model import sparse as sparse_grads
+from hybrid.engine.programs.depthwise import cheap_filter_gradients
 
 __all__ = ["Grads", "differentiable", "gradients", "weight_penalty"]
 
@@ -32,13 +33,16 @@ def gradients(
     need_dx: bool,
     need_dw: bool,
     sparse: Sequence[bool] = (),
+    xla_on_cpu: bool = False,
 ) -> Grads:
     """``dys · ∂ys/∂xs`` (when ``need_dx``: one per input, None for an input that is not
     a float) and ``dys · ∂ys/∂weights`` (when ``need_dw``), from the ``tape`` that watched
     the forward; an output whose ``dy`` is None contributes nothing. Dense tensors of the
     sources' static shapes (zeros where a source does not reach the outputs), except the
     weights marked ``sparse``, whose gradients stay IndexedSlices (no slices where the
-    weight does not reach the outputs)."""
+    weight does not reach the outputs). ``xla_on_cpu``: they are computed inside an XLA
+    program on a CPU, where depthwise convolutions' filter gradients take ``depthwise.py``'s
+    form."""
     inputs = [x for x in xs if differentiable(x)] if need_dx else []
     sources = inputs + (list(weights) if need_dw else [])
     if not sources:
@@ -46,9 +50,10 @@ def gradients(
     targets = [
         (y, dy) for y, dy in zip(ys, dys, strict=True) if dy is not None and differentiable(y)
     ]
-    grads = tape.gradient(
-        [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
-    )
+    with cheap_filter_gradients(xla_on_cpu):
+        grads = tape.gradient(
+            [y for y, _ in targets], sources, output_gradients=[dy for _, dy in targets]
+        )
     kept = [False] * len(inputs)
     if need_dw:
         kept += list(sparse) or [False] * len(weights)

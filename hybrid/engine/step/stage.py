@@ -186,6 +186,7 @@ class StageReplica:
         # 2.2x slower as an XLA:CPU program than as TensorFlow's kernels (32 vs 14.6 ms,
         # Adam, 32000 x 128 rows, benchmarks/sparse_embedding.py): on a CPU it is not compiled.
         on_cpu = tf.DeviceSpec.from_string(device).device_type == "CPU"
+        self.xla_on_cpu = jit_compile and on_cpu and not inline  # gradients' form on XLA:CPU
         scatters = on_cpu and any(self.sparse)
         jit_update = jit_compile and not scatters
         # This copy's updates (its optimizer's, its BN moving statistics') as programs that
@@ -382,7 +383,9 @@ class StageReplica:
             out = self._run(xs, labels, with_backward(self.synced, seed), weights, local)
         ys, activity, _ = self._split(out)
         dys = list(dys) + self._activity_seed(activity, local)
-        dx, dw = gradients(tape, xs, ys + activity, dys, weights, need_dx, need_dw, self.sparse)
+        dx, dw = gradients(
+            tape, xs, ys + activity, dys, weights, need_dx, need_dw, self.sparse, self.xla_on_cpu
+        )
         return out, dx, self._program_gradients(acc, dw)
 
     def _program_gradients(self, acc: Tensors | None, dw: list[Any]) -> Tensors:

@@ -1,0 +1,166 @@
+"""The filter gradient of a depthwise convolution in a stage's XLA program on a CPU: one
+product-sum per filter tap, not XLA:CPU's dense convolution.
+
+A depthwise convolution is ``DepthwiseConv2dNative`` (Keras's DepthwiseConv2D and
+SeparableConv2D) or a ``Conv2D`` with one input channel per group (``Conv2D(groups=C)``,
+ConvNeXt's). XLA:CPU compiles their filter gradient into a convolution
+over all C×C channel pairs whose diagonal it then masks out and sums: k_h·k_w·C² elements
+whatever the batch (measured, C = 960, 3×3 filter, 1×1 image: 44–58 ms at 4 and at 16
+examples; TensorFlow's own kernel 0.6 ms). Keras's one program pays that once a step; a
+micro-batched pipeline once per micro-batch (MobileNetV2's last blocks cost a 2-stage
+pipeline ~60 ms per micro-batch of 4 examples). Within :func:`cheap_filter_gradients` the
+tape computes instead, for input x (NHWC, padded as the forward pads it), output gradient
+dy, strides s, dilations d and channel multiplier m,
+
+    dW[i, j, c, q] = Σ_{b, y, x} x[b, y·s_h + i·d_h, x·s_w + j·d_w, c] · dy[b, y, x, c·m + q]
+
+one strided slice and one product-sum per tap (0.3–1.4 ms there): the same sum in another
+order, equal to rounding (written for the program cut's sake with ``dy`` moved, not ``x``:
+:func:`filter_gradient`). The input gradient is TensorFlow's own. Other layouts, unknown
+shapes and half-precision types keep TensorFlow's gradient.
+
+TensorFlow's tape looks each op's gradient up in its registry when ``tape.gradient`` runs,
+by op type (``gradient_override_map`` reaches only ``tf.gradients``): the context swaps the
+registry's entries for the op types while it is open (one thread at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.framework import ops, registry
+
+__all__ = ["OPS", "cheap_filter_gradients", "filter_gradient"]
+
+# A Conv2D is depthwise when each group holds one input channel (Keras's
+# Conv2D(groups=channels), as ConvNeXt's blocks use it): its filter is [kh, kw, 1, C·m].
+OPS = ("DepthwiseConv2dNative", "Conv2D")
+_DTYPES = (tf.float32, tf.float64)
+_lock = threading.RLock()
+
+
+def _padding(op: Any, size: int, kernel: int, stride: int, dilation: int, axis: int) -> tuple:
+    """(before, after) padding of spatial ``axis`` (1: height, 2: width) as the forward
+    pads it."""
+    padding = op.get_attr("padding")
+    padding = padding.decode() if isinstance(padding, bytes) else padding
+    if padding == "VALID":
+        return 0, 0
+    if padding == "EXPLICIT":
+        pads = list(op.get_attr("explicit_paddings"))
+        return pads[2 * axis], pads[2 * axis + 1]
+    reach = (kernel - 1) * dilation + 1
+    total = max((-(-size // stride) - 1) * stride + reach - size, 0)
+    return total // 2, total - total // 2
+
+
+def filter_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor | None:
+    """``dW`` of the depthwise convolution ``op`` against its output gradient ``grad`` as
+    the module docstring writes it; None where that formula is not used (NCHW, unknown
+    shapes, a type other than float32/float64).
+
+    Every op of it but the product reads ``grad``, so a program cut after the forward
+    (``split_programs.py``) computes all of it in the backward and keeps only ``x``, as for
+    TensorFlow's own gradient: each tap places ``grad`` (spread by the strides) where its
+    taps read ``x``, zeros elsewhere, and sums its product with the unpadded ``x``."""
+    x, w = op.inputs[0], op.inputs[1]
+    layout = op.get_attr("data_format")
+    layout = layout.decode() if isinstance(layout, bytes) else layout
+    if layout != "NHWC" or x.dtype not in _DTYPES:
+        return None
+    if not (x.shape.is_fully_defined() and w.shape.is_fully_defined()):
+        return None
+    if not grad.shape.is_fully_defined():
+        return None
+    batch, height, width, channels = x.shape
+    kh, kw, per_group, multiplier = w.shape
+    if op.type == "Conv2D":  # depthwise only: one input channel per group, more than one group
+        if per_group != 1 or channels == 1 or multiplier % channels:
+            return None
+        multiplier //= channels
+    _, sh, sw, _ = op.get_attr("strides")
+    _, dh, dw, _ = op.get_attr("dilations")
+    top, _ = _padding(op, height, kh, sh, dh, 1)
+    left, _ = _padding(op, width, kw, sw, dw, 2)
+    _, out_h, out_w, _ = grad.shape
+    spread = tf.reshape(grad, [batch, out_h, 1, out_w, 1, channels, multiplier])
+    spread = tf.pad(spread, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0], [0, 0]])
+    spread = tf.reshape(spread, [batch, out_h * sh, out_w * sw, channels, multiplier])
+    spread = spread[:, : (out_h - 1) * sh + 1, : (out_w - 1) * sw + 1]  # dy[y, x] at y·s, x·s
+    taps = []
+    for i in range(kh):
+        row = []
+        for j in range(kw):
+            placed = _place(spread, i * dh - top, height, 1)
+            placed = _place(placed, j * dw - left, width, 2)
+            row.append(tf.einsum("byxc,byxcq->cq", x, placed))
+        taps.append(tf.stack(row))
+    return tf.reshape(tf.stack(taps), w.shape)  # a Conv2D's output channel c·m + q: (c, q)
+
+
+def _place(t: tf.Tensor, offset: int, size: int, axis: int) -> tf.Tensor:
+    """``t`` shifted along ``axis`` to start at ``offset`` in a frame of ``size``: cut where
+    it leaves the frame, zeros where it does not reach."""
+    length = t.shape[axis]
+    begin, end = max(-offset, 0), min(length, size - offset)
+    if end <= begin:
+        shape = list(t.shape)
+        shape[axis] = size
+        return tf.zeros(shape, t.dtype)
+    index = [slice(None)] * len(t.shape)
+    index[axis] = slice(begin, end)
+    t = t[tuple(index)]
+    pads = [[0, 0] for _ in t.shape]
+    pads[axis] = [max(offset, 0), size - max(offset, 0) - (end - begin)]
+    return tf.pad(t, pads)
+
+
+def _gradient(op: Any, grad: tf.Tensor) -> list[tf.Tensor]:
+    """The op's input gradient as TensorFlow computes it, its filter gradient by
+    :func:`filter_gradient` where that applies (else both TensorFlow's)."""
+    cheap = filter_gradient(op, grad)
+    if cheap is None:
+        return list(_DEFAULT[op.type](op, grad))
+    attrs = {
+        name: op.get_attr(name)
+        for name in ("strides", "padding", "explicit_paddings", "data_format", "dilations")
+    }
+    backprop = (
+        tf.raw_ops.Conv2DBackpropInput
+        if op.type == "Conv2D"
+        else tf.raw_ops.DepthwiseConv2dNativeBackpropInput
+    )
+    dx = backprop(
+        input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad, **attrs
+    )
+    return [dx, cheap]
+
+
+_DEFAULT: dict[str, Any] = {}  # TensorFlow's registered gradients, while swapped out
+
+
+@contextlib.contextmanager
+def cheap_filter_gradients(enabled: bool = True) -> Iterator[None]:
+    """While open (and ``enabled``), ``tape.gradient`` differentiates depthwise
+    convolutions with :func:`filter_gradient`."""
+    if not enabled:
+        yield
+        return
+    entries = ops._gradient_registry._registry  # noqa: SLF001 - pinned by test_depthwise
+    tag = registry._TYPE_TAG  # noqa: SLF001
+    with _lock:
+        if entries[OPS[0]][tag] is _gradient:  # already open
+            yield
+            return
+        saved = {name: entries[name] for name in OPS}
+        for name, entry in saved.items():
+            _DEFAULT[name] = entry[tag]
+            entries[name] = {**entry, tag: _gradient}
+        try:
+            yield
+        finally:
+            entries.update(saved)
