@@ -91,32 +91,27 @@ def filter_gradient(op: Any, grad: tf.Tensor) -> tf.Tensor | None:
     spread = tf.pad(spread, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0], [0, 0]])
     spread = tf.reshape(spread, [batch, out_h * sh, out_w * sw, channels, multiplier])
     spread = spread[:, : (out_h - 1) * sh + 1, : (out_w - 1) * sw + 1]  # dy[y, x] at y·s, x·s
-    taps = []
-    for i in range(kh):
-        row = []
-        for j in range(kw):
-            placed = _place(spread, i * dh - top, height, 1)
-            placed = _place(placed, j * dw - left, width, 2)
-            row.append(tf.einsum("byxc,byxcq->cq", x, placed))
-        taps.append(tf.stack(row))
-    return tf.reshape(tf.stack(taps), w.shape)  # a Conv2D's output channel c·m + q: (c, q)
+    # Tap (i, j) reads x[Y, X] where dy[y, x] sits at Y = y·s_h + i·d_h - top: the spread
+    # dy shifted by i·d_h - top. One frame, padded once, holds every shift; two gathers
+    # take them all (one op each, not one per tap: XLA compiles a program of k² ops slowly).
+    (front, back), starts_h = _frame(height, spread.shape[1], kh, dh, top)
+    (left_pad, right_pad), starts_w = _frame(width, spread.shape[2], kw, dw, left)
+    frame = tf.pad(spread, [[0, 0], [front, back], [left_pad, right_pad], [0, 0], [0, 0]])
+    rows = [[a + y for y in range(height)] for a in starts_h]  # [kh, H]
+    cols = [[b + x for x in range(width)] for b in starts_w]  # [kw, W]
+    shifted = tf.gather(tf.gather(frame, rows, axis=1), cols, axis=3)  # [B, kh, H, kw, W, C, m]
+    taps = tf.einsum("biyjxcq,byxc->ijcq", shifted, x)
+    return tf.reshape(taps, w.shape)  # a Conv2D's output channel c·m + q: (c, q)
 
 
-def _place(t: tf.Tensor, offset: int, size: int, axis: int) -> tf.Tensor:
-    """``t`` shifted along ``axis`` to start at ``offset`` in a frame of ``size``: cut where
-    it leaves the frame, zeros where it does not reach."""
-    length = t.shape[axis]
-    begin, end = max(-offset, 0), min(length, size - offset)
-    if end <= begin:
-        shape = list(t.shape)
-        shape[axis] = size
-        return tf.zeros(shape, t.dtype)
-    index = [slice(None)] * len(t.shape)
-    index[axis] = slice(begin, end)
-    t = t[tuple(index)]
-    pads = [[0, 0] for _ in t.shape]
-    pads[axis] = [max(offset, 0), size - max(offset, 0) - (end - begin)]
-    return tf.pad(t, pads)
+def _frame(size: int, length: int, kernel: int, dilation: int, before: int) -> tuple:
+    """Along one spatial axis: the (front, back) zeros that put the spread output gradient
+    (``length`` long) into a frame from which each tap's copy shifted by
+    ``tap·dilation - before`` is the slice of ``size`` at the returned start."""
+    shifts = [tap * dilation - before for tap in range(kernel)]
+    front = max(max(shifts), 0)
+    back = max(size - min(shifts) - length, 0)
+    return (front, back), [front - shift for shift in shifts]
 
 
 def _gradient(op: Any, grad: tf.Tensor) -> list[tf.Tensor]:
