@@ -18,9 +18,10 @@ must run before that (``hybrid-train --xla_cache_dir`` does, first thing).
 from __future__ import annotations
 
 import os
-import shlex
 from collections.abc import Callable
 from typing import Any
+
+from hybrid.engine import xla_flags
 
 __all__ = ["FLAG", "FirstStep", "directory", "enable", "ordered"]
 
@@ -29,11 +30,7 @@ FLAG = "--tf_xla_persistent_cache_directory"
 
 def directory() -> str | None:
     """The persistent cache directory ``TF_XLA_FLAGS`` names, or None."""
-    for word in shlex.split(os.environ.get("TF_XLA_FLAGS", "")):
-        name, _, value = word.partition("=")
-        if name == FLAG and value:
-            return value
-    return None
+    return xla_flags.value("TF_XLA_FLAGS", FLAG) or None
 
 
 def enable(path: str) -> str:
@@ -44,8 +41,7 @@ def enable(path: str) -> str:
     if found is not None:
         return found
     os.makedirs(path, exist_ok=True)
-    flags = os.environ.get("TF_XLA_FLAGS", "").strip()
-    os.environ["TF_XLA_FLAGS"] = f"{flags} {FLAG}={shlex.quote(path)}".strip()
+    xla_flags.add("TF_XLA_FLAGS", FLAG, path)
     return path
 
 

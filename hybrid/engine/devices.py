@@ -14,10 +14,9 @@ programs then queue for that one thread instead of overlapping (measured: Mobile
 
 from __future__ import annotations
 
-import os
-import shlex
-
 import tensorflow as tf
+
+from hybrid.engine import xla_flags
 
 __all__ = ["XLA_IN_ORDER", "host_cpu", "run_xla_programs_in_order", "simulate_cpu_devices"]
 
@@ -38,11 +37,9 @@ def run_xla_programs_in_order() -> None:
     """Makes XLA:CPU programs compiled from now on run their operations in order on the
     launching thread (``XLA_FLAGS`` gains :data:`XLA_IN_ORDER`, unless it already sets that
     flag: the user's choice stays). XLA reads ``XLA_FLAGS`` at the process's first compile."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    name = XLA_IN_ORDER.partition("=")[0]
-    if any(word.partition("=")[0] == name for word in shlex.split(flags)):
-        return
-    os.environ["XLA_FLAGS"] = f"{flags} {XLA_IN_ORDER}".strip()
+    name, _, setting = XLA_IN_ORDER.partition("=")
+    if xla_flags.value("XLA_FLAGS", name) is None:
+        xla_flags.add("XLA_FLAGS", name, setting)
 
 
 def simulate_cpu_devices(num_devices: int, inter_op_threads: int | None = None) -> list[str]:
