@@ -195,5 +195,55 @@ def test_a_program_given_an_optimizers_tf_variables_updates_whichever_it_is_give
         keras_private.tf_variable(keras.Variable(1.0).value.read_value())
 
 
+def test_mirror_writes_sees_every_eager_write_and_none_traced_or_stateless():
+    """``mirror_writes``: Keras's ``assign``, ``assign_add``, ``assign_sub``, the optimizer's
+    ``learning_rate`` setter and ``Layer.set_weights`` end in ``_direct_assign``; a write in
+    a ``StatelessScope`` (how the stage programs run the user's layers) or traced into a
+    function is not mirrored."""
+    seen = []
+    variable = keras.Variable(np.zeros(2, "float32"))
+    keras_private.mirror_writes(variable, lambda value: seen.append(np.array(value)))
+    variable.assign([1.0, 2.0])
+    variable.assign_add([1.0, 1.0])
+    variable.assign_sub([0.5, 0.5])
+    assert [v.tolist() for v in seen] == [[1.0, 2.0], [2.0, 3.0], [1.5, 2.5]]
+    with keras.StatelessScope(state_mapping=[(variable, tf.zeros(2))]):
+        variable.assign([9.0, 9.0])
+    tf.function(lambda: variable.assign([7.0, 7.0]), autograph=False)()
+    assert len(seen) == 3 and variable.numpy().tolist() == [7.0, 7.0]
+
+    optimizer = keras.optimizers.SGD(0.1)
+    rates = []
+    keras_private.mirror_writes(optimizer._learning_rate, lambda v: rates.append(float(v)))
+    optimizer.learning_rate = 0.5
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    kernels = []
+    keras_private.mirror_writes(layer.kernel, lambda v: kernels.append(np.array(v)))
+    layer.set_weights([np.ones((3, 2)), np.zeros(2)])
+    assert rates == [0.5] and kernels[0].tolist() == np.ones((3, 2)).tolist()
+
+
+def test_the_epoch_iterator_counts_the_epochs_whose_data_ran_out():
+    """``ran_out`` counts a generator running out before a batch it was asked for (where
+    Keras's TensorFlow trainer calls its train function once more), not an epoch that ends
+    at its step count."""
+    x = np.zeros((8, 2), "float32")
+
+    def four():
+        for i in range(4):
+            yield (x[2 * i : 2 * i + 2],)
+
+    iterator = keras_private.epoch_iterator(x=four())
+    with iterator.catch_stop_iteration():
+        assert len(list(iterator)) == 4
+    assert iterator.ran_out == 1
+    known = keras_private.epoch_iterator(x=x, batch_size=2)
+    for _ in range(2):
+        with known.catch_stop_iteration():
+            assert len(list(known)) == 4
+    assert known.ran_out == 0
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

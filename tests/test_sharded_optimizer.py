@@ -11,8 +11,7 @@ import tensorflow as tf
 import test_keras_exact as exact
 
 import hybrid
-from hybrid.engine.step import sharding
-from hybrid.run import checkpoint
+from hybrid.engine.step import optimizer_state, sharding
 
 import reference as ref
 import runner
@@ -64,9 +63,9 @@ def held_state(pipe) -> dict[int, list[int]]:
     """Elements of optimizer state each replica holds, per stage."""
     found: dict[int, list[int]] = {}
     for k, row in enumerate(pipe.stages):
-        indices = checkpoint._global_indices(pipe)[k]
+        indices = optimizer_state.global_indices(pipe.stages, pipe.placement)[k]
         found[k] = [
-            sum(int(np.prod(v.shape)) for v in checkpoint._slots(copy, indices).values())
+            sum(int(np.prod(v.shape)) for v in optimizer_state.slots(copy, indices).values())
             for copy in row
         ]
     return found
@@ -92,9 +91,9 @@ def test_sharded_slots_equal_the_unsharded_ones():
     sharded, _, _, _ = trained("adam", shard=True)
     plain, _, _, _ = trained("adam", shard=False)
     for k in range(len(sharded.stages)):
-        indices = checkpoint._global_indices(sharded)[k]
-        mine = checkpoint._row_slots(sharded.stages[k], indices)
-        theirs = checkpoint._slots(plain.stages[k][0], indices)
+        indices = optimizer_state.global_indices(sharded.stages, sharded.placement)[k]
+        mine = optimizer_state.row_slots(sharded.stages[k], indices)
+        theirs = optimizer_state.slots(plain.stages[k][0], indices)
         assert mine.keys() == theirs.keys()
         for key in theirs:
             np.testing.assert_allclose(mine[key].numpy(), theirs[key].numpy(), rtol=1e-6)

@@ -25,6 +25,10 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   excluded variables by identity and the name patterns as a regex in private attributes, which
   ``get_config`` does not carry; a copy of the optimizer for a stage's variables gets the
   same exclusions, mapped onto the stage's copies of the variables.
+- ``mirror_writes``: every eager write to a ``keras.Variable`` (``assign``, ``assign_add``,
+  ``assign_sub``, and what Keras's setters and ``set_weights`` call) ends in its
+  ``_direct_assign(value)``; a write inside a ``StatelessScope`` is recorded in the scope
+  instead. Wrapping that method on one variable makes its eager writes reach other copies.
 - ``tf_variable``: on the TensorFlow backend a ``keras.Variable``'s ``value`` is the
   ``tf.Variable`` that holds it, which Keras's TensorFlow optimizer assigns to (and scatters
   into) directly; a program that takes it as an argument updates that variable.
@@ -141,6 +145,20 @@ def set_variable_path(variable: Any, path: str) -> None:
     variable._path = path
 
 
+def mirror_writes(variable: Any, also: Callable[[Any], None]) -> None:
+    """After every eager write to ``variable`` (not one traced into a function: the
+    engine's own programs write each copy themselves), ``also(new value)`` is called. Wraps
+    what the variable wrote with before, so several mirrors of one variable all run."""
+    before = variable._direct_assign
+
+    def direct_assign(value: Any) -> None:
+        before(value)
+        if not tf.inside_function():
+            also(variable.value)
+
+    variable._direct_assign = direct_assign
+
+
 def tf_variable(variable: Any) -> Any:
     """The ``tf.Variable`` holding ``variable``'s value (``variable`` itself if it is one).
 
@@ -213,10 +231,22 @@ class _TensorEpochIterator(EpochIterator):  # type: ignore[misc]
     epoch's batches passed through ``feed`` when it is set."""
 
     feed: Callable[[Any], Any] | None = None
+    ran_out = 0  # epochs ended by the data running out (not by reaching their step count)
 
     def _get_iterator(self) -> Any:
         batches = iter(self.data_adapter.get_tf_dataset())
         return batches if self.feed is None else self.feed(batches)
+
+    @contextlib.contextmanager
+    def catch_stop_iteration(self) -> Iterator[None]:
+        """Keras's (which ends the epoch where the data runs out), counting in ``ran_out``
+        each time the data ran out before a batch it was asked for."""
+        with super().catch_stop_iteration():
+            try:
+                yield
+            except StopIteration:
+                self.ran_out += 1
+                raise
 
 
 def epoch_iterator(**kwargs: Any) -> Any:

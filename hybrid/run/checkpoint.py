@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from hybrid.engine.api.pipeline import Pipeline
 from hybrid.engine.model.graph import graph_of
+from hybrid.engine.step import optimizer_state
 from hybrid.engine.step.stage import StageReplica
 from hybrid.run import model_dir
 
@@ -81,108 +82,41 @@ def _variable_key(index: int) -> str:
     return f"v{index:04d}"
 
 
-def _global_indices(pipe: Pipeline) -> list[list[int]]:
-    """``indices[k][j]``: the model variable index of stage k's variable j."""
-    indices: list[list[int]] = [[0] * row[0].num_weights() for row in pipe.stages]
-    for i, copies in enumerate(pipe.placement.holders):
-        for k, j in copies:
-            indices[k][j] = i
-    return indices
-
-
-def _slots(stage: StageReplica, indices: list[int]) -> dict[tuple[int, str], Any]:
-    """(model variable index, slot name) -> that optimizer variable, for one stage copy.
-
-    Keras names a slot ``{variable.path with '/' -> '_'}_{slot}``; the longest matching
-    prefix identifies its model variable (ties, from equal paths, are taken in order).
-    """
-    prefixes: dict[str, list[int]] = {}
-    for variable, index in zip(stage.variables, indices, strict=True):
-        if variable.trainable:
-            prefixes.setdefault(variable.path.replace("/", "_") + "_", []).append(index)
-    taken: dict[tuple[str, str], int] = {}
-    found = {}
-    optimizer = _optimizer(stage)
-    for variable in optimizer.variables:
-        matches = [p for p in prefixes if variable.name.startswith(p)]
-        if not matches and _is_scalar(variable):
-            continue
-        if not matches:
-            raise CheckpointError(
-                f"optimizer variable {variable.path!r} of stage {stage.index} belongs to no "
-                f"model weight; {type(optimizer).__name__} keeps state that cannot be saved "
-                "per variable"
-            )
-        prefix = max(matches, key=len)
-        slot = variable.name[len(prefix) :]
-        count = taken.get((prefix, slot), 0)
-        taken[(prefix, slot)] = count + 1
-        found[(prefixes[prefix][count], slot)] = variable
-    return found
-
-
 def _trackables(pipe: Pipeline, meta: dict[str, tf.Variable]) -> dict[str, Any]:
     """The object graph of replica 0: each model variable and its optimizer slots from the
     stage that owns it, the optimizer's scalars, meta."""
-    indices = _global_indices(pipe)
+    indices = optimizer_state.global_indices(pipe.stages, pipe.placement)
     model: dict[str, Any] = {}
     slots: dict[str, Any] = {}
     for i, copies in enumerate(pipe.placement.holders):
         k, j = copies[0]
         model[_variable_key(i)] = pipe.stages[k][0].variables[j].value
     for k, row in enumerate(pipe.stages):
-        for (i, slot), variable in _row_slots(row, indices[k]).items():
+        for (i, slot), variable in optimizer_state.row_slots(row, indices[k]).items():
             if pipe.placement.holders[i][0][0] == k:
                 slots.setdefault(_variable_key(i), {})[slot] = variable.value
-    for path, variable in _scalars(pipe.stages[0][0]).items():
+    for path, variable in optimizer_state.scalars(pipe.stages[0][0]).items():
         slots[path] = variable.value
     return {"model": model, "optimizer": slots, "meta": meta}
-
-
-def _row_slots(row: list[StageReplica], indices: list[int]) -> dict[tuple[int, str], Any]:
-    """(model variable index, slot name) -> its optimizer variable on the first replica
-    that holds it: replica 0 for every variable, unless optimizer states are sharded over
-    the replicas (each then holds its share's)."""
-    found: dict[tuple[int, str], Any] = {}
-    for copy in row:
-        for key, variable in _slots(copy, indices).items():
-            found.setdefault(key, variable)
-    return found
-
-
-def _is_scalar(variable: Any) -> bool:
-    return len(variable.shape) == 0
-
-
-def _scalars(stage: StageReplica) -> dict[str, Any]:
-    """The optimizer's own scalars (step count, learning rate, a LossScaleOptimizer's dynamic
-    scale and step counter): its variables of no model weight, by name (``inner_<name>`` for
-    a LossScaleOptimizer's inner optimizer; names, unlike paths, are equal on every copy)."""
-    optimizer = _optimizer(stage)
-    slots = {id(v) for v in _slots(stage, [0] * len(stage.variables)).values()}
-    inner = getattr(optimizer, "inner_optimizer", None)
-    nested = {id(v) for v in inner.variables} if inner is not None else set()
-    return {
-        ("inner_" if id(v) in nested else "") + v.name: v
-        for v in optimizer.variables
-        if id(v) not in slots and _is_scalar(v)
-    }
 
 
 def _copy_owners(pipe: Pipeline) -> None:
     """Every copy of a variable (other replicas, other stages of a tied one) and its slots
     take the owner's replica-0 values; every optimizer takes stage 0's scalars."""
-    scalars = _scalars(pipe.stages[0][0])
-    indices = _global_indices(pipe)
-    slots = [[_slots(copy, indices[k]) for copy in row] for k, row in enumerate(pipe.stages)]
+    scalars = optimizer_state.scalars(pipe.stages[0][0])
+    indices = optimizer_state.global_indices(pipe.stages, pipe.placement)
+    slots = [
+        [optimizer_state.slots(copy, indices[k]) for copy in row]
+        for k, row in enumerate(pipe.stages)
+    ]
     for row in pipe.stages:
         for copy in row:
-            for path, variable in _scalars(copy).items():
+            for path, variable in optimizer_state.scalars(copy).items():
                 if variable is not scalars[path]:
                     variable.assign(scalars[path])
     for i, ((k0, j0), *_) in enumerate(pipe.placement.holders):
         source = pipe.stages[k0][0].variables[j0]
-        held = _row_slots(pipe.stages[k0], indices[k0])
+        held = optimizer_state.row_slots(pipe.stages[k0], indices[k0])
         source_slots = {s: v for (n, s), v in held.items() if n == i}
         for k, j in pipe.placement.holders[i]:
             for r, copy in enumerate(pipe.stages[k]):
@@ -229,7 +163,10 @@ class Checkpointer:
                     len(pipe.placement.variables), dtype=tf.int64, trainable=False
                 ),
             }
-        trackables = _trackables(pipe, self._meta)
+        try:
+            trackables = _trackables(pipe, self._meta)
+        except ValueError as err:  # optimizer state that belongs to no model variable
+            raise CheckpointError(f"the pipeline cannot be checkpointed: {err}") from err
         self._bytes = sum(
             v.shape.num_elements() * v.dtype.size for v in tf.nest.flatten(trackables)
         )

@@ -15,7 +15,7 @@ device compute, transfers, all-reduce, idle) and kept in ``last_timeline``; the 
 ``--timeline_every`` writes it to TensorBoard.
 
 Callbacks get the pipeline as their ``model``: ``stop_training``, ``optimizer`` (the one
-logical optimizer: setting ``learning_rate`` sets it on every device's copy),
+logical optimizer, ``logical_optimizer.py``: what is written to it reaches every copy),
 ``get_weights``/``set_weights``, ``save``/``save_weights``/``load_weights`` (through the
 user's Keras model, :meth:`to_keras`), ``metrics`` and ``history``.
 """
@@ -23,6 +23,7 @@ user's Keras model, :meth:`to_keras`), ``metrics`` and ``history``.
 from __future__ import annotations
 
 import abc
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,39 +33,25 @@ import numpy as np
 from hybrid.core.config import RunConfig
 from hybrid.engine import keras_private
 from hybrid.engine.api import batches, export, feed
+from hybrid.engine.api.logical_optimizer import LogicalOptimizer
 from hybrid.engine.api.metrics import StepMetrics
 from hybrid.engine.model.graph import Graph, TensorSpec
+from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.variables import Placement
-from hybrid.engine.step import sharding
+from hybrid.engine.step import mirrors, optimizer_state, sharding
 from hybrid.engine.step.stage import StageReplica
 
-__all__ = ["LogicalOptimizer", "Workflow"]
+__all__ = ["Workflow"]
 
 
-class LogicalOptimizer:
-    """The one optimizer over the whole model, as callbacks and users see it: attributes
-    are read from the first copy (every copy holds the same hyper-parameters, iteration
-    count and loss scale); setting ``learning_rate`` sets it on every copy."""
-
-    def __init__(self, copies: Sequence[keras.optimizers.Optimizer]) -> None:
-        object.__setattr__(self, "_copies", list(copies))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._copies[0], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name != "learning_rate":
-            raise AttributeError(
-                f"cannot set {name!r} on the pipeline's optimizer; only learning_rate is "
-                "set on every device's copy"
-            )
-        for optimizer in self._copies:
-            optimizer.learning_rate = value
-
-    @property
-    def copies(self) -> list[keras.optimizers.Optimizer]:
-        """Every stage device's copy."""
-        return list(self._copies)
+def _warn_ran_out(steps: int) -> None:
+    """Once per ``fit``: the data ran out before the epoch's end."""
+    warnings.warn(
+        f"fit: the data ran out before the epoch's end; optimizer.iterations is {steps}, the "
+        "steps taken, as Keras's fit with jit_compile=True counts them (without XLA Keras "
+        "adds one each time its data runs out: docs/guide/exactness.md)",
+        stacklevel=3,
+    )
 
 
 def _should_eval(epoch: int, frequency: int | Sequence[int]) -> bool:
@@ -107,6 +94,7 @@ class Workflow(abc.ABC):
     _metrics: StepMetrics
     _graph: Graph
     _specs: list[TensorSpec]
+    _optimizers: OptimizerCopies
 
     # What this kind of step cannot do yet: method or setting -> the reason (refused when
     # asked for, before anything runs).
@@ -118,6 +106,7 @@ class Workflow(abc.ABC):
         self.stop_training = False
         self.history: Any = None
         self.train_function = None  # no graph for TensorBoard's write_graph to write
+        self._logical_optimizer: LogicalOptimizer | None = None
 
     @property
     def timeline_every(self) -> int:
@@ -213,17 +202,26 @@ class Workflow(abc.ABC):
         state: BatchNormalization's moving statistics) written into its variables: the very
         model object passed in (a list of layers: a ``keras.Sequential`` of them)."""
         for variable, value in zip(self.placement.variables, self.get_weights(), strict=True):
-            variable.assign(value)
+            keras_private.tf_variable(variable).assign(value)  # not mirrored back: they hold it
         return self._graph.keras_model(self._specs)
 
     # -- what callbacks use of a model ----------------------------------------------------
 
     @property
     def optimizer(self) -> LogicalOptimizer:
-        """The one logical optimizer (every device's copy behind it)."""
+        """The one logical optimizer (every device's copy behind it: ``logical_optimizer``):
+        what a user or a callback reads of it every copy agrees on, what it writes reaches
+        every copy."""
         if not self.built:
             raise RuntimeError("the pipeline is not built yet; call build() or fit()")
-        return LogicalOptimizer([copy.optimizer for row in self.stages for copy in row])
+        if self._logical_optimizer is None:
+            variables = optimizer_state.logical_variables(
+                self.stages, self.placement, self._optimizers.make
+            )
+            mirrors.mirror(variables)
+            copies = [copy.optimizer for row in self.stages for copy in row]
+            self._logical_optimizer = LogicalOptimizer(copies, variables)
+        return self._logical_optimizer
 
     @property
     def last_loss(self) -> float:
@@ -245,10 +243,9 @@ class Workflow(abc.ABC):
         self.to_keras().save_weights(filepath, overwrite=overwrite)
 
     def load_weights(self, filepath: str, **kwargs: Any) -> None:
-        """Loads weights saved by :meth:`save_weights` (or Keras) onto every device."""
-        model = self.to_keras()
-        model.load_weights(filepath, **kwargs)
-        self.set_weights(model.get_weights())
+        """Loads weights saved by :meth:`save_weights` (or Keras) onto every device (the
+        user's model's variables mirror their writes to every copy: ``step/mirrors.py``)."""
+        self.to_keras().load_weights(filepath, **kwargs)
 
     def summary(self, print_fn: Any = None) -> None:
         """Prints the stages table (``hybrid.engine.api.summary``): per stage its devices, layer
@@ -369,6 +366,7 @@ class Workflow(abc.ABC):
                 self._metrics.reset()
                 callbacks.on_epoch_begin(epoch)
                 ran = False  # an empty epoch logs nothing, as in Keras
+                ran_out = iterator.ran_out
                 with iterator.catch_stop_iteration():
                     for begin, end, data in iterator:
                         callbacks.on_train_batch_begin(begin)
@@ -377,6 +375,8 @@ class Workflow(abc.ABC):
                         callbacks.on_train_batch_end(end, self._metrics.result())
                         if self.stop_training:
                             break
+                if iterator.ran_out > ran_out and ran_out == 0:
+                    _warn_ran_out(int(self.step_counter.numpy()))
                 epoch_logs = self._metrics.result() if ran else {}
                 if validation_data is not None and _should_eval(epoch, validation_freq):
                     val_x, val_y, val_w = keras_private.unpack_x_y_sample_weight(validation_data)

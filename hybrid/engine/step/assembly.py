@@ -35,7 +35,7 @@ from hybrid.engine.model.losses import per_element
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.variables import Placement
-from hybrid.engine.step import sharding
+from hybrid.engine.step import mirrors, sharding
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.engine.step.synced_norm import Member, NormGroup
 
@@ -211,8 +211,8 @@ def place(
 
     Warns when BatchNormalization or ``add_loss`` layers see part of the global batch (of
     ``batch`` examples, when known). With ``shard``, each replica's copy updates its share
-    of the stage's variables (``sharding.py``).
-
+    of the stage's variables (``sharding.py``). From then on, eager writes to the model's
+    variables (the templates) reach every copy (``mirrors.mirror_model``).
     """
     K = schedule.num_model_stages
     stages = []
@@ -261,6 +261,7 @@ def place(
         for copy in row:
             copy.split_batch(mesh.num_replicas, schedule.num_microbatches, defer)
     warn_parts(stages, mesh.num_replicas, schedule.num_microbatches, batch)
+    mirrors.mirror_model(stages, layout.placement)  # the user's model now writes through
     return stages
 
 
