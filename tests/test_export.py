@@ -154,5 +154,42 @@ def test_per_stage_export_chains_to_predict_and_serves_pipelined(tmp_path):
         serving.load(str(tmp_path / "nothing"))
 
 
+def test_outputs_load_in_a_fresh_process_as_the_launcher_says(tmp_path):
+    """The reference Transformer's .keras file loads in a new process, outside the
+    repository, with the import the launcher's last lines name; its SavedModel export loads
+    with TensorFlow alone."""
+    from hybrid.launch import train as launcher
+
+    model = hybrid.models.transformer(
+        vocab_size=32, seq_len=8, d_model=16, num_blocks=2, graph=True
+    )
+    pipe = hybrid.Pipeline(model, hybrid.DeviceMesh.create(2, 1))
+    pipe.compile(
+        keras.optimizers.Adam(), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    tokens = np.arange(32, dtype="int32").reshape(4, 8) % 32
+    pipe.build((4, 8), "int32")
+    want = pipe.predict(tokens, verbose=0)
+    pipe.save(str(tmp_path / "lm.keras"))
+    pipe.export(str(tmp_path / "lm"))
+    np.save(tmp_path / "tokens.npy", tokens)
+    loads = launcher._loads_with("transformer")
+    assert loads == "import hybrid.models.transformer; keras.saving.load_model"
+    script = (
+        "import numpy as np, keras, tensorflow as tf; import hybrid.models.transformer\n"
+        "x = np.load('tokens.npy')\n"
+        "np.save('keras.npy', keras.saving.load_model('lm.keras').predict(x, verbose=0))\n"
+        "served = tf.saved_model.load('lm').signatures['serving_default']\n"
+        "np.save('served.npy', list(served(tf.constant(x)).values())[0].numpy())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ""}
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("keras", "served"):
+        np.testing.assert_allclose(np.load(tmp_path / f"{name}.npy"), want, atol=1e-5)
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

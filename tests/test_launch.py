@@ -165,7 +165,7 @@ def test_trains_your_own_model_and_data_with_any_optimizer_and_precision(tmp_pat
     (validation,) = [line for line in lines if line.startswith("validation after step 30: ")]
     assert "val_accuracy" in validation and "val_loss" in validation
     assert f"  tensorboard --logdir {tmp_path}/run" in lines
-    assert f"  keras_file  {tmp_path}/m.keras (keras.saving.load_model)" in lines
+    assert f"  keras_file  {tmp_path}/m.keras (import user_model; keras.saving.load_model)" in lines
     assert "Sharding callback" not in run.stderr and "I1" not in run.stderr, run.stderr[-2000:]
     tags = set()
     import tensorflow as tf

@@ -41,6 +41,13 @@ pins each behaviour, so a Keras upgrade that changes one fails there first).
   (``keras.src.trainers.compile_utils.CompileMetrics``): it resolves "accuracy" from the
   shapes of labels and predictions, names each metric (with its output's name on a model
   of several outputs) and updates them as ``fit`` does.
+- ``logs_in_order``: the list ``evaluate``, ``train_on_batch`` and ``test_on_batch`` return
+  without ``return_dict`` (``Trainer._flatten_metrics_in_order``: the names of
+  ``model.metrics`` in order, a ``CompileMetrics`` by its metrics, then the other logs sorted;
+  one value alone); ``batch_logs``: the dict ``*_on_batch(return_dict=True)`` returns
+  (``keras.src.utils.python_utils.pythonify_logs``: sorted by name); ``class_weights``: the
+  sample weights ``class_weight`` gives a batch
+  (``data_adapter_utils.class_weight_to_sample_weights``), refused beside sample weights.
 - ``epoch_iterator`` / ``unpack_x_y_sample_weight`` / ``train_validation_split``: how
   ``fit``, ``evaluate`` and ``predict`` batch their data (``keras.src.trainers``'
   ``EpochIterator`` over a data adapter: arrays, dicts, ``tf.data``, generators,
@@ -66,9 +73,14 @@ from keras.src.trainers.data_adapters.array_slicing import (
     train_validation_split as _train_validation_split,
 )
 from keras.src.trainers.data_adapters.data_adapter_utils import (
+    class_weight_to_sample_weights as _class_weight_to_sample_weights,
+)
+from keras.src.trainers.data_adapters.data_adapter_utils import (
     unpack_x_y_sample_weight as _unpack,
 )
 from keras.src.trainers.epoch_iterator import EpochIterator
+from keras.src.trainers.trainer import Trainer
+from keras.src.utils.python_utils import pythonify_logs
 
 __all__ = [
     "batch_norm_moments",
@@ -247,6 +259,34 @@ class _TensorEpochIterator(EpochIterator):  # type: ignore[misc]
             except StopIteration:
                 self.ran_out += 1
                 raise
+
+
+def logs_in_order(model: Any, logs: dict[str, float]) -> float | list[float]:
+    """``logs`` as Keras's ``evaluate`` / ``*_on_batch`` return them without ``return_dict``,
+    for a model-like object with Keras's ``metrics``."""
+    return Trainer._flatten_metrics_in_order(model, logs)  # type: ignore[no-any-return]
+
+
+def batch_logs(logs: dict[str, float]) -> dict[str, float]:
+    """``logs`` as Keras's ``train_on_batch``/``test_on_batch`` return them (by name)."""
+    return pythonify_logs(logs)  # type: ignore[no-any-return]
+
+
+def class_weights(y: Any, sample_weight: Any, class_weight: Any) -> Any:
+    """The batch's sample weights with ``class_weight`` applied, as ``train_on_batch``
+    makes them (``sample_weight`` itself without one).
+
+    Raises:
+      ValueError: both given (Keras's error).
+    """
+    if class_weight is None:
+        return sample_weight
+    if sample_weight is not None:
+        raise ValueError(
+            "Arguments `sample_weight` and `class_weight` cannot be specified at the same "
+            f"time. Received: sample_weight={sample_weight}, class_weight={class_weight}"
+        )
+    return _class_weight_to_sample_weights(y, class_weight)
 
 
 def epoch_iterator(**kwargs: Any) -> Any:

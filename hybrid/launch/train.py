@@ -381,10 +381,24 @@ def outputs(config: Any) -> list[str]:
             f"{os.path.join(config.outputs.export_dir, 'stages')}, hybrid.run.serving.load)"
         )
     if config.outputs.keras_file:
-        lines.append(f"  keras_file  {config.outputs.keras_file} (keras.saving.load_model)")
+        lines.append(
+            f"  keras_file  {config.outputs.keras_file} ({_loads_with(config.model.name)})"
+        )
     if config.outputs.model_dir:
         lines.append(f"  tensorboard --logdir {config.outputs.model_dir}")
     return ["outputs:", *lines] if lines else ["outputs: none (give --model_dir to keep the run)"]
+
+
+def _loads_with(model: str) -> str:
+    """How a fresh process loads the model's .keras file: the module that registers its
+    custom layers with Keras imported first (the reference models', or yours)."""
+    if ":" in model:  # yours: "package.module:function"
+        module = model.partition(":")[0]
+    elif model in ("transformer", "resnet"):
+        module = f"hybrid.models.{model}"
+    else:
+        return "keras.saving.load_model"
+    return f"import {module}; keras.saving.load_model"
 
 
 def main(argv: list[str]) -> None:

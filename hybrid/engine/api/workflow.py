@@ -32,7 +32,7 @@ import numpy as np
 
 from hybrid.core.config import RunConfig
 from hybrid.engine import keras_private
-from hybrid.engine.api import batches, export, feed
+from hybrid.engine.api import batches, export, feed, weights_file
 from hybrid.engine.api.logical_optimizer import LogicalOptimizer
 from hybrid.engine.api.metrics import StepMetrics
 from hybrid.engine.model.graph import Graph, TensorSpec
@@ -59,12 +59,6 @@ def _should_eval(epoch: int, frequency: int | Sequence[int]) -> bool:
     if isinstance(frequency, int):
         return (epoch + 1) % frequency == 0
     return epoch + 1 in frequency
-
-
-def _logs_in_order(logs: dict[str, float]) -> float | list[float]:
-    """``evaluate``'s value without ``return_dict``: the loss alone, or loss then metrics."""
-    values = list(logs.values())
-    return values[0] if len(values) == 1 else values
 
 
 class _Padding:
@@ -107,6 +101,8 @@ class Workflow(abc.ABC):
         self.history: Any = None
         self.train_function = None  # no graph for TensorBoard's write_graph to write
         self._logical_optimizer: LogicalOptimizer | None = None
+        # The epoch a callback restored (Keras's BackupAndRestore sets it): fit starts there.
+        self._initial_epoch: int | None = None
 
     @property
     def timeline_every(self) -> int:
@@ -239,13 +235,23 @@ class Workflow(abc.ABC):
         self.to_keras().save(filepath, overwrite=overwrite, **kwargs)
 
     def save_weights(self, filepath: str, overwrite: bool = True) -> None:
-        """``keras.Model.save_weights`` of the user's model with the trained weights."""
+        """``keras.Model.save_weights`` of the user's model with the trained weights, and the
+        optimizer's variables where Keras writes a compiled model's (``weights_file``)."""
         self.to_keras().save_weights(filepath, overwrite=overwrite)
+        if self.built and self._compiled_optimizer():
+            weights_file.write_optimizer(filepath, self.optimizer)
 
     def load_weights(self, filepath: str, **kwargs: Any) -> None:
         """Loads weights saved by :meth:`save_weights` (or Keras) onto every device (the
-        user's model's variables mirror their writes to every copy: ``step/mirrors.py``)."""
+        user's model's variables mirror their writes to every copy: ``step/mirrors.py``),
+        and the optimizer's variables when the file holds them, as Keras does."""
         self.to_keras().load_weights(filepath, **kwargs)
+        if self._compiled_optimizer() and str(filepath).endswith(".weights.h5"):
+            weights_file.read_optimizer(filepath, self.optimizer)
+            self.step_counter.assign(int(self.optimizer.iterations.numpy()))  # seeds follow
+
+    def _compiled_optimizer(self) -> bool:
+        return all(copy.optimizer is not None for row in self.stages for copy in row)
 
     def summary(self, print_fn: Any = None) -> None:
         """Prints the stages table (``hybrid.engine.api.summary``): per stage its devices, layer
@@ -272,6 +278,45 @@ class Workflow(abc.ABC):
         inputs = graph.input_names or [f"input_{j}" for j in range(len(graph.inputs))]
         stages = [row[0] for row in self.stages]
         export.export_stages(stages, inputs, graph.output_names, path)
+
+    # -- Keras's one-batch steps -----------------------------------------------------------
+
+    def train_on_batch(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        class_weight: Any = None,
+        return_dict: bool = False,
+    ) -> Any:
+        """One training step on the batch, as ``keras.Model.train_on_batch``: the metrics
+        reset first, then the batch's loss and metrics (a dict with ``return_dict``, else
+        the loss alone or a list in Keras's order)."""
+        self._require_compiled("train_on_batch")
+        sample_weight = keras_private.class_weights(y, sample_weight, class_weight)
+        self._metrics.reset()
+        self._train_one(self._batch(x, y, sample_weight))
+        return self._batch_logs(return_dict)
+
+    def _batch_logs(self, return_dict: bool) -> Any:
+        logs = keras_private.batch_logs(self._metrics.result())
+        return logs if return_dict else keras_private.logs_in_order(self, logs)
+
+    def test_on_batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False
+    ) -> Any:
+        """The batch's loss and metrics in inference mode, as ``keras.Model.test_on_batch``
+        (the metrics reset first)."""
+        self._require_compiled("test_on_batch")
+        self._metrics.reset()
+        self._test_batch(self._batch(x, y, sample_weight))
+        return self._batch_logs(return_dict)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The model's outputs for the batch, as ``keras.Model.predict_on_batch``."""
+        self._require_compiled("predict_on_batch")
+        outputs = [t.numpy() for t in self._predict_batch(self._batch(x))]
+        return self._output_structure(outputs)
 
     # -- the loops ------------------------------------------------------------------------
 
@@ -362,6 +407,7 @@ class Workflow(abc.ABC):
             self.stop_training = False
             callbacks.on_train_begin()
             training_logs = None
+            initial_epoch = self._initial_epoch or initial_epoch  # as Keras's fit
             for epoch in range(initial_epoch, epochs):
                 self._metrics.reset()
                 callbacks.on_epoch_begin(epoch)
@@ -428,7 +474,7 @@ class Workflow(abc.ABC):
                 callbacks.on_test_batch_end(end, self._metrics.result())
         logs = self._metrics.result() if ran else {}
         callbacks.on_test_end(logs)
-        return logs if return_dict else _logs_in_order(logs)
+        return logs if return_dict else keras_private.logs_in_order(self, logs)
 
     def predict(
         self,
