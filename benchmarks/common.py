@@ -6,8 +6,9 @@ side by side mean anything), results written as JSON and PNG under ``benchmarks/
 and one parseable summary line at the end.
 
 Every benchmark imports this module before anything else: importing it sets TensorFlow's
-environment defaults (quiet C++ logs, no oneDNN rewrites) before TensorFlow loads, and puts
-the source tree first on ``sys.path`` so that ``hybrid`` is this checkout's.
+environment defaults (quiet C++ logs, no oneDNN rewrites) before TensorFlow loads (then loads
+it without its start-up noise: ``hybrid.core.quiet``), and puts the source tree first on
+``sys.path`` so that ``hybrid`` is this checkout's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from hybrid.core.quiet import import_tensorflow  # noqa: E402  (this checkout's hybrid)
+
+import_tensorflow()  # its start-up noise (no CUDA driver, CPU features) kept out of the output
 
 # `bazel run` executes from the runfiles tree and names the source tree in this variable.
 RESULTS = os.path.join(

@@ -108,7 +108,11 @@ def test_all_checkpoints_unreadable_stops_and_fresh_start_moves_them_aside(tmp_p
     assert result.start_step == 0 and ckpts(tmp_path) == ["ckpt-1.index"]
     (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("aside-")]
     assert ckpts(tmp_path / aside) == ["ckpt-1.index", "ckpt-2.index"]
-    assert f"--fresh_start: moved 6 files to {tmp_path}/{aside}; starting from step 1" in log
+    assert (
+        f"--fresh_start: moved 6 files and train/ to {tmp_path}/{aside}; starting from step 1"
+        in log
+    )
+    assert os.listdir(tmp_path / aside / "train")  # the old run's events kept, apart
 
 
 # -- 2. one run per model_dir ------------------------------------------------------------------
@@ -539,6 +543,60 @@ def test_the_flat_names_of_a_train_config_round_trip():
     assert config.replace(micro_batches=2).layout.micro_batches == 2
     with pytest.raises(TypeError, match=r"no fields \['widht'\]"):
         config.replace(widht=4)
+
+
+def test_an_output_whose_extra_is_missing_is_refused_before_any_work(tmp_path):
+    """--timeline_every draws its charts with matplotlib: without it (blocked here as Python
+    blocks a module, ``sys.modules[name] = None``) the flags are refused in one line naming
+    the extra, before anything compiles; the trainer refuses the same config."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    process = start(tmp_path / "run", "--timeline_every=2", env={"PYTHONPATH": str(site)})
+    code, out, err = finish(process)
+    assert code == 1 and "Traceback" not in err and "compiling" not in out, err[-3000:]
+    assert "--timeline_every=2 (its Gantt charts in --model_dir) needs matplotlib" in err, err
+    assert "pip install 'hybrid[plot]'" in err
+    assert not os.path.exists(tmp_path / "run" / "train")
+
+
+def test_a_failure_after_a_step_saves_it_and_a_resume_logs_each_step_once(tmp_path):
+    """An error in the work after step 3 (here the caller's step_callback; a chart that could
+    not be drawn, say) checkpoints step 3 first, so the same config resumes at step 4; a
+    runtime error (a lost device) saves nothing, and the resumed run drops the events the
+    dead run logged after its newest checkpoint: TensorBoard shows each step once."""
+
+    def fail_at(step, error):
+        def callback(done, loss):
+            if done == step:
+                raise error
+
+        return callback
+
+    directory = tmp_path / "run"
+    config = CONFIG.replace(model_dir=str(directory), train_steps=6, checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="chart"):
+        train(config, log=lambda _: None, step_callback=fail_at(3, RuntimeError("chart")))
+    assert ckpts(directory)[-1] == "ckpt-3.index"
+    lost = tf.errors.UnavailableError(None, None, "device lost")
+    with pytest.raises(tf.errors.UnavailableError):
+        train(config, log=lambda _: None, step_callback=fail_at(5, lost))
+    assert ckpts(directory)[-1] == "ckpt-4.index"  # step 5 was logged, not saved
+    lines = []
+    resumed = train(config, log=lines.append)
+    assert resumed.start_step == 4
+    assert "TensorBoard: dropped the events a stopped run logged after step 4" in lines
+    straight = run(tmp_path / "straight", train_steps=6, checkpoint_every=2)
+    for got, want in zip(
+        resumed.pipeline.get_weights(), straight.pipeline.get_weights(), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+    steps = []
+    folder = directory / "train"
+    for name in sorted(os.listdir(folder)):
+        for event in tf.compat.v1.train.summary_iterator(str(folder / name)):
+            steps += [event.step for value in event.summary.value if value.tag == "loss"]
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]  # each step once, whichever file holds it
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["attributes", "missing_dependency"]
+__all__ = ["attributes", "missing_dependency", "missing_extra"]
 
 # What hybrid's features need beyond its core, and how to get it (pyproject.toml's dependencies).
 _NEEDED = ("tensorflow", "keras")
@@ -23,6 +23,26 @@ def missing_dependency(what: str, err: ModuleNotFoundError) -> ModuleNotFoundErr
         "brings TensorFlow 2.21 and Keras 3 (or: pip install 'tensorflow>=2.20,<2.22'; on a "
         "Cloud TPU VM: pip install 'tensorflow-tpu==2.20.*')",
         name=err.name,
+    )
+
+
+# Optional modules -> the extra of pyproject.toml that brings them.
+_EXTRAS = {"matplotlib": "plot"}
+
+
+def missing_extra(module: str, what: str) -> str | None:
+    """One line saying ``what`` needs the optional ``module`` and how to install it; None
+    when it is installed (checked without importing it)."""
+    import importlib.util
+    import sys
+
+    blocked = module in sys.modules and sys.modules[module] is None  # Python's "not there"
+    if not blocked and importlib.util.find_spec(module) is not None:
+        return None
+    extra = _EXTRAS[module]
+    return (
+        f"{what} needs {module}, which is not installed in {_interpreter()}: "
+        f"pip install 'hybrid[{extra}]' (or: pip install {module})"
     )
 
 

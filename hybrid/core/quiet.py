@@ -6,16 +6,31 @@ hidden unless the user asked for them; warnings and errors always shown.
                                    and the CPU kernels the launcher and the tests run
     absl INFO from TensorFlow/Keras modules -> dropped (the launcher, unless --verbosity);
     hybrid's own INFO lines and every WARNING or worse -> kept
+    TensorFlow's start-up lines written straight to file descriptor 2 while it loads and
+    finds its devices, before any log level applies (no CUDA driver on a CPU host, the CPU
+    features it was built for, absl's log initialization) -> dropped (``quiet_start``),
+    unless TF_CPP_MIN_LOG_LEVEL=0 asks for everything; every other line passes
 
 No TensorFlow here: this runs before TensorFlow is imported, which is when the C++ level is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 
-__all__ = ["LIBRARY_INFO_FILTER", "hide_library_info", "quiet_cpp_info"]
+__all__ = [
+    "LIBRARY_INFO_FILTER",
+    "hide_library_info",
+    "import_tensorflow",
+    "quiet_cpp_info",
+    "quiet_start",
+]
 
 _HYBRID = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,3 +60,46 @@ def hide_library_info(logger: str = "absl") -> None:
     target = logging.getLogger(logger)
     if LIBRARY_INFO_FILTER not in target.filters:
         target.addFilter(LIBRARY_INFO_FILTER)
+
+
+# TensorFlow's start-up lines that say nothing about the run: a CPU host has no CUDA driver
+# (the standard build probes for one), the CPU instructions its kernels could use, and absl's
+# note that it logs to stderr before its initialization.
+_START_UP_NOISE = re.compile(
+    r"cuda_platform\.cc|cudart_stub\.cc|cuda_(dnn|fft|blas)\.cc|cpu_feature_guard\.cc"
+    r"|All log messages before absl::InitializeLog|^To enable the following instructions"
+)
+
+
+@contextlib.contextmanager
+def quiet_start() -> Iterator[None]:
+    """Runs the block with file descriptor 2 caught, then writes back to stderr every line
+    it got except TensorFlow's start-up noise (``_START_UP_NOISE``). For loading TensorFlow
+    and listing its devices, where its C++ writes before any log level applies."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0":  # everything asked for
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.writelines(line for line in lines if not _START_UP_NOISE.search(line))
+            sys.stderr.flush()
+
+
+def import_tensorflow() -> None:
+    """Imports TensorFlow (once) and finds its devices, without its start-up noise."""
+    if "tensorflow" in sys.modules:
+        return
+    with quiet_start():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()

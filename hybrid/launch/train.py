@@ -406,6 +406,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import logging
 
+    from hybrid.core.quiet import import_tensorflow
+
+    import_tensorflow()  # without its start-up noise (no CUDA driver on a CPU host, ...)
+
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
     if not FLAGS["verbosity"].present:  # absl INFO of TensorFlow's saving code: not asked for
         from hybrid.core.quiet import hide_library_info

@@ -213,6 +213,7 @@ def _register_validators() -> None:
     flags.register_multi_flags_validator(
         ["model_dir", "export_dir", "keras_file"], _check_output_paths
     )
+    flags.register_multi_flags_validator(["timeline_every", "model_dir"], _check_extras)
     flags.register_multi_flags_validator(
         [
             "platform",
@@ -394,6 +395,16 @@ def _check_output_paths(values: dict[str, Any]) -> bool:
         check_output_paths(values["model_dir"], values["export_dir"], values["keras_file"])
     except ValueError as err:
         raise flags.ValidationError(str(err)) from None
+    return True
+
+
+def _check_extras(values: dict[str, Any]) -> bool:
+    """The optional packages the outputs asked for are installed (before any work)."""
+    from hybrid.run.output_paths import missing_extras
+
+    missing = missing_extras(values["timeline_every"], values["model_dir"])
+    if missing:
+        raise flags.ValidationError(missing)
     return True
 
 

@@ -39,26 +39,27 @@ NAMES = ("compute", "transfer", "all-reduce", "idle")  # a timed step's shares, 
 
 
 class _Progress:
-    """Step times after the first (compiling) step of this call, for rates and the ETA."""
+    """Step times after the first (compiling) step of this call, timed steps left out (they
+    run each action on its own), for rates and the ETA."""
 
     def __init__(self, batch: int, remaining: int) -> None:
         self.batch, self.remaining = batch, remaining
-        self.timed, self.seconds, self.last = 0, 0.0, 0.0
+        self.counted, self.seconds, self.last = 0, 0.0, 0.0
 
-    def add(self, seconds: float, first: bool) -> None:
+    def add(self, seconds: float, left_out: bool) -> None:
         self.remaining -= 1
         self.last = seconds
-        if not first:
-            self.timed += 1
+        if not left_out:
+            self.counted += 1
             self.seconds += seconds
 
     @property
     def examples_per_second(self) -> float:
-        return self.batch * self.timed / self.seconds if self.timed else 0.0
+        return self.batch * self.counted / self.seconds if self.counted else 0.0
 
     @property
     def eta(self) -> str:
-        per_step = self.seconds / self.timed if self.timed else self.last
+        per_step = self.seconds / self.counted if self.counted else self.last
         seconds = int(round(per_step * self.remaining))
         return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -102,19 +103,36 @@ class Steps(keras.callbacks.Callback):
         self.compile_seconds: float | None = None
         self.validation: dict[str, float] = {}
         self.memory_reported = False
+        self.timed_seen = False  # whether a timed step (--timeline_every) has run yet
+        # The step whose update is complete while its after-step work runs (None once the
+        # next step starts): a failure then can still checkpoint it (save_before_failing).
+        self.finished: int | None = None
+        self.saved: int | None = None
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        step = self.start + batch + 1
         if batch == 0:
             self.log(f"compiling {_programs(self.pipe)} stage programs (the first step)...")
+        if self.pipe.timed(step) and not self.timed_seen:
+            self.log(
+                f"compiling the timed step (step {step}: each action a program of its own, "
+                "timed; --timeline_every steps are left out of examples/s and the ETA)..."
+            )
         _profile(self.config, self.start + batch + 1, "start")
+        self.finished = None
         self.began = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         config, step = self.config, self.start + batch + 1
         loss = self.pipe.last_loss
-        self.progress.add(time.perf_counter() - self.began, first=batch == 0)
+        timed = self.pipe.timed(step)
+        self.progress.add(time.perf_counter() - self.began, left_out=batch == 0 or timed)
+        if timed and not self.timed_seen:
+            self.timed_seen = True
+            self.log(f"compiled and ran the timed step {step} in {self.progress.last:.1f} s")
         _profile(config, step, "stop")
         _check_finite(config, step, loss, self.last_checkpoint)
+        self.finished = step
         self.losses.append(loss)
         metrics = _metrics(logs)
         if batch == 0:
@@ -142,13 +160,32 @@ class Steps(keras.callbacks.Callback):
             or step == config.train_steps
         ):
             self.last_checkpoint, saved = self.saver.save(step), True
+            self.saved = step
         if self.step_callback is not None:
             self.step_callback(step, loss)
         if self.stop is not None and self.stop.is_set():
             if self.saver and not saved:
-                self.last_checkpoint = self.saver.save(step)
+                self.last_checkpoint, self.saved = self.saver.save(step), step
             self.interrupted_at = step
             self.pipe.stop_training = True
+
+    def save_before_failing(self, err: BaseException) -> None:
+        """After ``err`` ended the run: checkpoints the step whose update had finished when
+        its after-step work failed (a report, a chart, your ``step_callback``), unless it is
+        saved already, the loss was not finite, or ``err`` is TensorFlow's runtime error (a
+        lost worker, a preempted TPU: the devices' state cannot be read back); a failure to
+        save is logged, ``err`` is what the caller raises."""
+        step = self.finished
+        if self.saver is None or step is None or step == self.saved:
+            return
+        if isinstance(err, tf.errors.OpError):
+            return
+        try:
+            self.last_checkpoint, self.saved = self.saver.save(step), step
+        except Exception as failed:  # noqa: BLE001 - err, not this, is the run's error
+            self.log(f"could not save step {step} before stopping: {failed}")
+            return
+        self.log(f"saved {os.path.basename(self.last_checkpoint)} before stopping")
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         """Keeps the validation figures (``val_*``) of ``fit``'s end: logged and written."""

@@ -8,15 +8,19 @@
 Each must be creatable: not a regular file where a directory goes, not under a regular
 file, in a directory this process may write. Object-store paths (``gs://...``) are left to
 the store. A refusal is a ``ValueError`` naming the option (``--name=value``) and the fix.
+What draws an output must be installed too (:func:`missing_extras`: the timeline charts'
+matplotlib), so a run never fails at its first timed step after minutes of work.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["check_output_paths"]
+from hybrid.core.lazy import missing_extra
 
-_MODEL_DIR_FOLDERS = ("train", "profile", "timeline")
+__all__ = ["MODEL_DIR_FOLDERS", "check_output_paths", "missing_extras"]
+
+MODEL_DIR_FOLDERS = ("train", "profile", "timeline")  # what a run writes besides checkpoints
 
 
 def _existing_ancestor(path: str) -> str:
@@ -57,7 +61,7 @@ def check_output_paths(
     be written, and no earlier export would be overwritten."""
     if model_dir and "://" not in model_dir:
         _check_creatable("model_dir", model_dir, directory=True)
-        for folder in _MODEL_DIR_FOLDERS:
+        for folder in MODEL_DIR_FOLDERS:
             inner = os.path.join(model_dir, folder)
             if os.path.lexists(inner) and not os.path.isdir(inner):
                 raise ValueError(
@@ -78,3 +82,13 @@ def check_output_paths(
                 f"--keras_file={keras_file} exists already; saving would overwrite it: remove "
                 "it or choose another --keras_file"
             )
+
+
+def missing_extras(timeline_every: int, model_dir: str | None) -> str | None:
+    """Why the outputs asked for cannot be drawn (one line naming the flag and the install),
+    or None: ``--timeline_every`` with a ``--model_dir`` draws Gantt charts (matplotlib)."""
+    if not (timeline_every and model_dir):
+        return None
+    return missing_extra(
+        "matplotlib", f"--timeline_every={timeline_every} (its Gantt charts in --model_dir)"
+    )

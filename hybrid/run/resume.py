@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import keras
+import tensorflow as tf
 
 from hybrid.engine.api.pipeline import Pipeline
 from hybrid.run import model_dir, run_record
 from hybrid.run.checkpoint import Checkpointer, Restored
+from hybrid.run.output_paths import MODEL_DIR_FOLDERS
 from hybrid.run.run_lock import RunLock
 
 if TYPE_CHECKING:
@@ -52,15 +55,19 @@ def lock(config: TrainConfig, log: Callable[[str], None]) -> Iterator[None]:
 
 
 def start_afresh(config: TrainConfig, log: Callable[[str], None]) -> None:
-    """``fresh_start``: moves the directory's checkpoint files and record aside."""
-    if not (config.outputs.model_dir and config.outputs.fresh_start):
+    """``fresh_start``: moves the directory's checkpoint files, record and the folders of
+    the run's other outputs (TensorBoard events, timelines, profiles) aside."""
+    directory = config.outputs.model_dir
+    if not (directory and config.outputs.fresh_start):
         return
-    names = model_dir.checkpoint_files(config.outputs.model_dir)
-    if run_record.read(config.outputs.model_dir) is not None:
+    names = model_dir.checkpoint_files(directory)
+    if run_record.read(directory) is not None:
         names.append(run_record.RECORD_FILE)
-    if names:
-        aside = model_dir.move_aside(config.outputs.model_dir, names)
-        log(f"--fresh_start: moved {len(names)} files to {aside}; starting from step 1")
+    folders = [f for f in MODEL_DIR_FOLDERS if tf.io.gfile.isdir(os.path.join(directory, f))]
+    if names or folders:
+        aside = model_dir.move_aside(directory, names + folders)
+        also = f" and {', '.join(f + '/' for f in folders)}" if folders else ""
+        log(f"--fresh_start: moved {len(names)} files{also} to {aside}; starting from step 1")
 
 
 def describe_model(model: Any, loss: Any) -> tuple[list[str], str]:

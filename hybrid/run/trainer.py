@@ -32,11 +32,11 @@ import tensorflow as tf
 
 from hybrid.core.mesh import DeviceMesh, parse_spec
 from hybrid.engine.api.pipeline import Pipeline
-from hybrid.run import data, resume
+from hybrid.run import data, event_files, resume
 from hybrid.run.callbacks import NonFiniteLossError, StepCallback, Steps
 from hybrid.run.checkpoint import Checkpointer
 from hybrid.run.data_sources import is_function_spec
-from hybrid.run.output_paths import check_output_paths
+from hybrid.run.output_paths import check_output_paths, missing_extras
 from hybrid.run.train_config import TrainConfig
 from hybrid.run.user_model import call_user, model_for, optimizer_for
 
@@ -151,6 +151,9 @@ def train(
     check_output_paths(
         config.outputs.model_dir, config.outputs.export_dir, config.outputs.keras_file
     )
+    missing = missing_extras(config.timeline_every, config.outputs.model_dir)
+    if missing:
+        raise ValueError(missing)
     with resume.lock(config, log):
         resume.start_afresh(config, log)
         return _train(config, log, step_callback, devices, checkpoint_io_device, strategy, stop)
@@ -186,24 +189,29 @@ def _train(
         if config.data.validation_data
         else None
     )
-    writer = (
-        tf.summary.create_file_writer(os.path.join(config.outputs.model_dir, "train"))
-        if config.outputs.model_dir
-        else None
-    )
+    writer = None
+    if config.outputs.model_dir:
+        events = os.path.join(config.outputs.model_dir, "train")
+        if event_files.drop_after(events, start):
+            log(f"TensorBoard: dropped the events a stopped run logged after step {start}")
+        writer = tf.summary.create_file_writer(events)
     steps = Steps(config, pipe, start, saver, writer, log, step_callback, stop)
     steps.last_checkpoint = restored.path if restored else None
     if config.train_steps > start:
-        pipe.fit(
-            batches,
-            epochs=1,
-            steps_per_epoch=config.train_steps - start,
-            verbose=0,  # the progress bar, if any, is the Steps callback's (after compiling)
-            shuffle=False,  # the batches are a function of (seed, step)
-            callbacks=[steps],
-            validation_data=validation,
-            validation_steps=config.data.validation_steps,
-        )
+        try:
+            pipe.fit(
+                batches,
+                epochs=1,
+                steps_per_epoch=config.train_steps - start,
+                verbose=0,  # the progress bar, if any, is the Steps callback's (after compiling)
+                shuffle=False,  # the batches are a function of (seed, step)
+                callbacks=[steps],
+                validation_data=validation,
+                validation_steps=config.data.validation_steps,
+            )
+        except Exception as err:
+            steps.save_before_failing(err)
+            raise
     if writer is not None:
         writer.flush()
     if steps.interrupted_at is None:

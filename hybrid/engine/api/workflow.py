@@ -166,11 +166,15 @@ class Workflow(abc.ABC):
     def _predict_batch(self, parts: Any) -> list[Any]:
         """The model's outputs on a prepared batch's real examples."""
 
+    def timed(self, step: int) -> bool:
+        """Whether training step ``step`` (counted from 1 over the run) is run timed: every
+        ``timeline_every``-th."""
+        every = self.timeline_every
+        return bool(every) and step % every == 0
+
     def _train_one(self, parts: Any) -> None:
         """One training step; timed when the step it takes is a ``timeline_every`` one."""
-        every = self.timeline_every
-        timed = bool(every) and (int(self.step_counter.numpy()) + 1) % every == 0
-        self._train_batch(parts, timed=timed)
+        self._train_batch(parts, timed=self.timed(int(self.step_counter.numpy()) + 1))
 
     # -- the model's weights, in and out ---------------------------------------------------
 
