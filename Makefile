@@ -45,6 +45,7 @@ install: $(VENV)/.installed
 DEMO_DIR ?= /tmp/hybrid-demo
 DEMO_STEPS ?= 60
 FRESH ?=
+demo: export HYBRID_RERUN_HINT = make demo DEMO_STEPS=<more> to go on, or make demo FRESH=1 to train again
 demo: install
 	$(PY) -m hybrid.launch.train --mesh=stage:2,replica:2 --micro_batches=4 \
 		--train_steps=$(DEMO_STEPS) --progress_bar --model_dir=$(DEMO_DIR) $(if $(FRESH),--fresh_start)

@@ -9,6 +9,7 @@ float32 round-off.
 """
 
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -266,6 +267,10 @@ def test_padding_warns_when_a_layer_sees_the_whole_batch():
     pipe.train_step(x, y)  # splits evenly: no padding
     with pytest.warns(UserWarning, match=r"padded with copies of its first example.*\['bn'\]"):
         pipe.train_step(*data(13))
+    with warnings.catch_warnings():  # inference normalizes with the moving statistics
+        warnings.simplefilter("error")
+        pipe.predict(data(13)[0], verbose=0)
+        pipe.evaluate(*data(13), verbose=0)
 
 
 if __name__ == "__main__":

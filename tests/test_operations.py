@@ -470,6 +470,11 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_what_it_needed(tmp_p
         (["--mesh=auto", "--simulated_devices=0"], "flag --simulated_devices=0: 0 is not a pos"),
         (["--platform=gpu"], "error: --platform=gpu --mesh=stage:2;replica:1 needs 2 GPUs but"),
         (["--fresh_start"], "--fresh_start applies to a --model_dir; none is given"),
+        (
+            ["--global_batch_size=9"],
+            "error: --global_batch_size=9 --mesh=stage:2;replica:1 --micro_batches=2: global "
+            "batch 9 is not divisible by replicas (1) × micro_batches (2) = 2",
+        ),
     ],
 )
 def test_flag_errors_are_one_line_naming_the_flag(tmp_path, flags, message):
@@ -481,6 +486,18 @@ def test_flag_errors_are_one_line_naming_the_flag(tmp_path, flags, message):
     code, out, err = finish(process)
     assert code == 1 and "Traceback" not in err and "step " not in out, err[-3000:]
     assert message.format(t=tmp_path) in err, err[-3000:]
+    assert "FATAL" not in err and "shard_optimizer_states=" not in err, err[-3000:]
+
+
+def test_help_lists_the_flags_and_exits_0():
+    done = subprocess.run(
+        [sys.executable, "-m", "hybrid.launch.train", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert done.returncode == 0 and "--micro_batches" in done.stdout, done.stderr[-2000:]
 
 
 def test_stage_peaks_are_read_only_where_each_device_has_its_own_allocator():

@@ -166,7 +166,8 @@ def test_first_call_builds_and_trains():
 def test_summary_and_repr_say_what_the_pipeline_is():
     x_in = keras.Input((8,))
     h = keras.layers.Dense(16, name="first")(x_in)
-    r = keras.layers.Dense(16, name="inner")(keras.layers.LayerNormalization(name="norm")(h))
+    long = "inner_projection_of_the_residual_branch_with_a_long_name"  # wider than its column
+    r = keras.layers.Dense(16, name=long)(keras.layers.LayerNormalization(name="norm")(h))
     h = keras.layers.Add(name="join")([h, r])
     model = keras.Model(x_in, keras.layers.Dense(3, name="out")(h))
     pipe = hybrid.Pipeline(
@@ -189,8 +190,11 @@ def test_summary_and_repr_say_what_the_pipeline_is():
     assert stage0.split()[:5] == ["0", "device:CPU:0,", "device:CPU:1", "first,", "norm"]
     assert "(2)" in stage0 and f"{8 * 16 + 16 + 2 * 16:,}" in stage0  # first + norm
     assert in0.split() == ["in:", "(batch,", "8)", "float32"]
-    assert stage1.split()[:5] == ["1", "device:CPU:2,", "device:CPU:3", "inner", "…"]
+    assert stage1.split()[:5] == ["1", "device:CPU:2,", "device:CPU:3", long, "…"]
     assert "out (3)" in stage1 and f"{16 * 16 + 16 + 16 * 3 + 3:,}" in stage1
+    end = lines[1].index("params") + len("params")  # the columns line up under the titles
+    assert stage0[:end].endswith(f"{8 * 16 + 16 + 2 * 16:,}")
+    assert stage1[:end].endswith(f"{16 * 16 + 16 + 16 * 3 + 3:,}")
     # the skip crosses the cut beside the activation
     assert in1.split() == ["in:", "(batch,", "16)", "float32,", "(batch,", "16)", "float32"]
     # built without a batch size: no memory predicted ("?")

@@ -357,11 +357,15 @@ def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
             f"done: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over steps "
             f"{result.start_step + 1}-{config.train_steps}, "
             f"{result.examples_per_second:.1f} examples/s"
+            + (" (timed steps left out)" if config.timeline_every else "")
         )
     else:
         print(
             f"done: already trained to step {config.train_steps} ({result.checkpoint}); "
-            "--train_steps higher to go on, or --fresh_start to train again"
+            + os.environ.get(  # `make demo` names its own variables
+                "HYBRID_RERUN_HINT",
+                "--train_steps higher to go on, or --fresh_start to train again",
+            )
         )
     for line in outputs(config):
         print(line)
@@ -442,13 +446,42 @@ def main(argv: list[str]) -> None:
     _finish(config, result, interrupts)
 
 
+_HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing of ``argv``, each refusal one line: ``error: `` and the check's own
+    message (which names the flags and the fix), not absl's ``FATAL Flags parsing error:
+    flags a=…, b=…, …:`` with every flag the check reads; exits 1."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as err:
+        prefixes = {
+            v.print_flags_with_values(FLAGS) + ": "
+            for name in FLAGS
+            for v in FLAGS[name].validators
+            if hasattr(v, "flag_names")  # a check of several flags
+        }
+        for line in str(err).splitlines():
+            prefix = max((p for p in prefixes if line.startswith(p)), key=len, default="")
+            print(f"error: {line[len(prefix) :]}", file=sys.stderr)
+        print("(hybrid-train --help lists the flags)", file=sys.stderr)
+        sys.exit(1)
+
+
 def run() -> None:
-    """The ``hybrid-train`` command: defines the flags, parses argv and runs :func:`main`."""
+    """The ``hybrid-train`` command: defines the flags, parses argv and runs :func:`main`;
+    ``--help`` prints the flags and exits 0."""
     define_flags()
     show_in_help(
         "hybrid.launch.train_flags", "hybrid.launch.model_flags", "hybrid.launch.cloud_tpu"
     )
-    app.run(main)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except SystemExit as done:
+        if done.code == 1 and any(arg in _HELP for arg in sys.argv[1:]):
+            sys.exit(0)  # absl ends its help with 1
+        raise
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -93,7 +94,7 @@ class Steps(keras.callbacks.Callback):
         self.stop = stop
         self.interrupted_at: int | None = None
         self.config, self.pipe, self.start, self.saver = config, pipe, start, saver
-        self.writer, self.log, self.step_callback = writer, log, step_callback
+        self.writer, self._write, self.step_callback = writer, log, step_callback
         self.progress = _Progress(config.data.global_batch_size, config.train_steps - start)
         self.losses: list[float] = []
         self.last_checkpoint: str | None = None
@@ -108,6 +109,13 @@ class Steps(keras.callbacks.Callback):
         # next step starts): a failure then can still checkpoint it (save_before_failing).
         self.finished: int | None = None
         self.saved: int | None = None
+
+    def log(self, text: str) -> None:
+        """A line of its own: while the progress bar is drawn (it leaves the cursor on its
+        line), that line is ended first."""
+        if self.bar is not None:
+            sys.stdout.write("\n")
+        self._write(text)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         step = self.start + batch + 1

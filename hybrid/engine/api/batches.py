@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from hybrid.core.config import RunConfig, check_global_batch
 from hybrid.engine.model.graph import Graph
+from hybrid.engine.model.layer_checks import layer_names
 from hybrid.engine.step.stage import Labels, StageReplica, TensorSpec
 
 __all__ = [
@@ -168,19 +169,22 @@ def pad(
     )
 
 
-def warn_padding(stages: Sequence[StageReplica]) -> None:
+def warn_padding(stages: Sequence[StageReplica], training: bool) -> None:
     """Warns that the padding examples of a partial batch reach the layers whose effect
-    depends on the whole batch (BatchNormalization's statistics, activity regularizers,
-    ``add_loss``): the loss and gradients of the real examples stay exact only without them."""
-    layers = [layer.name for stage in stages for layer, _ in stage.norms]
+    depends on the whole batch in this step: BatchNormalization's statistics (in training
+    only: inference normalizes with the moving statistics), activity regularizers and
+    ``add_loss`` (in any step that computes the loss). The loss and gradients of the real
+    examples stay exact only without them; a prediction is never affected."""
+    layers = [layer.name for stage in stages for layer, _ in stage.norms] if training else []
     layers += [layer.name for stage in stages for layer in stage.regularized]
     if layers:
         warnings.warn(
-            f"a partial batch is padded with copies of its first example to split into equal "
-            "micro-batches; "
-            f"layers {sorted(set(layers))} see them (BatchNormalization statistics, activity "
-            "regularizers, add_loss), so this step differs from Keras's on the partial batch: "
-            "use a batch size that divides the data (or drop_remainder) to avoid it",
+            "a partial batch is padded with copies of its first example to split into equal "
+            f"micro-batches; layers {layer_names(sorted(set(layers)))} see them "
+            "(BatchNormalization statistics in training, activity regularizers, add_loss), so "
+            "this "
+            f"{'step' if training else 'evaluation'} differs from Keras's on the partial "
+            "batch: use a batch size that divides the data (or drop_remainder) to avoid it",
             stacklevel=3,
         )
 

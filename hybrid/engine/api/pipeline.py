@@ -431,8 +431,7 @@ class Pipeline(Workflow):
         """
         self._require_compiled("train_step")
         self._metrics.reset()
-        parts = self._batch(x, y, sample_weight)
-        self._first.function(self._steps, self._ordering)(parts)
+        self._train_batch(self._batch(x, y, sample_weight))
         return self._metrics.result()
 
     def timed_train_step(
@@ -446,7 +445,14 @@ class Pipeline(Workflow):
         view = self._timed_step(self._batch(x, y, sample_weight))
         return self._metrics.result(), view.actions
 
+    def _warn_padding(self, parts: Shards, training: bool) -> None:
+        """Warns when padding of a partial batch reaches layers that see the whole batch in
+        this kind of step (``batches.warn_padding``)."""
+        if any(shard.valid is not None for shard in parts):
+            batches.warn_padding([row[0] for row in self._stages], training)
+
     def _train_batch(self, parts: Shards, timed: bool = False) -> None:
+        self._warn_padding(parts, training=True)
         if timed:
             self._timed_step(parts)
         else:
@@ -459,6 +465,7 @@ class Pipeline(Workflow):
         return compile_cache.ordered(self.config.replicas, jit, self.strategy, synced)
 
     def _test_batch(self, parts: Shards) -> None:
+        self._warn_padding(parts, training=False)
         self._steps.evaluate(parts)
 
     def _predict_batch(self, parts: Shards) -> Flat:
@@ -521,8 +528,6 @@ class Pipeline(Workflow):
     def _shards(self, xs: Flat, ys: Any, ws: Any, pad_to: int | None = None) -> Shards:
         """Flat inputs, labels and weights padded and cut into the replicas' shards."""
         xs, ys, ws, valid = batches.pad(self.config, xs, ys, ws, pad_to)
-        if valid is not None:
-            batches.warn_padding([row[0] for row in self._stages])
         return batches.shards(self.config, *batches.prepare(self.config, xs, ys, ws), valid)
 
     def _shard_devices(self) -> tuple[list[str], list[str]]:

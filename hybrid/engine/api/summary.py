@@ -116,19 +116,31 @@ def summary(pipe: Any, print_fn: Callable[[str], None] | None = None) -> str:
     rows = stage_rows(pipe)
     total = sum(r.work for r in rows) or 1
     peaks = pipe.predicted_memory()
-    head = (
-        f"{'stage':>5}  {'devices':<28} {'layer calls':<40} {'params':>10} {'compute':>8} "
-        f"{'memory':>10}"
-    )
-    lines = [f"Pipeline: {one_line(pipe)}", head, "-" * len(head)]
-    for r in rows:
-        devices = ", ".join(d.rsplit("/", 1)[-1] for d in r.devices)
-        calls = f"{_first_last(r.calls)} ({len(r.calls)})"
-        held = memory.format_bytes(peaks[pipe.schedule.device_of(r.index)]) if peaks else "?"
-        lines.append(
-            f"{r.index:>5}  {devices:<28} {calls:<40} {r.parameters:>10,} "
-            f"{r.work / total:>8.1%} {held:>10}"
+    cells = [
+        (
+            str(r.index),
+            ", ".join(d.rsplit("/", 1)[-1] for d in r.devices),
+            f"{_first_last(r.calls)} ({len(r.calls)})",
+            f"{r.parameters:,}",
+            f"{r.work / total:.1%}",
+            memory.format_bytes(peaks[pipe.schedule.device_of(r.index)]) if peaks else "?",
         )
+        for r in rows
+    ]
+    titles = ("stage", "devices", "layer calls", "params", "compute", "memory")
+    # Each column as wide as its widest cell (long layer names keep the columns in line).
+    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
+    right = (True, False, False, True, True, True)
+
+    def row(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right, strict=True)
+        ).rstrip()
+
+    head = row(titles)
+    lines = [f"Pipeline: {one_line(pipe)}", head, "-" * len(head)]
+    for r, values in zip(rows, cells, strict=True):
+        lines.append(row(values))
         lines.append(f"{'':>7}in: {_specs(r.inputs)}")
     config = pipe.config
     lines += [

@@ -32,6 +32,7 @@ import tensorflow as tf
 from hybrid.core.config import BATCH_NORM_MIN_EXAMPLES
 from hybrid.engine import keras_private
 from hybrid.engine.model.graph import Segment
+from hybrid.engine.model.layer_checks import layer_names
 
 __all__ = [
     "Norm",
@@ -155,24 +156,23 @@ def warn_micro_batches(
     said = []
     if alone:
         said.append(
-            f"BatchNormalization layers {alone} normalize each micro-batch alone in training: "
+            f"BatchNormalization layers {layer_names(alone)} normalize each micro-batch alone "
+            "in training: "
             + share(replicas * micro_batches, f"(replicas {replicas} × micro_batches {M})")
         )
     if together:
         said.append(
-            f"synchronized BatchNormalization layers {together} normalize each micro-batch of "
+            f"synchronized BatchNormalization layers {layer_names(together)} normalize each "
+            "micro-batch of "
             f"the {replicas} replicas together: "
             + share(micro_batches, f"micro_batches {micro_batches}")
         )
-    remedies = "a larger micro-batch (a larger batch or fewer micro_batches; at least "
-    remedies += f"{BATCH_NORM_MIN_EXAMPLES} examples)"
+    remedies = f"more examples per micro-batch (at least {BATCH_NORM_MIN_EXAMPLES})"
     if alone and replicas > 1:
-        remedies += ", BatchNormalization(synchronized=True) (all-reduced over the replicas)"
+        remedies += ", synchronized=True"
     warnings.warn(
-        "; ".join(said) + ", where Keras on one device normalizes over the whole batch; "
-        "their moving statistics come from the whole global batch. Few examples make the "
-        "statistics noisy (Keras Applications CNNs diverged at 4). Remedies: "
-        f"{remedies}, or GroupNormalization / LayerNormalization, which do not depend on "
-        "the batch. See docs/guide/exactness.md, 'BatchNormalization'",
+        "; ".join(said) + ", where Keras normalizes over the whole batch (the moving "
+        f"statistics here do too); few examples make it noisy. Remedies: {remedies}, or "
+        "Group/LayerNormalization (docs/guide/exactness.md, 'BatchNormalization')",
         stacklevel=3,
     )

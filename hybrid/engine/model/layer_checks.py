@@ -12,7 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
-__all__ = ["adds_loss", "check_layer", "seed_generators", "warn_added_losses"]
+__all__ = ["adds_loss", "check_layer", "layer_names", "seed_generators", "warn_added_losses"]
 
 
 def seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
@@ -61,7 +61,8 @@ def adds_loss(layer: Any) -> bool:
 def warn_added_losses(layers: Sequence[keras.layers.Layer], parts: int) -> None:
     """Warns how ``add_loss`` losses combine over ``parts`` micro-batches."""
     warnings.warn(
-        f"layers {[layer.name for layer in layers]} add losses with add_loss; the pipeline "
+        f"layers {layer_names([layer.name for layer in layers])} add losses with add_loss; "
+        "the pipeline "
         f"adds each micro-batch's value weighted 1/{parts} (their mean over the "
         "micro-batches), which is Keras's value on the whole batch when the added loss is a "
         "mean over the batch's examples (divide a sum by the batch size)",
@@ -82,3 +83,11 @@ def _updates_state(layer: keras.layers.Layer, x: Any) -> bool:
         id(v) not in seeds and not np.array_equal(np.asarray(v.numpy()), np.asarray(n))
         for v, n in zip(state, new, strict=True)
     )
+
+
+def layer_names(names: Sequence[str], shown: int = 3) -> str:
+    """Layer names as a warning gives them: the first ``shown``, then how many more (a
+    model of 34 BatchNormalization layers is not named on one line)."""
+    listed = ", ".join(repr(name) for name in names[:shown])
+    more = f", ... and {len(names) - shown} more" if len(names) > shown else ""
+    return f"[{listed}{more}]"
