@@ -18,6 +18,7 @@ import keras_hub
 import numpy as np
 
 import hybrid
+from hybrid.engine.model import graph
 
 import runner
 
@@ -110,8 +111,8 @@ def test_a_nested_backbone_is_cut_inside_and_trains_as_keras():
     x1, y = classes(16, (6,), 3)
     x2, _ = classes(16, (6,), 3, seed=1)
     pipe = fit_both(shared_backbone_model, [x1, x2], y, 2, 2, 1, optimizer=sgd)
-    graph = pipe.stages[0][0].segment.calls + pipe.stages[1][0].segment.calls
-    assert len(graph) == 9 + 9 + 1 + 2, [c.layer.name for c in graph]
+    calls = pipe.stages[0][0].segment.calls + pipe.stages[1][0].segment.calls
+    assert len(calls) == 9 + 9 + 1 + 2, [c.layer.name for c in calls]
     model = pipe.to_keras()  # the user's nesting, untouched, with the trained weights
     assert isinstance(model.get_layer("head").get_layer("inner_seq"), keras.Sequential)
     np.testing.assert_array_equal(
@@ -136,7 +137,7 @@ def test_a_nested_model_keras_would_rearrange_or_convert_stays_one_call():
     h = by_name({"b_in": x, "a_in": keras.layers.Dense(4)(y)})
     h = keras.layers.Concatenate()([h, keras.layers.Flatten()(cast(keras.layers.Dense(4)(x)))])
     model = keras.Model([x, y], keras.layers.Dense(2)(h))
-    calls = [type(c.layer).__name__ for c in hybrid.engine.model.graph.graph_of(model).calls]
+    calls = [type(c.layer).__name__ for c in graph.graph_of(model).calls]
     assert calls.count("Functional") == 2, calls
 
 
@@ -152,8 +153,8 @@ def test_a_nested_subclassed_model_stays_one_call():
     keras.utils.set_random_seed(0)
     x_in = keras.Input((4,))
     model = keras.Model(x_in, keras.layers.Dense(2)(Block()(keras.layers.Dense(4)(x_in))))
-    graph = hybrid.engine.model.graph.graph_of(model)
-    assert [type(c.layer).__name__ for c in graph.calls] == ["Dense", "Block", "Dense"]
+    calls = graph.graph_of(model).calls
+    assert [type(c.layer).__name__ for c in calls] == ["Dense", "Block", "Dense"]
 
 
 # -- Keras Applications ----------------------------------------------------------------------
