@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from absl import flags
+from absl import app, flags
 
-__all__ = ["show_in_help"]
+__all__ = ["parse_flags", "run_app", "show_in_help"]
+
+_HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 
 def show_in_help(*modules: str) -> None:
@@ -18,3 +22,34 @@ def show_in_help(*modules: str) -> None:
     for module in modules:
         for flag in flags.FLAGS.get_flags_for_module(module):
             flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+def parse_flags(argv: list[str], command: str = "the command") -> list[str]:
+    """absl's parsing of ``argv``, each refusal one line: ``error: `` and the check's own
+    message (which names the flags and the fix), not absl's ``FATAL Flags parsing error:
+    flags a=…, b=…, …:`` with every flag the check reads; exits 1."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        prefixes = {
+            v.print_flags_with_values(flags.FLAGS) + ": "
+            for name in flags.FLAGS
+            for v in flags.FLAGS[name].validators
+            if hasattr(v, "flag_names")  # a check of several flags
+        }
+        for line in str(err).splitlines():
+            prefix = max((p for p in prefixes if line.startswith(p)), key=len, default="")
+            print(f"error: {line[len(prefix) :]}", file=sys.stderr)
+        print(f"({command} --help lists the flags)", file=sys.stderr)
+        sys.exit(1)
+
+
+def run_app(main: Callable[[list[str]], Any], command: str) -> None:
+    """``absl.app.run(main)`` for ``command`` with :func:`parse_flags`; ``--help`` prints
+    the flags and exits 0 (absl ends it with 1)."""
+    try:
+        app.run(main, flags_parser=lambda argv: parse_flags(argv, command))
+    except SystemExit as done:
+        if done.code == 1 and any(arg in _HELP for arg in sys.argv[1:]):
+            sys.exit(0)
+        raise

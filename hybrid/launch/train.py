@@ -24,7 +24,7 @@ from hybrid.core.quiet import quiet_cpp_info
 
 quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
-from hybrid.launch import cloud_tpu, show_in_help  # noqa: E402
+from hybrid.launch import cloud_tpu, run_app, show_in_help  # noqa: E402
 from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
 from hybrid.launch.train_flags import (  # noqa: E402
     define_flags,
@@ -446,29 +446,6 @@ def main(argv: list[str]) -> None:
     _finish(config, result, interrupts)
 
 
-_HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing of ``argv``, each refusal one line: ``error: `` and the check's own
-    message (which names the flags and the fix), not absl's ``FATAL Flags parsing error:
-    flags a=…, b=…, …:`` with every flag the check reads; exits 1."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as err:
-        prefixes = {
-            v.print_flags_with_values(FLAGS) + ": "
-            for name in FLAGS
-            for v in FLAGS[name].validators
-            if hasattr(v, "flag_names")  # a check of several flags
-        }
-        for line in str(err).splitlines():
-            prefix = max((p for p in prefixes if line.startswith(p)), key=len, default="")
-            print(f"error: {line[len(prefix) :]}", file=sys.stderr)
-        print("(hybrid-train --help lists the flags)", file=sys.stderr)
-        sys.exit(1)
-
-
 def run() -> None:
     """The ``hybrid-train`` command: defines the flags, parses argv and runs :func:`main`;
     ``--help`` prints the flags and exits 0."""
@@ -476,12 +453,7 @@ def run() -> None:
     show_in_help(
         "hybrid.launch.train_flags", "hybrid.launch.model_flags", "hybrid.launch.cloud_tpu"
     )
-    try:
-        app.run(main, flags_parser=parse_flags)
-    except SystemExit as done:
-        if done.code == 1 and any(arg in _HELP for arg in sys.argv[1:]):
-            sys.exit(0)  # absl ends its help with 1
-        raise
+    run_app(main, "hybrid-train")
 
 
 if __name__ == "__main__":

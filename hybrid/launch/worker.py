@@ -33,7 +33,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags  # noqa: E402
 
-from hybrid.launch import show_in_help  # noqa: E402
+from hybrid.launch import run_app, show_in_help  # noqa: E402
 
 FLAGS = flags.FLAGS
 EXIT_LIFETIME = 3
@@ -180,7 +180,7 @@ def run() -> None:
     """The ``hybrid-worker`` command: defines the flags, parses argv and runs :func:`main`."""
     define_flags()
     show_in_help(__name__)
-    app.run(main)
+    run_app(main, "hybrid-worker")
 
 
 if __name__ == "__main__":

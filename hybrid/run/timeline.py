@@ -64,8 +64,12 @@ def _draw(
     ax: Any, schedule: Schedule, items: list[tuple[Action, Any, Any]], spans: Sequence[Span],
     scale: float,
 ) -> None:  # fmt: skip
-    """One panel's boxes: actions (labelled with the micro-batch), then ``spans``."""
+    """One panel's boxes: actions (labelled with the micro-batch where the box is wide
+    enough to hold it), then ``spans``."""
     present = {a for a, _, _ in items}
+    span = max((float(e) for _, _, e in items), default=1.0) - min(
+        (float(s) for _, s, _ in items), default=0.0
+    )
     for action, start, end in items:
         d = schedule.device_of(action.stage)
         left, width = float(start) * scale, (float(end) - float(start)) * scale
@@ -76,8 +80,9 @@ def _draw(
             if schedule.virtual_stages > 1
             else str(action.microbatch)
         )
-        ax.text(left + width / 2, d, label, ha="center", va="center", fontsize=7,
-                color="white", clip_on=True)  # fmt: skip
+        if width >= span * scale * 0.012 * len(label):  # a 12-inch axis: ~1.2 % a character
+            ax.text(left + width / 2, d, label, ha="center", va="center", fontsize=7,
+                    color="white", clip_on=True)  # fmt: skip
     for d, what, start, end in spans:
         height = 0.8 if what == ALL_REDUCE else 0.3
         ax.barh(d, (end - start) * scale, left=start * scale, height=height,
