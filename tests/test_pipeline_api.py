@@ -221,6 +221,25 @@ def test_balance_time_profiles_layers():
     assert sum(pipe.balance) == 8 and len(pipe.balance) == 2
 
 
+def test_balance_time_profiles_layers_that_take_no_training_argument():
+    """A functional graph's merge layers (Add, Multiply, Concatenate) and activations take
+    no ``training``: each is profiled as the graph calls it (a crash at build before)."""
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    gate = keras.layers.Activation("hard_sigmoid")(keras.layers.GlobalAveragePooling2D()(h))
+    h = keras.layers.Multiply()([h, keras.layers.Reshape((1, 1, 8))(gate)])
+    h = keras.layers.Add()([h, keras.layers.Conv2D(8, 1)(h)])
+    h = keras.layers.Concatenate()([h, keras.layers.Dropout(0.1)(h)])
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    pipe = hybrid.Pipeline(model, hybrid.DeviceMesh.create(2, 1), micro_batches=2, balance="time")
+    pipe.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    pipe.build((4, 8, 8, 3))
+    assert len(pipe.balance) == 2 and sum(pipe.balance) == len(pipe.stages[0][0].layers) + len(
+        pipe.stages[1][0].layers
+    )
+
+
 def test_optimizer_factory_and_plain_callable_loss():
     pipe = hybrid.Pipeline(ref.mlp_layers(), mesh=hybrid.DeviceMesh.create(2, 1), micro_batches=2)
     pipe.compile(

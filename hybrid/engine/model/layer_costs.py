@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hybrid.core import memory
+from hybrid.engine import keras_private
 
 __all__ = ["block", "layer_bytes", "parameter_costs", "time_costs", "weight_bytes"]
 
@@ -53,7 +54,7 @@ def time_costs(
             floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
             with tf.GradientTape() as tape:
                 tape.watch(floats)
-                y = layer(x, training=True)
+                y = keras_private.with_training(layer, True)(x)  # only where call takes it
                 target = tf.add_n(
                     [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)]
                 )
