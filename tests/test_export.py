@@ -157,7 +157,7 @@ def test_per_stage_export_chains_to_predict_and_serves_pipelined(tmp_path):
 def test_outputs_load_in_a_fresh_process_as_the_launcher_says(tmp_path):
     """The reference Transformer's .keras file loads in a new process, outside the
     repository, with the import the launcher's last lines name; its SavedModel export loads
-    with TensorFlow alone."""
+    with TensorFlow alone, its per-stage export with hybrid.run.serving."""
     from hybrid.launch import train as launcher
 
     model = hybrid.models.transformer(
@@ -172,6 +172,7 @@ def test_outputs_load_in_a_fresh_process_as_the_launcher_says(tmp_path):
     want = pipe.predict(tokens, verbose=0)
     pipe.save(str(tmp_path / "lm.keras"))
     pipe.export(str(tmp_path / "lm"))
+    pipe.export(str(tmp_path / "stages"), per_stage=True)
     np.save(tmp_path / "tokens.npy", tokens)
     loads = launcher._loads_with("transformer")
     assert loads == "import hybrid.models.transformer; keras.saving.load_model"
@@ -181,13 +182,16 @@ def test_outputs_load_in_a_fresh_process_as_the_launcher_says(tmp_path):
         "np.save('keras.npy', keras.saving.load_model('lm.keras').predict(x, verbose=0))\n"
         "served = tf.saved_model.load('lm').signatures['serving_default']\n"
         "np.save('served.npy', list(served(tf.constant(x)).values())[0].numpy())\n"
+        "from hybrid.run import serving\n"
+        "out = serving.load('stages').predict(x, micro_batches=2)\n"
+        "np.save('stages.npy', np.asarray(out[0] if isinstance(out, (list, tuple)) else out))\n"
     )
     env = {**os.environ, "PYTHONPATH": ""}
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    for name in ("keras", "served"):
+    for name in ("keras", "served", "stages"):
         np.testing.assert_allclose(np.load(tmp_path / f"{name}.npy"), want, atol=1e-5)
 
 
