@@ -169,12 +169,14 @@ def pad(
     )
 
 
-def warn_padding(stages: Sequence[StageReplica], training: bool) -> None:
-    """Warns that the padding examples of a partial batch reach the layers whose effect
-    depends on the whole batch in this step: BatchNormalization's statistics (in training
-    only: inference normalizes with the moving statistics), activity regularizers and
-    ``add_loss`` (in any step that computes the loss). The loss and gradients of the real
-    examples stay exact only without them; a prediction is never affected."""
+def warn_padding(parts: Sequence[Shard], stages: Sequence[StageReplica], training: bool) -> None:
+    """Warns when the batch ``parts`` holds padding examples and they reach layers whose
+    effect depends on the whole batch in this step: BatchNormalization's statistics (in
+    training only: inference normalizes with the moving statistics), activity regularizers
+    and ``add_loss`` (in any step that computes the loss). The loss and gradients of the
+    real examples stay exact only without them; a prediction is never affected."""
+    if all(shard.valid is None for shard in parts):
+        return
     layers = [layer.name for stage in stages for layer, _ in stage.norms] if training else []
     layers += [layer.name for stage in stages for layer in stage.regularized]
     if layers:

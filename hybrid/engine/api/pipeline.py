@@ -445,14 +445,8 @@ class Pipeline(Workflow):
         view = self._timed_step(self._batch(x, y, sample_weight))
         return self._metrics.result(), view.actions
 
-    def _warn_padding(self, parts: Shards, training: bool) -> None:
-        """Warns when padding of a partial batch reaches layers that see the whole batch in
-        this kind of step (``batches.warn_padding``)."""
-        if any(shard.valid is not None for shard in parts):
-            batches.warn_padding([row[0] for row in self._stages], training)
-
     def _train_batch(self, parts: Shards, timed: bool = False) -> None:
-        self._warn_padding(parts, training=True)
+        batches.warn_padding(parts, [row[0] for row in self._stages], training=True)
         if timed:
             self._timed_step(parts)
         else:
@@ -465,7 +459,7 @@ class Pipeline(Workflow):
         return compile_cache.ordered(self.config.replicas, jit, self.strategy, synced)
 
     def _test_batch(self, parts: Shards) -> None:
-        self._warn_padding(parts, training=False)
+        batches.warn_padding(parts, [row[0] for row in self._stages], training=False)
         self._steps.evaluate(parts)
 
     def _predict_batch(self, parts: Shards) -> Flat:
