@@ -120,9 +120,12 @@ def local_devices(device_type: str | None = None) -> tuple[str, ...]:
     """
     import tensorflow as tf  # the runtime's device list; see DeviceMesh.create
 
-    if device_type is None:
-        device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-    return tuple(d.name for d in tf.config.list_logical_devices(device_type.upper()))
+    from hybrid.core.quiet import quiet_start
+
+    with quiet_start():  # perhaps the runtime's first look at its devices
+        if device_type is None:
+            device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+        return tuple(d.name for d in tf.config.list_logical_devices(device_type.upper()))
 
 
 def _check_axis(name: str, value: int) -> None:

@@ -7,7 +7,8 @@ hidden unless the user asked for them; warnings and errors always shown.
     absl INFO from TensorFlow/Keras modules -> dropped (the launcher, unless --verbosity);
     hybrid's own INFO lines and every WARNING or worse -> kept
     TensorFlow's start-up lines written straight to file descriptor 2 while it loads and
-    finds its devices, before any log level applies (no CUDA driver on a CPU host, the CPU
+    finds its devices (import_tensorflow, and each first device list), before any log level
+    applies (no CUDA driver on a CPU host, the CPU
     features it was built for, absl's log initialization) -> dropped (``quiet_start``),
     unless TF_CPP_MIN_LOG_LEVEL=0 asks for everything; every other line passes
 
@@ -96,10 +97,11 @@ def quiet_start() -> Iterator[None]:
 
 
 def import_tensorflow() -> None:
-    """Imports TensorFlow (once) and finds its devices, without its start-up noise."""
+    """Imports TensorFlow (once) without its start-up noise. Its devices are not listed
+    here: listing them reads ``TF_XLA_FLAGS`` for good (a persistent XLA cache set after
+    that is ignored), so the device lists run under :func:`quiet_start` where they are made
+    (``hybrid.engine.devices``, ``hybrid.core.mesh``)."""
     if "tensorflow" in sys.modules:
         return
     with quiet_start():
-        import tensorflow as tf
-
-        tf.config.list_physical_devices()
+        import tensorflow  # noqa: F401

@@ -3,4 +3,4 @@ devices, collectives, lowering of a schedule into ops, and ``Pipeline``."""
 
 from hybrid.core.quiet import import_tensorflow
 
-import_tensorflow()  # TensorFlow loaded and its devices found without its start-up noise
+import_tensorflow()  # TensorFlow loaded without its start-up noise (hybrid.core.quiet)

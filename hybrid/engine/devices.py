@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hybrid.core.quiet import quiet_start
 from hybrid.engine import xla_flags
 
 __all__ = ["XLA_IN_ORDER", "host_cpu", "run_xla_programs_in_order", "simulate_cpu_devices"]
@@ -30,7 +31,8 @@ def host_cpu(device: str) -> str:
 
 
 def _logical_cpu_count() -> int:
-    return len(tf.config.list_logical_devices("CPU"))
+    with quiet_start():
+        return len(tf.config.list_logical_devices("CPU"))
 
 
 def run_xla_programs_in_order() -> None:
@@ -62,7 +64,8 @@ def simulate_cpu_devices(num_devices: int, inter_op_threads: int | None = None) 
     """
     if num_devices < 1:
         raise ValueError(f"simulate_cpu_devices needs at least 1 device, got {num_devices}")
-    cpus = tf.config.list_physical_devices("CPU")
+    with quiet_start():  # the runtime's first look at its devices: no CUDA driver, ...
+        cpus = tf.config.list_physical_devices("CPU")
     try:
         tf.config.set_logical_device_configuration(
             cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
