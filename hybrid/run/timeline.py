@@ -134,7 +134,9 @@ def plot_timelines(
     seconds, drawn in milliseconds (else the schedule's cost units)."""
     drawn = []
     for title, schedule, timeline in panels:
-        items = list(timeline)
+        # An action of no duration is not drawn (a simulated last-stage B whose cost the
+        # measured fused F+B holds: its F is then drawn as the F+B it stands for).
+        items = [(a, s, e) for a, s, e in timeline if float(e) > float(s)]
         drawn.append((f"{title} — bubble {bubble_fraction(schedule, items):.1%}", schedule,
                       items, ()))  # fmt: skip
     xlabel = "time (ms)" if seconds else "time (cost units of the schedule)"
