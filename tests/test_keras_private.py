@@ -211,6 +211,12 @@ def test_mirror_writes_sees_every_eager_write_and_none_traced_or_stateless():
         variable.assign([9.0, 9.0])
     tf.function(lambda: variable.assign([7.0, 7.0]), autograph=False)()
     assert len(seen) == 3 and variable.numpy().tolist() == [7.0, 7.0]
+    again = []
+    for _ in range(1500):  # one wrapper however often it is mirrored (no call-depth growth)
+        keras_private.mirror_writes(variable, lambda value: None)
+    keras_private.mirror_writes(variable, lambda value: again.append(np.array(value)))
+    variable.assign([3.0, 3.0])
+    assert len(seen) == 4 and again[0].tolist() == [3.0, 3.0]
 
     optimizer = keras.optimizers.SGD(0.1)
     rates = []

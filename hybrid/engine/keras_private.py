@@ -159,16 +159,23 @@ def set_variable_path(variable: Any, path: str) -> None:
 
 def mirror_writes(variable: Any, also: Callable[[Any], None]) -> None:
     """After every eager write to ``variable`` (not one traced into a function: the
-    engine's own programs write each copy themselves), ``also(new value)`` is called. Wraps
-    what the variable wrote with before, so several mirrors of one variable all run."""
-    before = variable._direct_assign
+    engine's own programs write each copy themselves), ``also(new value)`` is called. A
+    variable mirrored again (a second pipeline of the same model) keeps its one wrapper and
+    calls every ``also`` in turn."""
+    sinks: list[Callable[[Any], None]] | None = variable.__dict__.get("_hybrid_mirrors")
+    if sinks is None:
+        sinks = []
+        before = variable._direct_assign
 
-    def direct_assign(value: Any) -> None:
-        before(value)
-        if not tf.inside_function():
-            also(variable.value)
+        def direct_assign(value: Any) -> None:
+            before(value)
+            if not tf.inside_function():
+                for sink in sinks:
+                    sink(variable.value)
 
-    variable._direct_assign = direct_assign
+        variable._direct_assign = direct_assign
+        variable._hybrid_mirrors = sinks
+    sinks.append(also)
 
 
 def tf_variable(variable: Any) -> Any:
