@@ -45,12 +45,7 @@ def read_optimizer(path: str, optimizer: Any) -> None:
         if _GROUP not in f:
             return
         store = {key: np.asarray(value) for key, value in f[_GROUP].items()}
-    if len(store) != len(optimizer.variables):
-        warnings.warn(
-            f"Skipping variable loading for optimizer, because it has "
-            f"{len(optimizer.variables)} variables whereas the saved optimizer has "
-            f"{len(store)} variables.",
-            stacklevel=3,
-        )
-        return
-    optimizer.load_own_variables(store)
+    try:
+        optimizer.load_own_variables(store)  # refuses a store of another optimizer
+    except ValueError as err:
+        warnings.warn(f"skipped loading the optimizer's variables: {err}", stacklevel=3)
