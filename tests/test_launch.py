@@ -288,7 +288,7 @@ def test_trains_on_tfrecord_files(tmp_path):
         ),
         (
             ["--balance=half"],
-            "--balance=half must be one of ['params', 'time', 'memory'] or layer counts",
+            "--balance=half must be one of ['compute', 'params', 'time', 'memory'] or layer counts",
         ),
         (["--memory_per_device=16"], "--memory_per_device: '16' is not a memory size"),
         (

@@ -321,7 +321,7 @@ def pipeline(**arguments):
         (
             {"balance": 5},
             TypeError,
-            "balance=5 (int): give None, one of ['params', 'time', 'memory'], or",
+            "balance=5 (int): give None, one of ['compute', 'params', 'time', 'memory'], or",
         ),
     ],
 )

@@ -206,13 +206,55 @@ def test_summary_and_repr_say_what_the_pipeline_is():
 
 
 def test_balance_params_and_explicit():
-    pipe = make(stages=2)
+    pipe = make(stages=2, balance="params")
     pipe.build((None, ref.IN_FEATURES))
     assert pipe.balance == (5, 3)  # the parameter-count optimum for mlp_layers()
     explicit = make(stages=2, balance=[2, 6])
     assert explicit.balance == (2, 6)
     explicit.build((None, ref.IN_FEATURES))
     assert [len(s[0].layers) for s in explicit.stages] == [2, 6]
+
+
+def _cnn():
+    """Compute at the start (four 3×3 convolutions on 16×16×8), parameters at the end (a
+    Dense on the 2,048 flattened features)."""
+    inputs = keras.Input((16, 16, 8))
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Dense(64, activation="relu")(keras.layers.Flatten()(h))
+    return keras.Model(inputs, keras.layers.Dense(10)(h))
+
+
+def test_the_default_cut_balances_compute_and_summary_names_it():
+    """Work per example (``layer_costs.call_work``: weights × positions + output elements):
+    each convolution 584 × 256 + 2,048 = 151,552, the flatten 2,048, the Dense layers
+    131,136 + 64 and 650 + 10; parameters 584 per convolution, 131,136 and 650. By
+    parameters the cut is (4 convolutions, flatten | Dense, Dense): stage 0 does 82.2 % of
+    the work; by compute (the default) (2 | 5): 59.0 %."""
+    model = _cnn()
+    pipes = {}
+    for balance in (None, "params"):
+        pipes[balance] = hybrid.Pipeline(model, hybrid.DeviceMesh.create(2, 1), balance=balance)
+        pipes[balance].compile(optimizer="sgd", loss="mse", jit_compile=False)
+        pipes[balance].build((4, 16, 16, 8))
+    assert pipes["params"].balance == (5, 2)
+    assert pipes[None].balance == (2, 5)
+    lines = []
+    pipes["params"].summary(print_fn=lines.append)
+    (advice,) = [line for line in lines[0].splitlines() if "of the compute" in line]
+    assert advice == (
+        "the largest stage does 82.2% of the compute: balance=[2, 5] (the compute cut, "
+        'balance="compute", the default) would make it 59.0%'
+    )
+    lines = []
+    pipes[None].summary(print_fn=lines.append)
+    assert "of the compute" not in lines[0]
+    x = np.random.default_rng(0).normal(size=(4, 16, 16, 8)).astype("float32")
+    for pipe in pipes.values():  # either cut computes the model's function
+        np.testing.assert_allclose(
+            pipe.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_balance_time_profiles_layers():

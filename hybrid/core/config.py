@@ -43,7 +43,9 @@ __all__ = [
 REMAT_MODES = ("never", "except_last", "always")
 # What crosses a stage boundary in training (hybrid.engine.step.compression); float32: as it is.
 BOUNDARY_DTYPES = ("float32", "bfloat16", "int8")
-BALANCE_MODES = ("params", "time", "memory")
+# How a cut is chosen when no counts are given; "compute" (the estimated work of each layer
+# call, from shapes) is the engine's default.
+BALANCE_MODES = ("compute", "params", "time", "memory")
 # The fewest examples a training-mode BatchNormalization should normalize over: Keras
 # Applications CNNs (ResNet50, DenseNet121, EfficientNetB0) diverged to non-finite outputs
 # in two steps at 4 examples per micro-batch. The planner ranks candidates below it last;
@@ -178,9 +180,11 @@ class RunConfig:
       remat: one of :data:`REMAT_MODES`.
       virtual_stages: model stages per device (the interleaved schedule), so the model is
         cut into ``stages × virtual_stages`` model stages.
-      balance: layers per model stage: None or "params" (balance parameter counts), "time"
-        (balance measured time), "memory" (make the largest stage's predicted peak memory
-        as small as possible, :mod:`hybrid.core.memory`), or explicit counts.
+      balance: layers per model stage: None (the engine's default, "compute"; the planner
+        balances measured time), "compute" (balance the estimated work per layer call,
+        from shapes), "params" (balance parameter counts), "time" (balance measured time),
+        "memory" (make the largest stage's predicted peak memory as small as possible,
+        :mod:`hybrid.core.memory`), or explicit counts.
       global_batch: examples per step over all replicas; None when not known yet (it is
         then checked per batch with :func:`check_global_batch`).
       num_layers: the layers the model is cut along; None when not known yet.

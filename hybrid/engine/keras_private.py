@@ -98,6 +98,7 @@ __all__ = [
     "same_rank",
     "set_mask",
     "set_variable_path",
+    "sublayers",
     "tf_variable",
     "with_training",
 ]
@@ -106,6 +107,13 @@ __all__ = [
 def with_training(layer: Any, training: bool) -> Callable[..., Any]:
     """``layer``'s ``__call__``, passing ``training`` as a functional model passes it."""
     return operation_fn(layer, training=training)
+
+
+def sublayers(layer: Any) -> list[Any]:
+    """Every layer inside ``layer`` (nested at any depth), ``layer`` itself first."""
+    if not isinstance(layer, keras.layers.Layer):
+        return []
+    return [layer, *layer._flatten_layers(include_self=False)]
 
 
 def functional_of(model: keras.Model) -> keras.Model | None:

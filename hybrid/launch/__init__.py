@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from absl import app, flags
 
-__all__ = ["parse_flags", "run_app", "show_in_help"]
+__all__ = ["exit_now", "parse_flags", "run_app", "show_in_help"]
 
 _HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
@@ -46,10 +49,29 @@ def parse_flags(argv: list[str], command: str = "the command") -> list[str]:
 
 def run_app(main: Callable[[list[str]], Any], command: str) -> None:
     """``absl.app.run(main)`` for ``command`` with :func:`parse_flags`; ``--help`` prints
-    the flags and exits 0 (absl ends it with 1)."""
+    the flags and exits 0 (absl ends it with 1). The process then ends at once
+    (:func:`exit_now`)."""
     try:
         app.run(main, flags_parser=lambda argv: parse_flags(argv, command))
     except SystemExit as done:
         if done.code == 1 and any(arg in _HELP for arg in sys.argv[1:]):
-            sys.exit(0)
-        raise
+            exit_now(0)
+        exit_now(done.code)
+    exit_now(0)
+
+
+def exit_now(code: Any) -> None:
+    """Ends the process with ``code`` (``SystemExit``'s meaning: None 0, a string printed
+    and 1) after the ``atexit`` handlers and a flush of stdout and stderr, without tearing
+    the interpreter down: once the work is done and written, TensorFlow's C++ threads (a
+    ``tf.data`` reader's, a runtime's) can meet their objects' destruction in the wrong
+    order and abort the finished run ("terminate called without an active exception",
+    exit -6: seen here on a run that read TFRecord files)."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(int(code or 0))

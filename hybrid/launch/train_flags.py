@@ -80,9 +80,10 @@ def _define_mesh_flags() -> None:
     )
     flags.DEFINE_string(
         "balance",
-        "params",
-        "Layers per stage: 'params', 'time' (profiled), 'memory' (the smallest largest stage "
-        "peak memory) or counts '3,2'.",
+        "compute",
+        "Layers per stage: 'compute' (the estimated work of each layer, from shapes), "
+        "'params', 'time' (profiled), 'memory' (the smallest largest stage peak memory) or "
+        "counts '3,2'.",
     )
 
 

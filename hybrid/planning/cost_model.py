@@ -137,8 +137,8 @@ def evaluate(
     Raises:
       ConfigError: a configuration :func:`hybrid.core.config.validate_run` refuses (its
         ``kind`` says which rule); the message names the values.
-      ValueError: ``optimizer_slots`` below 0, ``balance="params"``, or a global batch or
-        layer count in ``config`` that differs from the arguments.
+      ValueError: ``optimizer_slots`` below 0, ``balance="params"`` or ``"compute"``, or a
+        global batch or layer count in ``config`` that differs from the arguments.
     """
     hardware = hardware or Hardware()
     config = _checked(config, profile.num_layers, global_batch)
@@ -186,7 +186,7 @@ def evaluate(
 
 def _checked(config: RunConfig, num_layers: int, global_batch: int) -> RunConfig:
     """``config`` with the global batch and layer count filled in, checked by
-    :func:`validate_run`; the planner models no balance by parameter counts."""
+    :func:`validate_run`; the planner models no balance by parameter counts or estimated compute."""
     for name, value in (("global_batch", global_batch), ("num_layers", num_layers)):
         given = getattr(config, name)
         if given is not None and given != value:
@@ -196,10 +196,10 @@ def _checked(config: RunConfig, num_layers: int, global_batch: int) -> RunConfig
     config = validate_run(
         dataclasses.replace(config, global_batch=global_batch, num_layers=num_layers)
     )
-    if config.balance == "params":
+    if config.balance in ("params", "compute"):
         raise ValueError(
-            "the planner balances layers by time or memory; use balance=None, 'time', 'memory' or "
-            "layer counts per stage, not 'params'"
+            "the planner balances layers by measured time or memory; use balance=None, "
+            f"'time', 'memory' or layer counts per stage, not {config.balance!r}"
         )
     return config
 

@@ -101,9 +101,9 @@ class Pipeline(Workflow):
       schedule: name of a schedule in ``hybrid.core.schedule.names()``.
       remat: "never" keeps activations, "always" keeps each stage input and recomputes its
         forward in the backward, "except_last" recomputes all but the last micro-batch.
-      balance: layer calls per stage (in the model's topological order): None or "params"
-        (balance parameter counts), "time" (balance profiled forward+backward time per
-        call), or explicit counts.
+      balance: layer calls per stage (in the model's topological order), or how to cut:
+        None or "compute" (each call's estimated work, ``layer_costs.call_work``), "params",
+        "time" (profiled per call), "memory" (the smallest largest predicted stage peak).
       virtual_stages: model stages per device (the interleaved schedule).
       defer_weight_gradients: each stage's weight gradients once per step over all its
         micro-batches' rows (``deferral.py``; exact; needs ``remat="never"``; memory).
@@ -193,7 +193,7 @@ class Pipeline(Workflow):
         self.remat, self._defer = layout.remat, layout.defer_weight_gradients
         # Explicit counts, or None until build() balances by self._balance_mode.
         self._balance: tuple[int, ...] | None = counts
-        self._balance_mode = "params" if balance is None or counts is not None else str(balance)
+        self._balance_mode = "compute" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
         self._placement: Placement | None = None
         self._bytes: tuple[Any, float, int | None] = (None, 0.0, None)  # see predicted_memory

@@ -6,9 +6,8 @@ stage, then the run's settings and the schedule's bubble.
         layer calls   first … last of its calls, and how many
         parameters    the weights its calls read (a tied weight counted on every stage)
         crossing in   each tensor crossing the cut into it: shape (batch first) and dtype
-        compute       its share of the model's estimated work per example: every weight a
-                      call reads times the positions it is applied at (the call's output
-                      shape without its batch and last axes); embedding lookups count nothing
+        compute       its share of the model's estimated work per example (multiply-adds
+                      from shapes: ``layer_costs.call_work``, what the default cut balances)
         memory        the predicted peak bytes of each of its devices (weights, gradients,
                       optimizer state, activations in flight: ``stage_memory.py``; with
                       virtual stages, of all the stages a device holds), when the batch size
@@ -27,8 +26,9 @@ from typing import Any
 
 import keras
 
-from hybrid.core import memory
+from hybrid.core import memory, partition
 from hybrid.core import schedule as schedule_lib
+from hybrid.engine.model import layer_costs
 from hybrid.engine.model.graph import TensorSpec
 
 __all__ = ["StageRow", "one_line", "stage_rows", "summary"]
@@ -44,24 +44,22 @@ class StageRow:
         self.calls = [_call_name(call.layer) for call in first.segment.calls]
         self.parameters = sum(math.prod(v.shape) for v in first.templates)
         self.inputs: list[TensorSpec] = list(first.input_specs)
-        self.work = _work(first.segment, self.inputs)
+        self.call_work = _call_work(first.segment, self.inputs)
+        self.work = sum(self.call_work)
 
 
-def _work(segment: Any, inputs: Sequence[TensorSpec]) -> int:
-    """Σ over the segment's calls of weights × positions (the call's output shape without
-    the batch and the last axis), from a symbolic run of the calls (Keras's shape
-    inference); where that fails, the positions of the stage's first input."""
-    computing = [call for call in segment.calls if _computes(call.layer)]
+def _call_work(segment: Any, inputs: Sequence[TensorSpec]) -> list[float]:
+    """The estimated work per example of each of the segment's calls
+    (:func:`hybrid.engine.model.layer_costs.call_work`, the default cut's rule), from a
+    symbolic run of the calls (Keras's shape inference); where that fails, each call's
+    weights over the stage's first input."""
     try:
         symbolic = [keras.KerasTensor((1, *s.shape), s.dtype) for s in inputs]
         values = segment.trace(symbolic, training=False)
-        shapes = [values[call.outputs[0]].shape for call in computing]
-    except Exception:  # noqa: BLE001 - an estimate: fall back to the input's positions
-        shapes = [(1, *inputs[0].shape) if inputs else (1, 1)] * len(computing)
-    return sum(
-        _weights(call.layer) * math.prod(d or 1 for d in shape[1:-1])
-        for call, shape in zip(computing, shapes, strict=True)
-    )
+    except Exception:  # noqa: BLE001 - an estimate: fall back to the input's shape
+        first = keras.KerasTensor((1, *(inputs[0].shape if inputs else (1,))), "float32")
+        return [layer_costs.call_work(call.layer, [first], first) for call in segment.calls]
+    return layer_costs.compute_costs(segment.calls, values)
 
 
 def stage_rows(pipe: Any) -> list[StageRow]:
@@ -76,16 +74,6 @@ def stage_rows(pipe: Any) -> list[StageRow]:
 
 def _call_name(layer: Any) -> str:
     return str(getattr(layer, "name", type(layer).__name__))
-
-
-def _weights(layer: Any) -> int:
-    return sum(math.prod(v.shape) for v in getattr(layer, "weights", []))
-
-
-def _computes(layer: Any) -> bool:
-    """Whether a call's weights are multiplied per position: an embedding (Keras's, or a
-    class whose name says it is one) only looks rows up."""
-    return not any("Embedding" in cls.__name__ for cls in type(layer).__mro__)
 
 
 def _bubble(pipe: Any, rows: Sequence[StageRow]) -> float:
@@ -149,11 +137,31 @@ def summary(pipe: Any, print_fn: Callable[[str], None] | None = None) -> str:
         "counts on each); compute: estimated share of the work per example",
         f"bubble {_bubble(pipe, rows):.1%} (schedule {config.schedule}, M={pipe.micro_batches}, "
         "each stage's costs in proportion to its compute; hybrid.plan measures)",
+        *_cut_advice(rows),
         _memory_line(peaks),
     ]
     text = "\n".join(lines)
     (print_fn or print)(text)
     return text
+
+
+def _cut_advice(rows: Sequence[StageRow]) -> list[str]:
+    """A line naming the compute-balanced cut (``partition.balance_by_cost`` of the calls'
+    work, what ``balance="compute"`` builds) where it would shrink the largest stage's
+    share by more than a twentieth; else none."""
+    works = [w for r in rows for w in r.call_work]
+    total = sum(works)
+    if len(rows) < 2 or total <= 0:
+        return []
+    cut = partition.balance_by_cost(works, len(rows))
+    now = max(r.work for r in rows) / total
+    best = max(partition.stage_costs(works, cut)) / total
+    if best >= now * 0.95:
+        return []
+    return [
+        f"the largest stage does {now:.1%} of the compute: balance={list(cut)} (the compute "
+        f'cut, balance="compute", the default) would make it {best:.1%}'
+    ]
 
 
 def _memory_line(peaks: Sequence[float] | None) -> str:

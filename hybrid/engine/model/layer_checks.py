@@ -12,6 +12,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from hybrid.engine import keras_private
+
 __all__ = ["adds_loss", "check_layer", "layer_names", "seed_generators", "warn_added_losses"]
 
 
@@ -19,7 +21,7 @@ def seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
     """The random seed generators of ``layers`` and the layers inside them."""
     found: list[Any] = []
     for layer in layers:
-        for sub in [layer, *layer._flatten_layers(include_self=False)]:
+        for sub in keras_private.sublayers(layer):
             found += [g for g in getattr(sub, "_seed_generators", []) if g not in found]
     return found
 

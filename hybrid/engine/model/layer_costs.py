@@ -1,7 +1,9 @@
-"""What a layer costs, for balancing stages: its parameter count, its measured time, or
-the bytes it holds.
+"""What a layer costs, for balancing stages: its estimated compute, its parameter count,
+its measured time, or the bytes it holds.
 
-``Pipeline(balance="params")`` cuts the model where parameter counts balance;
+``Pipeline(balance="compute")`` (the default) cuts the model where the estimated work of
+each layer call (:func:`compute_costs`, from shapes, no run) balances;
+``balance="params"`` where parameter counts balance;
 ``balance="time"`` where the measured forward+backward seconds of each layer balance;
 ``balance="memory"`` where the largest stage's peak bytes (:mod:`hybrid.core.memory`, from
 the estimate of :func:`layer_bytes`) is smallest.
@@ -9,6 +11,7 @@ the estimate of :func:`layer_bytes`) is smallest.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +23,66 @@ import tensorflow as tf
 from hybrid.core import memory
 from hybrid.engine import keras_private
 
-__all__ = ["block", "layer_bytes", "parameter_costs", "time_costs", "weight_bytes"]
+__all__ = [
+    "block",
+    "call_work",
+    "compute_costs",
+    "layer_bytes",
+    "parameter_costs",
+    "time_costs",
+    "weight_bytes",
+]
+
+
+def call_work(layer: Any, inputs: Sequence[Any], output: Any) -> float:
+    """The estimated work of one call of ``layer`` per example, in multiply-adds, from the
+    shapes of its input and (first) output tensors, batch axis first; no run::
+
+        weights × positions    every weight the call reads applied at each position of its
+                               output (the shape without batch and last axis): a Dense's
+                               or a convolution's multiply-adds, exactly (a depthwise one's
+                               too); a normalization's few operations per element
+        + attention scores     each MultiHeadAttention in it (itself or a block holding
+                               one): heads × (key_dim + value_dim) × T² over its T
+                               positions (self-attention)
+        + output elements      the elementwise work every call does (an activation, an
+                               addition, a pooling)
+
+    A call whose inputs are all integers (an embedding's token ids) looks rows up: it counts
+    its output elements alone (the same embedding called on floats as a tied output head
+    multiplies). Parameters sit at the end of a CNN and its compute at the start, which is
+    why this, not the parameter count, is what the default cut balances.
+    """
+    dims = [int(d or 1) for d in output.shape[1:]]
+    positions = math.prod(dims[:-1]) if dims else 1
+    elements = float(math.prod(dims)) if dims else 1.0
+    if inputs and all(_is_integer(t) for t in inputs):
+        return elements
+    weights = sum(math.prod(v.shape) for v in _distinct(getattr(layer, "weights", [])))
+    scores = sum(
+        a.num_heads * (a.key_dim + (a.value_dim or a.key_dim)) * positions**2
+        for a in keras_private.sublayers(layer)
+        if isinstance(a, keras.layers.MultiHeadAttention)
+    )
+    return float(weights * positions + scores) + elements
+
+
+def compute_costs(calls: Sequence[Any], values: dict[int, Any]) -> list[float]:
+    """:func:`call_work` of each call of the flattened graph, ``values`` its traced tensors
+    (at any batch size, concrete or symbolic)."""
+    return [
+        call_work(call.layer, [values[k] for k in call.inputs], values[call.outputs[0]])
+        for call in calls
+    ]
+
+
+def _is_integer(t: Any) -> bool:
+    dtype = tf.as_dtype(getattr(t.dtype, "name", t.dtype))
+    return bool(dtype.is_integer or dtype.is_bool)
+
+
+def _distinct(variables: Sequence[Any]) -> list[Any]:
+    return list({id(v): v for v in variables}.values())
 
 
 def parameter_costs(layers: Sequence[keras.layers.Layer]) -> list[float]:

@@ -113,7 +113,8 @@ class Objective:
         return tf.stack([tf.stack(loss_terms(loss, t, p, w, valid)) for loss, t, p, w in parts])
 
     def denominators(self, y_true: Sequence[Any], weights: Any, valid: Any = None) -> tf.Tensor:
-        """Each output's denominator on one micro-batch, from its labels and weights alone."""
+        """Each output's denominator on a batch (a micro-batch, or a replica's joined), from its
+        labels and weights alone."""
         preds = [
             fresh_zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
             for t, shape in zip(y_true, self.shapes, strict=True)

@@ -96,7 +96,7 @@ def lay_out(
       device: where the template model is built and, for ``balance_mode="time"``, timed.
       num_stages: model stages (devices × virtual stages).
       balance: explicit calls per stage, or None to balance by ``balance_mode``.
-      balance_mode: "params", "time" or "memory".
+      balance_mode: "compute", "params", "time" or "memory".
       memory_cut: for ``balance_mode="memory"``: the cut of the calls' bytes (per example)
         and the model's weight bytes.
 
@@ -125,8 +125,10 @@ def lay_out(
     if balance is None:
         if balance_mode == "time":
             costs = layer_costs.time_costs(layers, arguments, device, jit_compile=jit_compile)
-        else:
+        elif balance_mode == "params":
             costs = layer_costs.parameter_costs(layers)
+        else:
+            costs = layer_costs.compute_costs(graph.calls, values)
         balance = partition.balance_by_cost(costs, num_stages)
     segments = graph.segments(balance)
     variables = graph.variables()

@@ -107,11 +107,23 @@ def loss_divisors(
         return None
     denominators = []
     for copy, row in zip(copies, labels, strict=True):
-        with tf.device(copy.device):
-            denominators += [objective.denominators(y, w, valid) for y, w, valid in row]
+        with tf.device(copy.device):  # one call on the replica's M micro-batches: sums
+            denominators.append(objective.denominators(*_joined(row)))
     with tf.device(copies[0].device):
         total = tf.add_n(denominators)
         return objective.divisors(total if across is None else across(total))
+
+
+def _joined(row: Sequence[Labels]) -> Labels:
+    """A replica's micro-batches' ``(y, sample_weight, valid)`` as one batch: each output's
+    labels (and weights, and the real-example flags) concatenated along the batch axis."""
+
+    def joined(parts: Sequence[Any]) -> Any:
+        return None if parts[0] is None else tf.concat(list(parts), 0)
+
+    ys, ws, valid = zip(*row, strict=True)
+    weights = None if ws[0] is None else [joined(w) for w in zip(*ws, strict=True)]
+    return [joined(y) for y in zip(*ys, strict=True)], weights, joined(valid)
 
 
 def global_loss(

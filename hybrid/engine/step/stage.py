@@ -48,7 +48,7 @@ from hybrid.engine.model import batch_norm, sparse
 from hybrid.engine.model.graph import Segment, TensorSpec
 from hybrid.engine.model.layer_checks import adds_loss, seed_generators
 from hybrid.engine.model.objective import Objective
-from hybrid.engine.model.variables import device_copy
+from hybrid.engine.model.variables import TracedReads, device_copy
 from hybrid.engine.model.zeros import fresh_zeros
 from hybrid.engine.programs import (
     Grads,
@@ -140,6 +140,7 @@ class StageReplica:
             self.variables = [device_copy(v) for v in self.templates]
             copies = dict(zip(map(id, self.templates), self.variables, strict=True))
             self.trainable_variables = [copies[id(v)] for v in self._trainable]
+            self._reads = TracedReads(self.trainable_variables)
             self._state_copies = [copies[id(v)] for v in self._state]
             mine = [t for t, u in zip(self._trainable, self.updates, strict=True) if u]
             self.optimizer = (
@@ -287,7 +288,7 @@ class StageReplica:
     # -- the programs --------------------------------------------------------------------
 
     def _read_weights(self) -> list[tf.Tensor]:
-        return [tf.convert_to_tensor(v) for v in self.trainable_variables]
+        return self._reads()
 
     def _run(
         self,
