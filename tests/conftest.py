@@ -17,6 +17,12 @@ os.environ.setdefault(
     + os.path.join(tempfile.gettempdir(), f"hybrid-xla-cache-{os.getuid()}"),
 )
 
+# The planner's host calibration (hybrid.planning.host_calibration) is cached here, not in
+# the user's home.
+os.environ.setdefault(
+    "HYBRID_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"hybrid-cache-{os.getuid()}")
+)
+
 import hybrid  # noqa: E402
 
 NUM_DEVICES = 8

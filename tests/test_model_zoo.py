@@ -177,7 +177,7 @@ def test_an_applications_feature_extractor_is_cut_inside():
     ``training=False``, its BatchNormalization still trains under ``fit``, as in Keras (whose
     functional call overrides it): exact at R·M = 1."""
     x, y = classes(16, (32, 32, 3), 4)
-    pipe = fit_both(feature_extractor, x, y, 2, 1, 1, epochs=1)
+    pipe = fit_both(feature_extractor, x, y, 2, 1, 1, optimizer=sgd, epochs=1)
     base = pipe.to_keras().layers[1]
     assert cut_inside(pipe, base), stage_layers(pipe)
 
@@ -213,7 +213,7 @@ def test_kerashub_gpt2_causal_lm_is_cut_inside_its_backbone():
     """The task model calls its backbone as one nested model; the cut falls between its
     transformer blocks; the tied token embedding is held by both stages (dense, summed)."""
     x, y = token_batch(16, 8, 64)
-    pipe = fit_both(gpt2_lm, x, y, 2, 2, 2)
+    pipe = fit_both(gpt2_lm, x, y, 2, 2, 2, optimizer=sgd)
     layers = stage_layers(pipe)
     assert "transformer_layer_0" in layers[0] and "transformer_layer_3" in layers[1], layers
     assert "token_embedding" in layers[0] and "token_embedding" in layers[1]
@@ -247,7 +247,7 @@ def llama_lm() -> keras.Model:
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.LlamaBackbone(
         vocabulary_size=64,
-        num_layers=4,
+        num_layers=2,
         num_query_heads=2,
         num_key_value_heads=1,
         hidden_dim=16,

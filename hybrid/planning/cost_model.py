@@ -111,7 +111,8 @@ def evaluate(
         costs = Costs(F, B, W per model stage, transfer = boundary bytes / bandwidth)
         run = schedule.simulate(schedule, costs)
         end_d = when device d's last action ends in run
-        step = max_d (end_d + all_reduce(param bytes on d, R) + update_d) + step overhead
+        step = max(max_d (end_d + all_reduce(param bytes on d, R) + update_d),
+                   R · |schedule actions| · dispatch overhead) + step overhead
         (with host_cores: every compute cost × max(1, S·R / host_cores), the devices
          sharing the host's cores; the step at least R · Σ_d (busy_d at full speed +
          all_reduce_d + update_d) / host_cores and R · M · Σ_k arrays_k · tensor_overhead)
@@ -173,7 +174,7 @@ def evaluate(
     return Prediction(
         config=dataclasses.replace(config, balance=balance),
         global_batch=global_batch,
-        step_time=_step_time(devices, stages, config, hardware),
+        step_time=_step_time(devices, stages, config, hardware, _actions(sched, config)),
         pipeline_time=float(run.makespan),
         all_reduce_time=max(0.0, *(dev.reduce for dev in devices)),
         update_time=max(0.0, *(dev.update for dev in devices)),
@@ -330,15 +331,22 @@ def _sharing(config: RunConfig, hardware: Hardware) -> float:
     return max(1.0, config.stages * config.replicas / hardware.host_cores)
 
 
+def _actions(sched: schedule_lib.Schedule, config: RunConfig) -> int:
+    """The actions a step launches over the whole mesh: every replica's schedule."""
+    return config.replicas * sum(len(row) for row in sched.actions)
+
+
 def _step_time(
     devices: Sequence[_DeviceCost],
     stages: Sequence[StageCost],
     config: RunConfig,
     hardware: Hardware,
+    actions: int,
 ) -> float:
     """The slowest device's finish (or, on a shared host, the bound of its cores and of its
-    serial gradient accumulations), plus the step's own overhead."""
-    step = max(dev.finish for dev in devices)
+    serial gradient accumulations), at least the host's launches of the step's
+    ``actions``, plus the step's own overhead."""
+    step = max(max(dev.finish for dev in devices), actions * hardware.dispatch_overhead)
     if hardware.host_cores is not None:
         R = config.replicas
         M = 1 if config.defer_weight_gradients else config.micro_batches  # accumulations

@@ -71,7 +71,12 @@ class Hardware:
         program, control dependencies).
       tensor_overhead: seconds per weight array for every backward: adding one
         micro-batch's gradient into the step's accumulator is one op per array.
-      step_overhead: seconds every step costs once (launching the step).
+      step_overhead: seconds every step costs once (calling the step, feeding the batch,
+        reading the loss back).
+      dispatch_overhead: seconds of the host's per action of the step, over the whole mesh:
+        the runtime launches the R · |schedule| actions one after another, so a step takes
+        at least ``step_overhead + actions × dispatch_overhead`` however little they
+        compute (measured per host: :mod:`hybrid.planning.host_calibration`).
       compute_scale: factor on every profiled compute time (a device faster or slower than
         the one profiled, or a calibration).
       host_cores: for simulated devices that share one host: the cores they share (fitted,
@@ -89,6 +94,7 @@ class Hardware:
     action_overhead: float = 0.0
     tensor_overhead: float = 0.0
     step_overhead: float = 0.0
+    dispatch_overhead: float = 0.0
     compute_scale: float = 1.0
     host_cores: float | None = None
 
@@ -97,12 +103,18 @@ class Hardware:
             raise ValueError(f"memory_per_device must be positive, got {self.memory_per_device}")
         if self.host_cores is not None and not self.host_cores > 0:
             raise ValueError(f"host_cores must be positive or None, got {self.host_cores}")
-        overheads = (self.action_overhead, self.tensor_overhead, self.step_overhead)
+        overheads = (
+            self.action_overhead,
+            self.tensor_overhead,
+            self.step_overhead,
+            self.dispatch_overhead,
+        )
         if min(overheads) < 0 or not self.compute_scale > 0:
             raise ValueError(
                 f"overheads must be >= 0 and compute_scale > 0; got action_overhead="
                 f"{self.action_overhead}, tensor_overhead={self.tensor_overhead}, "
-                f"step_overhead={self.step_overhead}, compute_scale={self.compute_scale}"
+                f"step_overhead={self.step_overhead}, dispatch_overhead="
+                f"{self.dispatch_overhead}, compute_scale={self.compute_scale}"
             )
 
 

@@ -125,7 +125,9 @@ def plan(
       devices: N, the device budget.
       global_batch: examples per step.
       memory_per_device: bytes per device (overrides ``hardware.memory_per_device``).
-      hardware: links and overheads (default: free links, no overheads, no memory limit).
+      hardware: links and overheads (default: free links, no memory limit, and, when
+        ``model`` is profiled here, this host's measured cost per step and per action,
+        :mod:`hybrid.planning.host_calibration`; for a ``CostProfile``, no overheads).
       input_shape, input_dtype, loss, target_shape, optimizer, device: for profiling
         layers (see :func:`profile_model`).
       optimizer_slots: optimizer state per weight (Adam 2).
@@ -149,17 +151,18 @@ def plan(
     schedules, remats = _checked_arguments(
         devices, global_batch, schedules, remats, micro_batches, stages
     )
-    hardware = hardware or Hardware()
-    if memory_per_device is not None:
-        hardware = dataclasses.replace(hardware, memory_per_device=memory_per_device)
     began = time.perf_counter()
     if isinstance(model, CostProfile):
         profile = model
+        hardware = hardware or Hardware()
     else:
         sizes = _profile_batches(devices, global_batch, micro_batches, max_micro_batches, stages)
         profile = _profile_layers(
             model, input_shape, input_dtype, sizes, loss, target_shape, optimizer, device, verbose
         )
+        hardware = hardware or _host_hardware(devices, verbose)
+    if memory_per_device is not None:
+        hardware = dataclasses.replace(hardware, memory_per_device=memory_per_device)
     configs = list(
         candidates(
             devices,
@@ -375,6 +378,17 @@ def _thinned(sizes: list[int], keep: int) -> list[int]:
         best = min((s for s in sizes if s not in chosen), key=lambda s: abs(math.log(s) - target))
         chosen.append(best)
     return sorted(chosen)
+
+
+def _host_hardware(devices: int, verbose: int) -> Hardware:
+    """Free links, no memory limit, and this host's measured cost per step and per action
+    (:func:`hybrid.planning.host_calibration.calibrated` on up to ``devices`` of its
+    devices; cached per host)."""
+    from hybrid.core.mesh import local_devices
+    from hybrid.planning import host_calibration
+
+    here = list(local_devices())[: max(1, devices)]
+    return host_calibration.calibrated(here, verbose=verbose).hardware()
 
 
 def _profile_layers(

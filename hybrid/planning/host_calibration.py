@@ -1,0 +1,162 @@
+"""What a training step costs the host beyond the devices' compute, measured once per host.
+
+A step of the engine is one traced function that launches R · |schedule| actions (one
+stage program on one micro-batch each) and then the updates. On a tiny model the devices
+finish each action at once and the step is the host's: a fixed cost (calling the step,
+feeding the batch, reading the loss back) and a cost per action (launching a program and
+ordering it), the actions launched one after another. Measured here on a tiny model
+(4 × Dense(8)) over a few meshes and micro-batch counts, fitted by least squares::
+
+    step seconds = fixed + per_action × actions,   actions = R · |schedule actions|
+
+``fixed`` is the :class:`~hybrid.planning.hardware.Hardware`'s ``step_overhead`` and
+``per_action`` its ``dispatch_overhead`` (the cost model takes a step as at least
+``fixed + per_action × actions``). A calibration is cached per host, TensorFlow version,
+device kind, device count and XLA setting in a JSON file under the user's cache directory
+(``$XDG_CACHE_HOME/hybrid`` or ``~/.cache/hybrid``; ``HYBRID_CACHE_DIR`` overrides it), so
+the next plan on the machine reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hybrid.planning.hardware import Hardware
+
+__all__ = ["HostOverheads", "cache_path", "calibrated", "measure_host"]
+
+# (stages, replicas, micro_batches) timed; cut to the devices there are.
+MESHES = ((1, 1, 1), (1, 1, 8), (2, 1, 2), (2, 1, 8), (1, 2, 4), (2, 2, 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostOverheads:
+    """A host's fitted step cost (seconds) and the measurements it was fitted on.
+
+    Attributes:
+      fixed: seconds every step costs once.
+      per_action: seconds per action of the step (all replicas' actions together).
+      rows: ``(stages, replicas, micro_batches, actions, median step seconds)`` measured.
+    """
+
+    fixed: float
+    per_action: float
+    rows: tuple[tuple[int, int, int, int, float], ...]
+
+    def hardware(self, base: Hardware | None = None) -> Hardware:
+        """``base`` (default: free links, no memory limit) with these overheads."""
+        return dataclasses.replace(
+            base or Hardware(), step_overhead=self.fixed, dispatch_overhead=self.per_action
+        )
+
+
+def cache_path() -> str:
+    """The JSON file calibrations are kept in."""
+    root = os.environ.get("HYBRID_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hybrid"
+    )
+    return os.path.join(root, "host_calibration.json")
+
+
+def _key(devices: Sequence[str], jit_compile: bool) -> str:
+    import tensorflow as tf
+
+    kind = devices[0].rsplit("/", 1)[-1].rsplit(":", 1)[0] if devices else "none"
+    return f"{platform.node()}|tf {tf.__version__}|{kind}×{len(devices)}|xla={jit_compile}"
+
+
+def calibrated(
+    devices: Sequence[str] | None = None, jit_compile: bool = True, verbose: int = 0
+) -> HostOverheads:
+    """This host's overheads: the cached calibration for these devices, else measured
+    (:func:`measure_host`, a few seconds) and cached."""
+    from hybrid.core.mesh import local_devices
+
+    devices = list(devices) if devices is not None else list(local_devices())
+    key, path = _key(devices, jit_compile), cache_path()
+    stored = _read(path)
+    if key in stored:
+        entry = stored[key]
+        return HostOverheads(entry["fixed"], entry["per_action"], tuple(map(tuple, entry["rows"])))
+    if verbose:
+        print(f"measuring the host's cost per step and per action on {len(devices)} devices")
+    found = measure_host(devices, jit_compile)
+    stored[key] = dataclasses.asdict(found)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(stored, f, indent=1)
+        os.replace(temporary, path)
+    except OSError:  # a read-only home: measured again next time
+        pass
+    return found
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+        return stored if isinstance(stored, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def measure_host(
+    devices: Sequence[str], jit_compile: bool = True, steps: int = 15
+) -> HostOverheads:
+    """Times training steps of a tiny model on the meshes of :data:`MESHES` that
+    ``devices`` allow (median of ``steps`` after two warm-up steps each) and fits
+    ``fixed + per_action × actions``."""
+    import keras
+    import numpy as np
+
+    from hybrid.core.mesh import DeviceMesh
+    from hybrid.core.schedule import get
+    from hybrid.engine.api.pipeline import Pipeline
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for stages, replicas, micro in MESHES:
+        if stages * replicas > len(devices):
+            continue
+        batch = 4 * replicas * micro
+        x = rng.normal(size=(batch, 8)).astype("float32")
+        y = rng.integers(0, 8, size=(batch,)).astype("int32")
+        mesh = DeviceMesh.from_devices(devices[: stages * replicas], stages, replicas)
+        layers = [keras.layers.Dense(8, activation="relu") for _ in range(3)]
+        pipe = Pipeline([*layers, keras.layers.Dense(8)], mesh, micro_batches=micro)
+        pipe.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        for _ in range(2):
+            pipe.train_step(x, y)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            pipe.train_step(x, y)
+            times.append(time.perf_counter() - start)
+        sched = get(pipe.config.schedule, stages, micro)
+        actions = replicas * sum(len(row) for row in sched.actions)
+        rows.append((stages, replicas, micro, actions, float(np.median(times))))
+    fixed, per_action = _fit([r[3] for r in rows], [r[4] for r in rows])
+    return HostOverheads(fixed, per_action, tuple(rows))
+
+
+def _fit(actions: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``seconds = fixed + per_action × actions``, both kept >= 0."""
+    n = len(actions)
+    if n < 2 or len(set(actions)) < 2:
+        return (max(0.0, sum(seconds) / max(n, 1)), 0.0)
+    mx, my = sum(actions) / n, sum(seconds) / n
+    sxx = sum((a - mx) ** 2 for a in actions)
+    slope = max(0.0, sum((a - mx) * (s - my) for a, s in zip(actions, seconds, strict=True)) / sxx)
+    return max(0.0, my - slope * mx), slope
