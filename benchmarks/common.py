@@ -217,8 +217,12 @@ def flag_values(*names: str) -> dict[str, Any]:
 
 
 def flag_args(*names: str) -> list[str]:
-    """``--name=value`` for each flag in ``names``: this process's values, for a child."""
-    return [f"--{name}={value}" for name, value in flag_values(*names).items()]
+    """``--name=value`` for each flag in ``names``: this process's values, for a child (a
+    list flag's items joined by commas)."""
+    return [
+        f"--{name}={','.join(map(str, value)) if isinstance(value, list) else value}"
+        for name, value in flag_values(*names).items()
+    ]
 
 
 def dense_stack(width: int, depth: int, classes: int = 10, seed: int = 0) -> list[Any]:

@@ -4,8 +4,9 @@ Per model, one process with 4 simulated CPU devices (1 intra-op thread each): fo
 S×R of ``--meshes``, ``hybrid.plan`` on that mesh alone (devices S·R, stages [S]; its
 default hardware: this host's calibrated cost per step and per action,
 ``hybrid.planning.host_calibration``) ranks the candidates; the top ``--top`` of them are
-built with ``Pipeline(model, mesh, config=candidate.config)`` and timed (median of
-``--steps`` steps after two warm-up steps), side by side in the same process:
+built with ``Pipeline(model, mesh, config=candidate.config)`` and timed side by side in
+alternation (``--rounds`` rounds of ``--steps`` steps each, after two warm-up steps; the
+median round), so the host's noise hits them alike:
 
     predicted_ms   the plan's step time for the candidate
     measured_ms    the step measured
@@ -27,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 from absl import app, flags
@@ -38,7 +38,8 @@ flags.DEFINE_list("models", ["mlp", "transformer", "resnet"], "Reference models 
 flags.DEFINE_integer("batch", 32, "Global batch.")
 flags.DEFINE_integer("seq_len", 32, "Transformer tokens per example.")
 flags.DEFINE_integer("image_size", 16, "ResNet image height and width.")
-flags.DEFINE_integer("steps", 15, "Timed steps per candidate.")
+flags.DEFINE_integer("steps", 5, "Steps per timing round of each candidate.")
+flags.DEFINE_integer("rounds", 9, "Timing rounds (the candidates alternate; the median).")
 flags.DEFINE_list("plan_meshes", ["1x1", "2x1", "1x2", "2x2"], "Meshes SxR to plan and time.")
 flags.DEFINE_integer("top", 3, "Candidates timed per mesh, the planner's first ones.")
 flags.DEFINE_string("plan_child", None, "Internal: measure this model in this process.")
@@ -54,15 +55,15 @@ def _model(name: str) -> tuple[list[Any], tuple[int, ...], str, Any, Any]:
     rng, n = np.random.default_rng(0), FLAGS.batch
     if name == "transformer":
         seq = FLAGS.seq_len
-        layers = transformer.transformer(seq_len=seq, d_model=64, num_blocks=4)
+        layers = transformer(seq_len=seq, d_model=64, num_blocks=4)
         x = rng.integers(0, 256, size=(n, seq)).astype("int32")
         return layers, (seq,), "int32", x, rng.integers(0, 256, size=(n, seq)).astype("int32")
     if name == "resnet":
         size = FLAGS.image_size
-        layers = resnet.resnet(width=16, num_blocks=4)
+        layers = resnet(width=16, num_blocks=4)
         x = rng.normal(size=(n, size, size, 3)).astype("float32")
         return layers, (size, size, 3), "float32", x, rng.integers(0, 10, size=(n,))
-    layers = mlp.mlp(width=256, depth=4)
+    layers = mlp(width=256, depth=4)
     x = rng.normal(size=(n, 256)).astype("float32")
     return layers, (256,), "float32", x, rng.integers(0, 10, size=(n,)).astype("int32")
 
@@ -94,19 +95,17 @@ def measure(name: str) -> list[dict[str, Any]]:
             optimizer_slots=0,
             verbose=0,
         )
-        timed = []
-        for candidate in plan.ranked[: FLAGS.top]:
+        steps = {}
+        for rank, candidate in enumerate(plan.ranked[: FLAGS.top]):
             layers, _, _, x, y = _model(name)
             pipe = hybrid.Pipeline(layers, hybrid.DeviceMesh.create(S, R), config=candidate.config)
             pipe.compile(optimizer=keras.optimizers.SGD(0.01), loss=_loss())
-            for _ in range(2):
-                pipe.train_step(x, y)
-            times = []
-            for _ in range(FLAGS.steps):
-                start = time.perf_counter()
-                pipe.train_step(x, y)
-                times.append(time.perf_counter() - start)
-            timed.append((candidate, statistics.median(times)))
+            steps[rank] = common.train_step(pipe, x, y)
+        samples = common.time_alternating(steps, FLAGS.rounds, FLAGS.steps, warmup=2)
+        timed = [
+            (candidate, statistics.median(samples[rank]))
+            for rank, candidate in enumerate(plan.ranked[: FLAGS.top])
+        ]
         fastest = min(t for _, t in timed)
         for rank, (candidate, measured) in enumerate(timed):
             c = candidate.config
@@ -138,7 +137,9 @@ def main(argv: list[str]) -> None:
     for name in FLAGS.models:
         (got,) = common.run_child(
             [os.path.abspath(__file__), f"--plan_child={name}"]
-            + common.flag_args("plan_meshes", "top", "batch", "image_size", "seq_len", "steps")
+            + common.flag_args(
+                "plan_meshes", "top", "batch", "image_size", "seq_len", "steps", "rounds"
+            )
         )
         for row in got:
             rows.append(row)

@@ -2,6 +2,7 @@
 counted in every plan of a model profiled here (``hybrid.planning.host_calibration``)."""
 
 import json
+import os
 import sys
 
 import keras
@@ -74,6 +75,7 @@ def test_a_plan_of_a_model_profiled_here_counts_the_host(cache):
         verbose=0,
     )
     assert plan.hardware.step_overhead == 1e-3 and plan.hardware.dispatch_overhead == 1e-4
+    assert plan.hardware.host_cores == len(os.sched_getaffinity(0))  # simulated devices
     for p in plan.ranked:
         c = p.config
         actions = c.replicas * c.stages * c.micro_batches * 2  # F and B

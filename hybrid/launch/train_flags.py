@@ -271,7 +271,8 @@ def parse_memory(text: str | None) -> float | None:
 
 
 def parse_balance(text: str) -> str | tuple[int, ...]:
-    """``"params"``/``"time"``/``"memory"`` or ``"3,2"`` -> the Pipeline's ``balance``."""
+    """``"compute"``/``"params"``/``"time"``/``"memory"`` or ``"3,2"`` -> the Pipeline's
+    ``balance``."""
     from hybrid.core.config import BALANCE_MODES
 
     if text in BALANCE_MODES:

@@ -29,7 +29,7 @@ from typing import Any
 
 from hybrid.planning.hardware import Hardware
 
-__all__ = ["HostOverheads", "cache_path", "calibrated", "measure_host"]
+__all__ = ["HostOverheads", "cache_path", "calibrated", "measure_host", "shared_cores"]
 
 # (stages, replicas, micro_batches) timed; cut to the devices there are.
 MESHES = ((1, 1, 1), (1, 1, 8), (2, 1, 2), (2, 1, 8), (1, 2, 4), (2, 2, 4))
@@ -49,11 +49,24 @@ class HostOverheads:
     per_action: float
     rows: tuple[tuple[int, int, int, int, float], ...]
 
-    def hardware(self, base: Hardware | None = None) -> Hardware:
-        """``base`` (default: free links, no memory limit) with these overheads."""
-        return dataclasses.replace(
-            base or Hardware(), step_overhead=self.fixed, dispatch_overhead=self.per_action
-        )
+    def hardware(self, base: Hardware | None = None, host_cores: float | None = None) -> Hardware:
+        """``base`` (default: free links, no memory limit) with these overheads (and
+        ``host_cores`` when given: devices that share the host's cores)."""
+        changes: dict[str, Any] = {
+            "step_overhead": self.fixed,
+            "dispatch_overhead": self.per_action,
+        }
+        if host_cores is not None:
+            changes["host_cores"] = host_cores
+        return dataclasses.replace(base or Hardware(), **changes)
+
+
+def shared_cores(devices: Sequence[str]) -> float | None:
+    """The cores simulated CPU devices share (this process's), or None for devices that
+    are each their own hardware (GPUs, TPU cores)."""
+    if not devices or not all("CPU" in d.rsplit("/", 1)[-1] for d in devices):
+        return None
+    return float(len(os.sched_getaffinity(0)))
 
 
 def cache_path() -> str:

@@ -59,7 +59,8 @@ def candidates(
     """Every configuration :func:`plan` judges, with the global batch and layer count: each
     S × R = devices (S in ``stages`` when given), each M in ``micro_batches`` (default: the
     divisors of the per-replica batch up to ``max_micro_batches``, or 1), each schedule
-    (interleaved with 2 … ``max_virtual_stages`` virtual stages) and remat mode, with
+    (interleaved with 2 … ``max_virtual_stages`` virtual stages, only where S > 1) and
+    remat mode, with
     ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight gradients or not),
     each cut of ``balances`` (None: by time; "memory"), and with R > 1 each of
     ``shardings`` (optimizer states sharded across the replicas, ZeRO-1, or not)."""
@@ -68,6 +69,8 @@ def candidates(
         per_replica = global_batch // R if global_batch % R == 0 else 0
         ms = _counts(per_replica, micro_batches, max_micro_batches)
         for name in schedules:
+            if name == "interleaved" and S == 1:  # virtual stages on one device: no pipeline
+                continue
             virtuals = range(2, max_virtual_stages + 1) if name == "interleaved" else [1]
             for v in virtuals:
                 for M in ms:
@@ -381,14 +384,15 @@ def _thinned(sizes: list[int], keep: int) -> list[int]:
 
 
 def _host_hardware(devices: int, verbose: int) -> Hardware:
-    """Free links, no memory limit, and this host's measured cost per step and per action
+    """Free links, no memory limit, this host's measured cost per step and per action
     (:func:`hybrid.planning.host_calibration.calibrated` on up to ``devices`` of its
-    devices; cached per host)."""
+    devices; cached per host), and for simulated CPU devices the cores they share."""
     from hybrid.core.mesh import local_devices
     from hybrid.planning import host_calibration
 
     here = list(local_devices())[: max(1, devices)]
-    return host_calibration.calibrated(here, verbose=verbose).hardware()
+    found = host_calibration.calibrated(here, verbose=verbose)
+    return found.hardware(host_cores=host_calibration.shared_cores(here))
 
 
 def _profile_layers(
