@@ -37,7 +37,9 @@ def test_a_calibration_is_measured_once_then_read_from_the_cache(cache, monkeypa
     assert meshes == [m for m in host_calibration.MESHES if m[0] * m[1] <= 4]
     # 1×1 M=1: F and B; 2×2 M=4: 2 replicas × 2 stages × 4 micro-batches × (F, B)
     assert [row[3] for row in found.rows][:2] == [2, 16] and found.rows[-1][3] == 32
-    assert found.fixed > 0 and found.per_action > 0
+    # the fit (noise may flatten it on a busy host, never below 0) predicts every row > 0
+    assert found.fixed >= 0 and found.per_action >= 0
+    assert all(found.fixed + found.per_action * row[3] > 0 for row in found.rows)
     assert all(row[4] > 0 for row in found.rows)
     stored = json.loads(cache.read_text())
     (key,) = stored
