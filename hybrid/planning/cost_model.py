@@ -174,7 +174,9 @@ def evaluate(
     return Prediction(
         config=dataclasses.replace(config, balance=balance),
         global_batch=global_batch,
-        step_time=_step_time(devices, stages, config, hardware, _actions(sched, config)),
+        step_time=_step_time(
+            devices, stages, config, hardware, config.replicas * sched.num_actions
+        ),
         pipeline_time=float(run.makespan),
         all_reduce_time=max(0.0, *(dev.reduce for dev in devices)),
         update_time=max(0.0, *(dev.update for dev in devices)),
@@ -331,11 +333,6 @@ def _sharing(config: RunConfig, hardware: Hardware) -> float:
     return max(1.0, config.stages * config.replicas / hardware.host_cores)
 
 
-def _actions(sched: schedule_lib.Schedule, config: RunConfig) -> int:
-    """The actions a step launches over the whole mesh: every replica's schedule."""
-    return config.replicas * sum(len(row) for row in sched.actions)
-
-
 def _step_time(
     devices: Sequence[_DeviceCost],
     stages: Sequence[StageCost],
@@ -345,7 +342,7 @@ def _step_time(
 ) -> float:
     """The slowest device's finish (or, on a shared host, the bound of its cores and of its
     serial gradient accumulations), at least the host's launches of the step's
-    ``actions``, plus the step's own overhead."""
+    ``actions`` (every replica's schedule), plus the step's own overhead."""
     step = max(max(dev.finish for dev in devices), actions * hardware.dispatch_overhead)
     if hardware.host_cores is not None:
         R = config.replicas

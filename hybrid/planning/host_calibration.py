@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from hybrid.planning.hardware import Hardware
+from hybrid.planning.hardware import Hardware, Link
 
 __all__ = ["HostOverheads", "cache_path", "calibrated", "measure_host", "shared_cores"]
 
@@ -157,19 +158,15 @@ def measure_host(
             start = time.perf_counter()
             pipe.train_step(x, y)
             times.append(time.perf_counter() - start)
-        sched = get(pipe.config.schedule, stages, micro)
-        actions = replicas * sum(len(row) for row in sched.actions)
+        actions = replicas * get(pipe.config.schedule, stages, micro).num_actions
         rows.append((stages, replicas, micro, actions, float(np.median(times))))
     fixed, per_action = _fit([r[3] for r in rows], [r[4] for r in rows])
     return HostOverheads(fixed, per_action, tuple(rows))
 
 
 def _fit(actions: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least squares ``seconds = fixed + per_action × actions``, both kept >= 0."""
-    n = len(actions)
-    if n < 2 or len(set(actions)) < 2:
-        return (max(0.0, sum(seconds) / max(n, 1)), 0.0)
-    mx, my = sum(actions) / n, sum(seconds) / n
-    sxx = sum((a - mx) ** 2 for a in actions)
-    slope = max(0.0, sum((a - mx) * (s - my) for a, s in zip(actions, seconds, strict=True)) / sxx)
-    return max(0.0, my - slope * mx), slope
+    """Least squares ``seconds = fixed + per_action × actions``, both kept >= 0: the line
+    :meth:`Link.fit` fits (its latency the fixed cost, its time per byte the cost per
+    action)."""
+    line = Link.fit(actions, seconds)
+    return line.latency, 0.0 if math.isinf(line.bandwidth) else 1.0 / line.bandwidth

@@ -60,10 +60,9 @@ def candidates(
     S × R = devices (S in ``stages`` when given), each M in ``micro_batches`` (default: the
     divisors of the per-replica batch up to ``max_micro_batches``, or 1), each schedule
     (interleaved with 2 … ``max_virtual_stages`` virtual stages, only where S > 1) and
-    remat mode, with
-    ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight gradients or not),
-    each cut of ``balances`` (None: by time; "memory"), and with R > 1 each of
-    ``shardings`` (optimizer states sharded across the replicas, ZeRO-1, or not)."""
+    remat mode, with ``remat="never"`` and M > 1 each of ``deferrals`` (deferred weight
+    gradients or not), each cut of ``balances`` (None: by time; "memory"), and with R > 1
+    each of ``shardings`` (optimizer states sharded across the replicas, ZeRO-1, or not)."""
     for S in stages if stages is not None else _divisors(devices):
         R = devices // S
         per_replica = global_batch // R if global_batch % R == 0 else 0

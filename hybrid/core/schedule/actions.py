@@ -95,6 +95,11 @@ class Schedule:
         return self.num_stages * self.virtual_stages
 
     @property
+    def num_actions(self) -> int:
+        """How many actions the schedule runs, over all its devices."""
+        return sum(len(row) for row in self.actions)
+
+    @property
     def splits_backward(self) -> bool:
         """True when backward is split into B (input gradient) and W (weight gradient)."""
         return any(a.op is Op.W for row in self.actions for a in row)

@@ -69,7 +69,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
     done: set[Action] = set()
     cursor = [0] * schedule.num_stages
     order: list[Action] = []
-    total = sum(len(row) for row in schedule.actions)
+    total = schedule.num_actions
     while len(order) < total:
         progressed = False
         for d, row in enumerate(schedule.actions):

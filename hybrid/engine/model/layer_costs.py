@@ -169,7 +169,7 @@ def layer_bytes(
 
 def weight_bytes(variables: Sequence[Any]) -> float:
     """Bytes of ``variables`` (each once)."""
-    return float(sum(_bytes(v) for v in {id(v): v for v in variables}.values()))
+    return float(sum(_bytes(v) for v in _distinct(variables)))
 
 
 def _bytes(v: Any) -> int:
