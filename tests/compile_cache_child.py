@@ -4,8 +4,9 @@ persistent cache is on (TensorFlow reads its XLA flags once).
     python tests/compile_cache_child.py CACHE_DIR [--no-cache]
 
 Trains a 2 × 2 pipeline (M = 2, Adam) two steps beside plain Keras on one device from the
-same weights and prints ``RESULT {json}``: which traced step each pipeline step ran, the
-largest weight difference from Keras, and the cache's files after each step.
+same weights, then evaluates twice, and prints ``RESULT {json}``: which traced step each
+pipeline call ran, the largest weight difference from Keras, the evaluation's difference
+from Keras's, and the cache's files after each call.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main() -> int:
     pipe.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss())
     ran, files = [], []
     steps = pipe._steps  # which of its traced functions each step runs
-    calls = {"train": 0, "first_train": 0}
+    calls = {"train": 0, "first_train": 0, "evaluate": 0, "first_evaluate": 0}
     for name in calls:
         traced = getattr(steps, name)
 
@@ -53,10 +54,11 @@ def main() -> int:
             return _traced(*args)  # type: ignore[operator]
 
         object.__setattr__(steps, name, counted)
-    for _ in range(2):
-        pipe.train_step(x, y)
+    for call in (pipe.train_step, pipe.train_step, pipe.evaluate, pipe.evaluate):
+        call(x, y)
         ran.append(dict(calls))
         files.append(len(os.listdir(cache)) if os.path.isdir(cache) else 0)
+    evaluated = pipe.evaluate(x, y, verbose=0)
     got = pipe.get_weights()
     model.set_weights(initial)
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss(), jit_compile=True)
@@ -64,7 +66,8 @@ def main() -> int:
         model.train_on_batch(x, y)
     want = model.get_weights()
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want, strict=True))
-    result = {"ran": ran, "files": files, "max_diff": diff}
+    evaluation = abs(evaluated - model.evaluate(x, y, verbose=0))
+    result = {"ran": ran, "files": files, "max_diff": diff, "evaluation_diff": evaluation}
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

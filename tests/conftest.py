@@ -17,6 +17,11 @@ os.environ.setdefault(
     + os.path.join(tempfile.gettempdir(), f"hybrid-xla-cache-{os.getuid()}"),
 )
 
+# Tests compile at XLA's lowest backend optimization level: compiling is most of a cold suite's
+# time, and LLVM's level changes how fast the code runs, not what the tests compare (each is
+# against a reference computed in the same process, under the same flags).
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
 # The planner's host calibration (hybrid.planning.host_calibration) is cached here, not in
 # the user's home.
 os.environ.setdefault(

@@ -20,6 +20,7 @@ Models:
 Each runs GPipe with M=1, 1F1B with M=4 and interleaved (2 virtual stages) with M=4.
 """
 
+import functools
 import sys
 
 import keras
@@ -241,13 +242,31 @@ def sample_weights(name, step):
     return w
 
 
+@functools.cache
+def keras_run(name):
+    """Plain Keras's run of model ``name``, the same for every schedule (each test process
+    trains it once): the model after :data:`STEPS` ``train_on_batch`` steps, its initial
+    weights, each step's loss, and its evaluation (a dict) and predictions of batch 9."""
+    builder, batch, _, _ = MODELS[name]
+    keras_model = build(builder, seed=0)
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), **objective(name))
+    initial = keras_model.get_weights()
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        want = keras_model.train_on_batch(x, y, sample_weight=sample_weights(name, step))
+        losses.append(want[0] if isinstance(want, list) else want)  # [total, per output]
+    x, y = batch(9)
+    evaluation = keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return keras_model, initial, losses, evaluation, keras_model.predict(x, verbose=0)
+
+
 @pytest.mark.parametrize("name,schedule,micro_batches", GRID)
 def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     builder, batch, (stages, replicas), balance = MODELS[name]
-    keras_model = build(builder, seed=0)
-    keras_model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), **objective(name))
+    keras_model, initial, losses, evaluation, predictions = keras_run(name)
     template = build(builder, seed=1)
-    template.set_weights(keras_model.get_weights())
+    template.set_weights(initial)
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
@@ -262,11 +281,8 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
     )
     for step in range(STEPS):
         x, y = batch(step)
-        w = sample_weights(name, step)
-        want = keras_model.train_on_batch(x, y, sample_weight=w)
-        want = want[0] if isinstance(want, list) else want  # [total, per-output losses]
-        got = pipe.train_step(x, y, sample_weight=w)["loss"]
-        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
+        got = pipe.train_step(x, y, sample_weight=sample_weights(name, step))["loss"]
+        np.testing.assert_allclose(got, losses[step], rtol=1e-5, err_msg=f"loss of step {step}")
     if schedule == "1f1b":  # every stage computed its weight gradients once per step
         plans = [copy.deferral for row in pipe.stages for copy in row]
         assert all(isinstance(p, row_sums.Plan) for p in plans), plans
@@ -276,11 +292,10 @@ def test_model_trains_as_keras_trains_it(name, schedule, micro_batches):
         ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights())
     x, y = batch(9)
     got = pipe.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
-    want = keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
-    assert got.keys() == want.keys()  # with several outputs: each output's loss too
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
-    got, want = pipe.predict(x, verbose=0), keras_model.predict(x, verbose=0)
+    assert got.keys() == evaluation.keys()  # with several outputs: each output's loss too
+    for key in evaluation:
+        np.testing.assert_allclose(got[key], evaluation[key], rtol=1e-5, err_msg=key)
+    got, want = pipe.predict(x, verbose=0), predictions
     if isinstance(want, dict):
         assert sorted(got) == sorted(want)
         got, want = [got[k] for k in sorted(got)], [want[k] for k in sorted(want)]

@@ -1,5 +1,6 @@
-"""A persistent XLA cache (``hybrid.engine.compile_cache``) and the first training step that
-fills it replica by replica: exact against plain Keras, run once per M, never without a cache.
+"""A persistent XLA cache (``hybrid.engine.compile_cache``) and the first call of each step
+(training, evaluation) that fills it replica by replica: exact against plain Keras, run once
+per M and kind, never without a cache.
 
 Each case runs ``compile_cache_child.py`` in its own process: TensorFlow reads its XLA flags
 at a process's first XLA compile, long past in this one.
@@ -40,17 +41,26 @@ def child(cache: str, *extra: str) -> dict:
 def test_the_first_step_runs_replica_by_replica_and_fills_the_cache(tmp_path):
     cache = str(tmp_path / "xla")
     result = child(cache)
-    # step 1: the ordered trace; step 2: the usual one
-    assert result["ran"] == [{"train": 0, "first_train": 1}, {"train": 1, "first_train": 1}]
-    # the first step wrote the programs; the second compiled nothing new
-    assert result["files"][0] > 0 and result["files"][1] == result["files"][0]
+    # step 1: the ordered trace; step 2: the usual one; the same for evaluation
+    ran = [
+        (r["train"], r["first_train"], r["evaluate"], r["first_evaluate"]) for r in result["ran"]
+    ]
+    assert ran == [(0, 1, 0, 0), (1, 1, 0, 0), (1, 1, 0, 1), (1, 1, 1, 1)]
+    # the first step wrote the programs; the second compiled nothing new; the first
+    # evaluation wrote its forward programs, the second nothing new
+    files = result["files"]
+    assert files[0] > 0 and files[1] == files[0] and files[3] == files[2] > files[1]
     assert result["max_diff"] < 1e-6  # 2 Adam steps on 2 × 2, M = 2, against Keras
+    assert result["evaluation_diff"] < 1e-6
 
 
 def test_without_a_cache_every_step_runs_the_replicas_at_once(tmp_path):
     result = child(str(tmp_path / "unused"), "--no-cache")
-    assert result["ran"] == [{"train": 1, "first_train": 0}, {"train": 2, "first_train": 0}]
-    assert result["files"] == [0, 0] and result["max_diff"] < 1e-6
+    ran = [
+        (r["train"], r["first_train"], r["evaluate"], r["first_evaluate"]) for r in result["ran"]
+    ]
+    assert ran == [(1, 0, 0, 0), (2, 0, 0, 0), (2, 0, 1, 0), (2, 0, 2, 0)]
+    assert result["files"] == [0, 0, 0, 0] and result["max_diff"] < 1e-6
 
 
 def test_enable_keeps_the_other_flags_and_a_directory_already_set(monkeypatch, tmp_path):

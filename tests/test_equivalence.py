@@ -4,9 +4,12 @@ Over meshes × micro-batch counts × remat modes × optimizers (SGD with momentu
 pair of values of any two of them is run (an all-pairs grid, ``covering.py``: 24 runs of the
 144; ``HYBRID_TEST_FULL=1`` runs all): the same layers with the same initial weights, the
 gradients of one batch, then 3 training steps. Losses, gradients and every weight must match
-the reference to 1e-5 relative, and all replica copies of a stage must be bit-identical.
+the reference to 1e-5 relative, and all replica copies of a stage must be bit-identical. The
+reference's run is the same for every cell: each test process trains it once per optimizer.
 """
 
+import dataclasses
+import functools
 import itertools
 import sys
 
@@ -24,10 +27,33 @@ STEPS = 3
 BATCH = 64  # divisible by every replicas × micro_batches in the grid
 
 
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """What the single-device reference computes from the same initial weights: the
+    gradients of batch 0, the loss of each of :data:`STEPS` training steps on batches
+    1..STEPS, and the weights after them."""
+
+    initial: list[np.ndarray]
+    gradients: list[np.ndarray]
+    losses: list[float]
+    final: list[np.ndarray]
+
+
+@functools.cache
+def trajectory(optimizer: str) -> Trajectory:
+    """The reference's run with ``optimizer``: the same for every cell of the grid (same
+    layers, weights and batches), so each test process trains it once per optimizer."""
+    reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS[optimizer]())
+    initial = reference.model.get_weights()
+    gradients = reference.gradients(*ref.batch(BATCH, seed=0))
+    losses = [reference.train_step(*ref.batch(BATCH, seed=step + 1)) for step in range(STEPS)]
+    return Trajectory(initial, gradients, losses, reference.model.get_weights())
+
+
 def _run(
     stages, replicas, micro_batches, remat, optimizer, schedule="gpipe", check_grads=True, jit=True
 ):
-    reference = ref.Reference(ref.mlp_layers(), ref.OPTIMIZERS[optimizer]())
+    want = trajectory(optimizer)
     pipe = ref.pipeline(
         stages,
         replicas,
@@ -37,17 +63,18 @@ def _run(
         schedule=schedule,
         remat=remat,
         jit_compile=jit,
-        weights=reference.model.get_weights(),
+        weights=want.initial,
     )
     if check_grads:
         x0, y0 = ref.batch(BATCH, seed=0)
-        ref.assert_weights_close(pipe.gradients(x0, y0), reference.gradients(x0, y0))
+        ref.assert_weights_close(pipe.gradients(x0, y0), want.gradients)
     for step in range(STEPS):
         x, y = ref.batch(BATCH, seed=step + 1)
         got = pipe.train_step(x, y)["loss"]
-        want = reference.train_step(x, y)
-        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
-    ref.assert_weights_close(pipe.get_weights(), reference.model.get_weights())
+        np.testing.assert_allclose(
+            got, want.losses[step], rtol=1e-5, err_msg=f"loss of step {step}"
+        )
+    ref.assert_weights_close(pipe.get_weights(), want.final)
     for r in range(1, replicas):
         for a, b in zip(pipe.replica_weights(r), pipe.replica_weights(0), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"replica {r} diverged from replica 0")

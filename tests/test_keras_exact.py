@@ -26,6 +26,7 @@ regularizer and global_clipnorm on the LossScaleOptimizer's inner optimizer).
 What the pipeline cannot honour yet is refused when it is built (see the end of this file).
 """
 
+import functools
 import sys
 import warnings
 
@@ -144,12 +145,34 @@ def assert_deferred(pipe):
     assert all(isinstance(plan, row_sums.Plan) for plan in plans), plans
 
 
-@pytest.mark.parametrize("recipe,stages,replicas,micro_batches,schedule,deferred", GRID)
-def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule, deferred):
+@functools.cache
+def keras_recipe(recipe):
+    """Plain Keras's run of ``recipe``, the same for every cell of the grid (each test
+    process trains it once): the compiled model after :data:`STEPS` ``train_on_batch``
+    steps, its initial weights, each step's loss and the evaluation of batch 9."""
     keras_model = model(recipe=recipe)
     keras_model.compile(optimizer=optimizer_for(recipe, keras_model), loss=loss_for(recipe))
+    initial = keras_model.get_weights()
+    weighted = recipe in WEIGHTED
+    losses = []
+    for step in range(STEPS):
+        x, y = ref.batch(BATCH, seed=step + 1)
+        w = sample_weights(step) if weighted else None
+        losses.append(keras_model.train_on_batch(x, y, sample_weight=w))
+    x, y = ref.batch(BATCH, seed=9)
+    w = sample_weights(9) if weighted else None
+    evaluation = keras_model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
+    return keras_model, initial, losses, evaluation
+
+
+WEIGHTED = ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
+
+
+@pytest.mark.parametrize("recipe,stages,replicas,micro_batches,schedule,deferred", GRID)
+def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule, deferred):
+    keras_model, initial, losses, evaluation = keras_recipe(recipe)
     template = model(seed=1, recipe=recipe)
-    template.set_weights(keras_model.get_weights())
+    template.set_weights(initial)
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
@@ -161,22 +184,19 @@ def test_recipe_matches_keras(recipe, stages, replicas, micro_batches, schedule,
     pipe.compile(
         optimizer=optimizer_for(recipe, template), loss=loss_for(recipe), jit_compile=False
     )
-    weighted = recipe in ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
+    weighted = recipe in WEIGHTED
     for step in range(STEPS):
         x, y = ref.batch(BATCH, seed=step + 1)
         w = sample_weights(step) if weighted else None
-        want = keras_model.train_on_batch(x, y, sample_weight=w)
         got = pipe.train_step(x, y, sample_weight=w)["loss"]
-        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"loss of step {step}")
+        np.testing.assert_allclose(got, losses[step], rtol=1e-5, err_msg=f"loss of step {step}")
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
     if deferred and micro_batches > 1:
         assert_deferred(pipe)
     x, y = ref.batch(BATCH, seed=9)
     w = sample_weights(9) if weighted else None
     np.testing.assert_allclose(
-        pipe.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0),
-        keras_model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0),
-        rtol=1e-5,
+        pipe.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0), evaluation, rtol=1e-5
     )
     state = optimizer_state(row[0].optimizer for row in pipe.stages)
     want = optimizer_state([keras_model.optimizer])
@@ -228,17 +248,43 @@ def float16_model(seed=0):
     return policy_model("mixed_float16", seed, activity=keras.regularizers.L2(0.05))
 
 
-def policy_pair(
-    make_model, make_optimizer, stages, replicas, micro_batches, schedule, defer, **layout
-):
-    """A compiled Keras model of ``make_model``, its initial weights, and a pipeline of a
-    copy of it with those weights and an equal optimizer (weight gradients deferred when
-    ``defer``; ``layout``: the Pipeline's other layout arguments)."""
+@functools.cache
+def keras_policy_run(make_model, make_optimizer):
+    """Plain Keras's run of the policy model ``make_model`` with ``make_optimizer`` on the
+    batches of :func:`policy_batches`, the same for every cell (each test process trains it
+    once): the model after it, its initial weights, and after each step the loss and the
+    optimizer's loss-scale state (``loss_scale_state``, None without a loss scale)."""
     keras_model = make_model()
     keras_model.compile(optimizer=make_optimizer(), loss=loss_for(None))
     initial = keras_model.get_weights()
+    steps = []
+    for x, y in policy_batches(make_optimizer):
+        loss = keras_model.train_on_batch(x, y)
+        scaled = isinstance(keras_model.optimizer, keras.optimizers.LossScaleOptimizer)
+        steps.append((loss, loss_scale_state(keras_model.optimizer) if scaled else None))
+    return keras_model, initial, steps
+
+
+def policy_batches(make_optimizer):
+    """The batches a policy test trains on: :data:`STEPS` of them, or under a loss scale
+    four, the third overflowing float16 (a non-finite step)."""
+    if make_optimizer is not scaled_sgd:
+        return [ref.batch(BATCH, seed=step + 1) for step in range(STEPS)]
+    batches = [ref.batch(BATCH, seed=step + 1) for step in range(4)]
+    x, y = batches[2]
+    batches[2] = (x * 1e6, y)  # float16 activations overflow
+    return batches
+
+
+def policy_pair(
+    make_model, make_optimizer, stages, replicas, micro_batches, schedule, defer, **layout
+):
+    """Keras's run of ``make_model`` and ``make_optimizer`` (:func:`keras_policy_run`) and a
+    pipeline of a copy of the model with its initial weights and an equal optimizer (weight
+    gradients deferred when ``defer``; ``layout``: the Pipeline's other layout arguments)."""
+    keras_run = keras_policy_run(make_model, make_optimizer)
     template = make_model(seed=1)
-    template.set_weights(initial)
+    template.set_weights(keras_run[1])
     pipe = hybrid.Pipeline(
         template,
         mesh=hybrid.DeviceMesh.create(stages, replicas),
@@ -249,7 +295,7 @@ def policy_pair(
         **layout,
     )
     pipe.compile(optimizer=make_optimizer(), loss=loss_for(None), jit_compile=False)
-    return keras_model, initial, pipe
+    return keras_run, pipe
 
 
 def assert_within_update(actual, expected, initial, fraction):
@@ -267,18 +313,10 @@ def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
     """bfloat16 keeps 8 bits of mantissa: a micro-batch's sums round differently from the
     whole batch's, so the pipeline equals Keras to bfloat16 round-off (loss within 2^-8,
     weights within 3 % of Keras's update), and computes in bfloat16 as Keras does."""
-    keras_model, initial, pipe = policy_pair(
-        bfloat16_model,
-        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-        stages,
-        replicas,
-        micro_batches,
-        schedule,
-        deferred,
+    (keras_model, initial, steps), pipe = policy_pair(
+        bfloat16_model, momentum_sgd, stages, replicas, micro_batches, schedule, deferred
     )
-    for step in range(STEPS):
-        x, y = ref.batch(BATCH, seed=step + 1)
-        want = keras_model.train_on_batch(x, y)
+    for (x, y), (want, _) in zip(policy_batches(momentum_sgd), steps, strict=True):
         np.testing.assert_allclose(pipe.train_step(x, y)["loss"], want, rtol=2**-8)
     if deferred:
         assert_deferred(pipe)
@@ -287,6 +325,10 @@ def test_mixed_bfloat16_computes_in_bfloat16_as_keras_does(
     for row in pipe.stages[1:]:  # activations cross the cuts in bfloat16: half the bytes
         assert [spec.dtype for spec in row[0].input_specs] == ["bfloat16"]
     assert pipe.predict(x).dtype == keras_model.predict(x, verbose=0).dtype
+
+
+def momentum_sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
 def scaled_sgd():
@@ -310,32 +352,30 @@ def test_mixed_float16_has_one_loss_scale_as_keras_does(
     penalty's gradient carries the scale too, and the inner optimizer clips by the norm of the
     unscaled gradients. float16 keeps 11 bits: losses within 2^-10, weights within 1 % of
     Keras's update."""
-    keras_model, initial, pipe = policy_pair(
+    keras_run, pipe = policy_pair(
         float16_model, scaled_sgd, stages, replicas, micro_batches, schedule, deferred
     )
-    assert_one_loss_scale(keras_model, initial, pipe)
+    assert_one_loss_scale(keras_run, pipe)
     if deferred:
         assert_deferred(pipe)
 
 
-def assert_one_loss_scale(keras_model, initial, pipe):
-    """Trains ``pipe`` and the Keras model through an overflowing step: the same losses,
-    every copy's LossScaleOptimizer in Keras's state after each step, and weights within 1 %
-    of Keras's update (float16's round-off)."""
-    for step, overflow in enumerate([False, False, True, False]):
-        x, y = ref.batch(BATCH, seed=step + 1)
-        if overflow:  # float16 activations overflow: a non-finite step
-            x = x * 1e6
-        want = keras_model.train_on_batch(x, y)
+def assert_one_loss_scale(keras_run, pipe):
+    """Trains ``pipe`` through Keras's run (:func:`keras_policy_run`), an overflowing step
+    included: the same losses, every copy's LossScaleOptimizer in Keras's state after each
+    step, and weights within 1 % of Keras's update (float16's round-off)."""
+    keras_model, initial, steps = keras_run
+    for step, ((x, y), (want, expected)) in enumerate(
+        zip(policy_batches(scaled_sgd), steps, strict=True)
+    ):
         got = pipe.train_step(x, y)["loss"]
-        if overflow:
+        if step == 2:  # the overflowing step
             assert not np.isfinite(want) and not np.isfinite(got)
         else:
             np.testing.assert_allclose(got, want, rtol=2**-10, err_msg=f"step {step}")
-        expected = loss_scale_state(keras_model.optimizer)
         for row in pipe.stages:
             assert [loss_scale_state(copy.optimizer) for copy in row] == [expected] * len(row)
-    assert loss_scale_state(keras_model.optimizer) == (2.0**6, 1)  # doubled, then halved
+    assert steps[-1][1] == (2.0**6, 1)  # doubled, then halved
     assert_within_update(pipe.get_weights(), keras_model.get_weights(), initial, 0.01)
 
 

@@ -190,26 +190,6 @@ def test_two_tasks_train_like_one_process(job, tmp_path):
     ref.assert_weights_close(pipe.get_weights(), weights, rtol=0, atol=0)
 
 
-def test_lost_worker_fails_with_clear_error(job, tmp_path):
-    init = initial_weights(str(tmp_path))
-    client = job.client(f"--init={init}", "--steps=100000", "--no_jit")  # XLA is not the point
-    deadline = time.monotonic() + DEADLINE_S
-    while "step 2 " not in job.log("client"):  # training has begun: an event, not a time
-        if client.poll() is not None or time.monotonic() > deadline:
-            client.kill()
-            pytest.fail(f"the client did not train:\n{job.output()}")
-        time.sleep(0.2)
-    job.workers[1].kill()
-    code = finish(client, job)  # the bound is against a hang; a lost task fails the step
-    with open(tmp_path / "client.err") as f:
-        error = f.read()
-    assert code == 3, error[-3000:]
-    # The step's error (guard) or the watcher, whichever sees the lost task first, names it.
-    named = f"lost worker task 1 ({job.addresses[1]})" in error and "restart that worker" in error
-    watched = f"worker task 1 ({job.addresses[1]}) stopped answering" in error
-    assert named or watched, error[-3000:]
-
-
 LAUNCH_FLAGS = [
     "--model=mlp",
     "--data=synthetic",
@@ -243,8 +223,9 @@ def run_launcher(model_dir: str, steps: int, *flags: str) -> str:
 def test_launcher_job_survives_a_lost_worker_and_moves_between_hosts(tmp_path):
     """One host → 2 tasks → a worker dies → restarted job resumes → back on one host.
 
-    Every leg resumes from the newest checkpoint in the same --model_dir, and the end equals
-    an uninterrupted one-host run.
+    The lost worker fails the step with exit 3 and an error naming it; every leg resumes
+    from the newest checkpoint in the same --model_dir, and the end equals an uninterrupted
+    one-host run.
     """
     run_dir, whole = str(tmp_path / "run"), str(tmp_path / "whole")
     assert "done:" in run_launcher(run_dir, 2)  # one host writes ckpt-2
@@ -271,6 +252,7 @@ def test_launcher_job_survives_a_lost_worker_and_moves_between_hosts(tmp_path):
         assert "ckpt-2: resuming at step 3" in text  # one host's checkpoint on two tasks
         # The step's error (guard) or the watcher, whichever sees the lost task first, names it.
         named = f"lost worker task 1 ({first.addresses[1]})" in text
+        named = named and "restart that worker" in text
         watched = f"worker task 1 ({first.addresses[1]}) stopped answering" in text
         assert named or watched, text[-3000:]
     finally:

@@ -2,6 +2,7 @@
 the same losses, weights and optimizer states as plain Keras on one device, each replica
 holding only its share of the state; checkpoints move between sharded and unsharded runs."""
 
+import functools
 import sys
 
 import keras
@@ -38,13 +39,32 @@ def keras_twin(seed: int = 0) -> keras.Model:
     return keras.Sequential([keras.Input((ref.IN_FEATURES,)), *ref.mlp_layers(seed)])
 
 
-def trained(optimizer: str, shard: bool, stages: int = 2, replicas: int = 2, schedule="gpipe"):
-    """A pipeline of the test MLP trained STEPS steps with ``fit`` (EMA: its end swaps in
-    the averages) and the Keras model trained the same way on one device."""
+def keras_fitted(optimizer: str) -> tuple[keras.Model, list[np.ndarray], dict]:
+    """The Keras model trained STEPS steps with ``fit`` on one device, its initial weights
+    and its history."""
     keras_model = keras_twin()
     keras_model.compile(optimizer=OPTIMIZERS[optimizer](), loss=ref.loss_fn())
+    initial = keras_model.get_weights()
+    x, y = ref.batch(BATCH * STEPS, seed=3)
+    history = keras_model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    return keras_model, initial, history
+
+
+@functools.cache
+def keras_run(optimizer: str) -> tuple[list[np.ndarray], dict, list[np.ndarray]]:
+    """:func:`keras_fitted`'s initial weights, history and final weights (EMA: its end swaps
+    in the averages), the same for every test: each test process trains it once."""
+    keras_model, initial, history = keras_fitted(optimizer)
+    return initial, history, keras_model.get_weights()
+
+
+def trained(optimizer: str, shard: bool, stages: int = 2, replicas: int = 2, schedule="gpipe"):
+    """A pipeline of the test MLP trained STEPS steps with ``fit`` (EMA: its end swaps in
+    the averages), the final weights of the Keras model trained the same way on one device,
+    and both histories."""
+    initial, want, weights = keras_run(optimizer)
     template = keras_twin(seed=1)
-    template.set_weights(keras_model.get_weights())
+    template.set_weights(initial)
     pipe = hybrid.Pipeline(
         template,
         hybrid.DeviceMesh.create(stages, replicas),
@@ -54,9 +74,8 @@ def trained(optimizer: str, shard: bool, stages: int = 2, replicas: int = 2, sch
     )
     pipe.compile(optimizer=OPTIMIZERS[optimizer](), loss=ref.loss_fn(), jit_compile=False)
     x, y = ref.batch(BATCH * STEPS, seed=3)
-    want = keras_model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     got = pipe.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    return pipe, keras_model, got, want
+    return pipe, weights, got, want
 
 
 def held_state(pipe) -> dict[int, list[int]]:
@@ -74,11 +93,11 @@ def held_state(pipe) -> dict[int, list[int]]:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_sharded_states_train_as_keras_trains(optimizer, schedule):
-    pipe, keras_model, got, want = trained(optimizer, shard=True, schedule=schedule)
+    pipe, weights, got, want = trained(optimizer, shard=True, schedule=schedule)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
-    ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
+    ref.assert_weights_close(pipe.get_weights(), weights)
     for r in range(2):  # every replica holds the same weights after the owners sent theirs
-        ref.assert_weights_close(pipe.replica_weights(r), keras_model.get_weights())
+        ref.assert_weights_close(pipe.replica_weights(r), weights)
     # each replica updates, and holds the state of, a share of every stage: together all
     state = held_state(pipe)
     plain, _, _, _ = trained(optimizer, shard=False, schedule=schedule)
@@ -100,7 +119,8 @@ def test_sharded_slots_equal_the_unsharded_ones():
 
 
 def test_a_checkpoint_moves_between_sharded_and_unsharded_meshes(tmp_path):
-    sharded, keras_model, _, _ = trained("adam", shard=True)
+    sharded, _, _, _ = trained("adam", shard=True)
+    keras_model, _, _ = keras_fitted("adam")  # trained on below
     hybrid.Checkpointer(sharded, str(tmp_path)).save(step=STEPS)
     x, y = ref.batch(BATCH, seed=11)
     want = keras_model.train_on_batch(x, y)
@@ -121,10 +141,10 @@ def test_a_checkpoint_moves_between_sharded_and_unsharded_meshes(tmp_path):
 def test_one_loss_scale_on_every_sharded_copy_as_keras_has():
     """Every copy's LossScaleOptimizer, whatever share it updates, skips the overflowing
     step and moves its scale as Keras's one does (float16: within its round-off)."""
-    keras_model, initial, pipe = exact.policy_pair(
+    keras_run, pipe = exact.policy_pair(
         exact.float16_model, exact.scaled_sgd, 2, 2, 2, "gpipe", False, shard_optimizer_states=True
     )
-    exact.assert_one_loss_scale(keras_model, initial, pipe)
+    exact.assert_one_loss_scale(keras_run, pipe)
     assert pipe.stages and not any(all(copy.updates) for row in pipe.stages for copy in row)
 
 

@@ -57,16 +57,22 @@ def ordered(replicas: int, jit_compile: bool, strategy: Any, collectives: bool =
 
 
 class FirstStep:
-    """Which traced training step runs next: for each new ``Steps`` (each M) its
-    ``first_train`` once when ``ordered()``, else and afterwards its ``train``."""
+    """Which traced step of a kind (``train``, ``gradients``, ``evaluate``, ``predict``) runs
+    next: for each new ``Steps`` (each M) its ``first_<kind>`` once per kind when
+    ``ordered()``, else and afterwards the plain one. Whichever kind runs first compiles the
+    programs (a ``gradients`` call before any training step, an ``evaluate`` of a
+    pipeline that never trained): each kind's first call runs the replicas in turn."""
 
     def __init__(self) -> None:
-        self._warmed: Any = None  # the Steps whose first training step has run
+        self._steps: Any = None  # the Steps whose first calls are counted in _ran
+        self._ran: set[str] = set()
 
-    def function(self, steps: Any, ordered: Callable[[], bool]) -> Any:
-        """``steps.first_train`` the first time ``steps`` trains and ``ordered()`` (asked
-        then only), else ``steps.train``."""
-        if self._warmed is steps:
-            return steps.train
-        self._warmed = steps
-        return steps.first_train if ordered() else steps.train
+    def function(self, steps: Any, ordered: Callable[[], bool], kind: str = "train") -> Any:
+        """``steps.first_<kind>`` the first time ``steps`` runs ``kind`` and ``ordered()``
+        (asked then only), else ``steps.<kind>``."""
+        if self._steps is not steps:
+            self._steps, self._ran = steps, set()
+        if kind in self._ran:
+            return getattr(steps, kind)
+        self._ran.add(kind)
+        return getattr(steps, f"first_{kind}" if ordered() else kind)

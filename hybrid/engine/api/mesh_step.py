@@ -127,8 +127,9 @@ class MeshStep:
             events += timing.reduce_events(self.clocks, starts, rows, [g[0] for g in grads])
         return StepResult(loss, output_losses, grads, events, stats, predictions)
 
-    def forward(self, parts: Shards) -> Any:
-        """The forward-only schedule on every replica (``lower_replicas_inference``)."""
+    def forward(self, parts: Shards, ordered: bool = False) -> Any:
+        """The forward-only schedule on every replica (``lower_replicas_inference``);
+        ``ordered``: replica by replica (see :meth:`gradients`)."""
         config = self.steps.config
         firsts, lasts = self.devices
         labelled = parts[0].ys is not None
@@ -136,7 +137,9 @@ class MeshStep:
         copies = [[row[r] for row in self.stages] for r in range(self.mesh.num_replicas)]
         xs = batches.micro_inputs(config, parts, firsts)
         inference, order = self.steps.inference, self.steps.inference_order
-        return lowering.lower_replicas_inference(inference, order, copies, xs, labels, self.seeds)
+        return lowering.lower_replicas_inference(
+            inference, order, copies, xs, labels, self.seeds, ordered
+        )
 
 
 class TrainOutputs(NamedTuple):
@@ -223,6 +226,6 @@ class MeshExecutor:
         apply(result.grads, result.stats, ordered)
         return TrainOutputs(result.loss, result.output_losses, result.predictions, result.events)
 
-    def forward(self, step: MeshStep, parts: Shards) -> Any:
-        """The forward-only schedule on every replica."""
-        return step.forward(parts)
+    def forward(self, step: MeshStep, parts: Shards, ordered: bool = False) -> Any:
+        """The forward-only schedule on every replica; ``ordered``: replica by replica."""
+        return step.forward(parts, ordered)

@@ -78,8 +78,10 @@ class Steps:
       inference, inference_order: the forward-only schedule and its order.
       train, timed, gradients, evaluate, predict: the traced step functions (one trace per
         input signature; a traced step has M in its graph).
-      first_train: the training step with the replicas' programs run replica by replica
-        (``MeshStep.gradients(ordered=True)``), for the first step of a persistent XLA cache.
+      first_train, first_gradients, first_evaluate, first_predict: the same steps with the
+        replicas' programs run replica by replica (``MeshStep.gradients(ordered=True)``,
+        ``MeshStep.forward(ordered=True)``), for the first call of each with a persistent
+        XLA cache (``compile_cache.FirstStep``).
     """
 
     config: RunConfig
@@ -95,6 +97,9 @@ class Steps:
     evaluate: Any
     predict: Any
     first_train: Any = None
+    first_gradients: Any = None
+    first_evaluate: Any = None
+    first_predict: Any = None
 
     @property
     def micro_batches(self) -> int:
@@ -112,7 +117,8 @@ def steps_for(
 ) -> Steps:
     """The :class:`Steps` of ``config`` at M = ``micro_batches``: the validated config, the
     training and forward-only schedules and their execution orders, and fresh traced
-    functions of the step callables (``train(parts, record=False)``, ...).
+    functions of the step callables (``train(parts, record=False, ordered=False)``,
+    ``gradients(parts, ordered=False)``, ``evaluate(parts, ordered=False)``, ...).
 
     Raises:
       ConfigError: a schedule that does not run ``micro_batches``.
@@ -138,6 +144,9 @@ def steps_for(
         evaluate=traced(evaluate),
         predict=traced(predict),
         first_train=traced(functools.partial(train, ordered=True)),
+        first_gradients=traced(functools.partial(gradients, ordered=True)),
+        first_evaluate=traced(functools.partial(evaluate, ordered=True)),
+        first_predict=traced(functools.partial(predict, ordered=True)),
     )
 
 

@@ -26,6 +26,7 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -200,7 +201,7 @@ class Pipeline(Workflow):
         self._compiled: Compiled | None = None
         self._step = self._executor.step_variable(mesh)  # see step_counter
         self._steps = self._steps_for(M)
-        self._first = compile_cache.FirstStep()  # which traced step trains next
+        self._first = compile_cache.FirstStep()  # which traced step of each kind runs next
 
     def compile(
         self,
@@ -450,20 +451,23 @@ class Pipeline(Workflow):
         if timed:
             self._timed_step(parts)
         else:
-            self._first.function(self._steps, self._ordering)(parts)
+            self._run_first("train", parts)
 
-    def _ordering(self) -> bool:
-        """Whether a first step runs the replicas in turn (``compile_cache.ordered``)."""
+    def _run_first(self, kind: str, parts: Shards) -> Any:
+        """The traced ``kind`` step on ``parts``; its first call runs the replicas in turn
+        where that fills a persistent XLA cache (``compile_cache.FirstStep``, ``ordered``)."""
         jit = self._compiled is not None and self._compiled.jit_compile
         synced = any(copy.synced for row in self._stages for copy in row)
-        return compile_cache.ordered(self.config.replicas, jit, self.strategy, synced)
+        R = self.config.replicas
+        ordered = functools.partial(compile_cache.ordered, R, jit, self.strategy, synced)
+        return self._first.function(self._steps, ordered, kind)(parts)
 
     def _test_batch(self, parts: Shards) -> None:
         batches.warn_padding(parts, [row[0] for row in self._stages], training=False)
-        self._steps.evaluate(parts)
+        self._run_first("evaluate", parts)
 
     def _predict_batch(self, parts: Shards) -> Flat:
-        return self._steps.predict(parts)
+        return self._run_first("predict", parts)
 
     def _timed_step(self, parts: Shards) -> timing.StepView:
         """The training step on ``parts``, timed: its view is kept in ``last_timeline``."""
@@ -477,7 +481,7 @@ class Pipeline(Workflow):
         0's, in the order of ``model.trainable_variables``), without updating anything."""
         self._require_compiled("gradients")
         self._refuse("gradients")
-        _, grads = self._steps.gradients(self._batch(x, y, sample_weight))
+        _, grads = self._run_first("gradients", self._batch(x, y, sample_weight))
         return [tf.convert_to_tensor(g).numpy() for g in grads]  # a sparse one densified
 
     def _batch(
@@ -510,7 +514,7 @@ class Pipeline(Workflow):
         def seconds_of(micro_batches: int) -> float:
             self._use(micro_batches)
             parts = self._shards(xs, ys, ws)
-            return best_of(lambda: float(self._steps.gradients(parts)[0]))
+            return best_of(lambda: float(self._run_first("gradients", parts)[0]))
 
         examples = int(xs[0].shape[0])
         best, self.micro_batch_seconds = choose_micro_batches(self.config, examples, seconds_of)
@@ -561,8 +565,8 @@ class Pipeline(Workflow):
         with tf.control_dependencies(done):
             self._step.assign_add(1)
 
-    def _gradient_step(self, parts: Shards) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        step = self._mesh_step().gradients(parts, record=False)
+    def _gradient_step(self, parts: Shards, ordered: bool = False) -> tuple[Any, list[Any]]:
+        step = self._mesh_step().gradients(parts, record=False, ordered=ordered)
         return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
 
     def _mesh_step(self) -> MeshStep:
@@ -582,11 +586,8 @@ class Pipeline(Workflow):
             devices=self._shard_devices(),
         )
 
-    def _forward_pass(self, parts: Shards) -> Any:
-        return self._executor.forward(self._mesh_step(), parts)
-
-    def _eval_step(self, parts: Shards) -> None:
-        outs, activity = self._forward_pass(parts)
+    def _eval_step(self, parts: Shards, ordered: bool = False) -> None:
+        outs, activity = self._executor.forward(self._mesh_step(), parts, ordered)
         loss, _, output_losses = reduction.global_loss(self._loss, [o[0] for o in outs], None)
         penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
         loss = loss + tf.add_n(penalties + activity) if penalties + activity else loss
@@ -594,6 +595,6 @@ class Pipeline(Workflow):
         y, w = batches.whole_labels(parts)
         self._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
 
-    def _predict_step(self, parts: Shards) -> Flat:
-        outs, _ = self._forward_pass(parts)
+    def _predict_step(self, parts: Shards, ordered: bool = False) -> Flat:
+        outs, _ = self._executor.forward(self._mesh_step(), parts, ordered)
         return [t[: batches.examples(parts)] for t in batches.joined(outs) or []]

@@ -293,8 +293,9 @@ class StrategyExecutor:
 
     # -- evaluation and prediction: the forward-only schedule, reduced on the host -----
 
-    def forward(self, step: MeshStep, parts: Shards) -> Any:
-        """The forward-only schedule on every replica; every replica's outputs in order."""
+    def forward(self, step: MeshStep, parts: Shards, ordered: bool = False) -> Any:
+        """The forward-only schedule on every replica; every replica's outputs in order.
+        (``ordered`` is never asked of a strategy's step: ``compile_cache.ordered``.)"""
         replica_forward = functools.partial(self._replica_forward, step)
         outs, activity = self.strategy.run(replica_forward, args=(self._distributed(parts),))
         local = self.strategy.experimental_local_results

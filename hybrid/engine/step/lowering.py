@@ -389,15 +389,22 @@ def lower_replicas_inference(
     xs: Sequence[Sequence[list[tf.Tensor]]],
     ys: Sequence[Sequence[Labels]] | None,
     seed: Callable[[int], Callable[[int], tf.Tensor]],
+    ordered: bool = False,
 ) -> tuple[list[list[tf.Tensor]], list[tf.Tensor]]:
     """:func:`lower_inference` on every replica r (``stages[r]``, ``xs[r]``, ``ys[r]``,
     ``seed(r)``): the last stage's outputs per micro-batch, replica-major, and every
-    forward's weighted activity penalty."""
+    forward's weighted activity penalty. ``ordered``: each replica's forwards after all of
+    replica r − 1's, so that their programs compile once and the later replicas load them
+    from a persistent XLA cache (``hybrid.engine.compile_cache``)."""
     outputs: list[list[tf.Tensor]] = []
     activity: list[tf.Tensor] = []
+    previous: list[tf.Tensor] = []
     for r, replica in enumerate(stages):
-        out, penalty = lower_inference(
-            schedule, order, replica, xs[r], ys[r] if ys is not None else None, seed(r)
-        )
+        with tf.control_dependencies(previous):
+            out, penalty = lower_inference(
+                schedule, order, replica, xs[r], ys[r] if ys is not None else None, seed(r)
+            )
         outputs, activity = outputs + out, activity + penalty
+        if ordered:
+            previous = [t for o in out for t in o] + penalty
     return outputs, activity
