@@ -17,13 +17,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.engine import compile_cache  # noqa: E402  (no TensorFlow yet)
+from hybrid.core import xla_cache  # noqa: E402  (no TensorFlow yet)
 
 
 def main() -> int:
     cache = sys.argv[1]
     if "--no-cache" not in sys.argv:
-        compile_cache.enable(cache)
+        xla_cache.enable(cache)
     import keras
     import numpy as np
 

@@ -15,11 +15,13 @@ import sys
 
 import pytest
 
+from hybrid.core import xla_cache
 from hybrid.engine import compile_cache
 
 import runner
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_cache_child.py")
+ROOT = os.path.dirname(os.path.dirname(CHILD))
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 ENV.pop("TF_XLA_FLAGS", None)
 
@@ -66,11 +68,11 @@ def test_without_a_cache_every_step_runs_the_replicas_at_once(tmp_path):
 def test_enable_keeps_the_other_flags_and_a_directory_already_set(monkeypatch, tmp_path):
     monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2")
     path = str(tmp_path / "a b")
-    assert compile_cache.directory() is None
-    assert compile_cache.enable(path) == path and os.path.isdir(path)
-    assert compile_cache.directory() == path
+    assert xla_cache.directory() is None
+    assert xla_cache.enable(path) == path and os.path.isdir(path)
+    assert xla_cache.directory() == path
     assert os.environ["TF_XLA_FLAGS"].startswith("--tf_xla_auto_jit=2 ")
-    assert compile_cache.enable(str(tmp_path / "other")) == path  # the first one stays
+    assert xla_cache.enable(str(tmp_path / "other")) == path  # the first one stays
 
 
 @pytest.mark.parametrize(
@@ -89,8 +91,94 @@ def test_ordered_only_where_it_helps(
 ):
     monkeypatch.setenv("TF_XLA_FLAGS", "")  # restored after the test, whatever enable sets
     if cache:
-        compile_cache.enable(str(tmp_path))
+        xla_cache.enable(str(tmp_path))
     assert compile_cache.ordered(replicas, jit, strategy, synced) is want
+
+
+# What a process writes to fd 2 after quiet.hide_cache_loads(): kept lines, a loader line,
+# and last words without a newline just before it is killed.
+FILTERED_CHILD = f"""
+import os, signal, sys
+sys.path.insert(0, {ROOT!r})
+from hybrid.core import quiet
+print("before", file=sys.stderr, flush=True)
+quiet.hide_cache_loads()
+os.write(2, b"kept 1\\n")
+os.write(2, b"E0000 00:00:1796571066.872831   20570 text_format.cc:378] Error parsing "
+            b"text-format tensorflow.XlaSerializedCacheEntry: 2:1: Expected identifier\\n")
+print("kept 2", file=sys.stderr)
+os.write(2, b"last words")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("level, loader_line", [("2", False), ("0", True)])
+def test_the_cache_loader_lines_are_filtered_and_nothing_else_is_lost(level, loader_line):
+    done = subprocess.run(
+        [sys.executable, "-c", FILTERED_CHILD],
+        env={**ENV, "TF_CPP_MIN_LOG_LEVEL": level},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == -9, done.stderr
+    lines = done.stderr.splitlines()
+    assert [line for line in lines if "XlaSerializedCacheEntry" not in line] == [
+        "before",
+        "kept 1",
+        "kept 2",
+        "last words",
+    ]
+    assert any("XlaSerializedCacheEntry" in line for line in lines) == loader_line
+
+
+LAUNCH = [
+    "--model=mlp",
+    "--data=synthetic",
+    "--width=8",
+    "--depth=1",
+    "--mesh=stage:2;replica:2",
+    "--micro_batches=2",
+    "--global_batch_size=8",
+    "--train_steps=2",
+]
+
+
+def test_the_launcher_caches_by_default_and_a_second_run_loads_quietly(tmp_path):
+    """No flag: the launcher's cache is ``xla/tf-<version>`` under HYBRID_CACHE_DIR; the
+    first run fills it, the second loads every program (it writes none) and its stderr
+    holds none of TensorFlow's loader lines."""
+    env = {**ENV, "HYBRID_CACHE_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    counts = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "hybrid.launch.train", *LAUNCH],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        (cache,) = os.listdir(tmp_path / "xla")
+        assert cache.startswith("tf-2.")
+        counts.append(len(os.listdir(tmp_path / "xla" / cache)))
+    assert counts[0] > 0 and counts[1] == counts[0], counts
+    assert "XlaSerializedCacheEntry" not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_launchers_cache_flag(monkeypatch, tmp_path):
+    from hybrid.launch import train
+
+    monkeypatch.setenv("TF_XLA_FLAGS", "")
+    train._xla_cache("off")
+    assert xla_cache.directory() is None
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"^--xla_cache_dir=.*/file/x: cannot create it \("):
+        train._xla_cache(str(tmp_path / "file" / "x"))
+    assert xla_cache.directory() is None
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ hidden unless the user asked for them; warnings and errors always shown.
     applies (no CUDA driver on a CPU host, the CPU
     features it was built for, absl's log initialization) -> dropped (``quiet_start``),
     unless TF_CPP_MIN_LOG_LEVEL=0 asks for everything; every other line passes
+    the persistent XLA cache's loader lines (an ``E`` line per program loaded: TensorFlow
+    tries the file as text before reading it as binary) -> dropped by a filter process
+    on file descriptor 2 (``hide_cache_loads``, the launcher), unless TF_CPP_MIN_LOG_LEVEL=0
 
 No TensorFlow here: this runs before TensorFlow is imported, which is when the C++ level is read.
 """
@@ -21,12 +24,15 @@ import contextlib
 import logging
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 
 __all__ = [
+    "CACHE_LOAD_NOISE",
     "LIBRARY_INFO_FILTER",
+    "hide_cache_loads",
     "hide_library_info",
     "import_tensorflow",
     "quiet_cpp_info",
@@ -94,6 +100,51 @@ def quiet_start() -> Iterator[None]:
             lines = caught.read().decode(errors="replace").splitlines(keepends=True)
             sys.stderr.writelines(line for line in lines if not _START_UP_NOISE.search(line))
             sys.stderr.flush()
+
+
+# What TensorFlow logs for each program it loads from a persistent XLA cache: it reads the
+# entry as a text proto first, fails, then reads it as binary (and loads it).
+CACHE_LOAD_NOISE = (
+    r"text_format\.cc:\d+\] Error parsing text-format tensorflow\.XlaSerializedCacheEntry"
+)
+
+# The filter process: stdin (the pipe that is now this process's fd 2) to stdout (the fd 2
+# it had), every line but the noise; deaf to the terminal's and a supervisor's signals, so
+# that it drains the pipe to its end (the parent's exit, however it exits) and then stops.
+_FILTER = """
+import os, re, signal, sys
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+noise = re.compile(sys.argv[1].encode())
+out = sys.stdout.buffer
+for line in sys.stdin.buffer:
+    if not noise.search(line):
+        out.write(line)
+        out.flush()
+"""
+
+
+def hide_cache_loads() -> None:
+    """Drops the persistent XLA cache's loader lines (:data:`CACHE_LOAD_NOISE`) from
+    everything this process (and the processes it starts) writes to file descriptor 2:
+    fd 2 becomes a pipe to a small filter process that passes every other line on to the
+    stderr there was, and ends when the last writer closes the pipe, so nothing written
+    before an exit, a crash or a kill is lost. Unless TF_CPP_MIN_LOG_LEVEL=0 asks for
+    everything. Call once (the launcher does, where it turns the cache on)."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0":
+        return
+    sys.stderr.flush()
+    read, write = os.pipe()
+    subprocess.Popen(  # noqa: S603 - this interpreter, our own code
+        [sys.executable, "-I", "-S", "-c", _FILTER, CACHE_LOAD_NOISE],
+        stdin=read,
+        stdout=2,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # the terminal's Ctrl-C reaches the run, not the filter
+    )
+    os.close(read)
+    os.dup2(write, 2)
+    os.close(write)
 
 
 def import_tensorflow() -> None:

@@ -11,38 +11,17 @@ replica by replica (``MeshStep.gradients(ordered=True)``): replica 0 compiles, t
 load. The cache is keyed by each program's fingerprint, so it never changes a result, and
 it outlives the process: a restarted run loads its programs too.
 
-TensorFlow reads ``TF_XLA_FLAGS`` once, at the process's first XLA compile: :func:`enable`
-must run before that (``hybrid-train --xla_cache_dir`` does, first thing).
+Turning the cache on (before TensorFlow reads its flags) is ``hybrid.core.xla_cache``'s.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-from hybrid.engine import xla_flags
+from hybrid.core.xla_cache import directory
 
-__all__ = ["FLAG", "FirstStep", "directory", "enable", "ordered"]
-
-FLAG = "--tf_xla_persistent_cache_directory"
-
-
-def directory() -> str | None:
-    """The persistent cache directory ``TF_XLA_FLAGS`` names, or None."""
-    return xla_flags.value("TF_XLA_FLAGS", FLAG) or None
-
-
-def enable(path: str) -> str:
-    """Turns the persistent XLA cache on in ``path`` (created), keeping the other flags of
-    ``TF_XLA_FLAGS``; returns the directory in use (one ``TF_XLA_FLAGS`` names already
-    stays). Takes effect only before the process's first XLA compile."""
-    found = directory()
-    if found is not None:
-        return found
-    os.makedirs(path, exist_ok=True)
-    xla_flags.add("TF_XLA_FLAGS", FLAG, path)
-    return path
+__all__ = ["FirstStep", "ordered"]
 
 
 def ordered(replicas: int, jit_compile: bool, strategy: Any, collectives: bool = False) -> bool:

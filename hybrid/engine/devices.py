@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hybrid.core import xla_flags
 from hybrid.core.quiet import quiet_start
-from hybrid.engine import xla_flags
 
 __all__ = ["XLA_IN_ORDER", "host_cpu", "run_xla_programs_in_order", "simulate_cpu_devices"]
 

@@ -405,6 +405,32 @@ def _loads_with(model: str) -> str:
     return f"import {module}; keras.saving.load_model"
 
 
+def _xla_cache(value: str | None) -> None:
+    """Turns the persistent XLA cache on: in ``value``, or by default in
+    ``xla_cache.default_directory()`` (a default that cannot be created: a warning, no
+    cache); ``off`` (or empty): none, unless ``TF_XLA_FLAGS`` names one. With a cache on,
+    its loader lines are filtered out of stderr (``quiet.hide_cache_loads``)."""
+    from hybrid.core import xla_cache
+    from hybrid.core.quiet import hide_cache_loads
+
+    if value is None or value.lower() not in xla_cache.OFF:
+        path = value or xla_cache.default_directory()
+        try:
+            xla_cache.enable(path)
+        except OSError as err:
+            if value is not None:
+                raise ValueError(
+                    f"--xla_cache_dir={value}: cannot create it ({err.strerror}); give a "
+                    "writable directory, or --xla_cache_dir=off"
+                ) from err
+            print(
+                f"warning: no XLA compile cache: cannot create {path} ({err.strerror})",
+                file=sys.stderr,
+            )
+    if xla_cache.directory() is not None:
+        hide_cache_loads()
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -412,6 +438,10 @@ def main(argv: list[str]) -> None:
 
     from hybrid.core.quiet import import_tensorflow
 
+    try:  # before TensorFlow loads: it reads its XLA flags once
+        _xla_cache(FLAGS.xla_cache_dir)
+    except ValueError as err:
+        sys.exit(report_error(err))
     import_tensorflow()  # without its start-up noise (no CUDA driver on a CPU host, ...)
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
@@ -419,10 +449,6 @@ def main(argv: list[str]) -> None:
         from hybrid.core.quiet import hide_library_info
 
         hide_library_info()
-    if FLAGS.xla_cache_dir:  # before anything compiles: TensorFlow reads it once
-        from hybrid.engine import compile_cache
-
-        compile_cache.enable(FLAGS.xla_cache_dir)
     interrupts = Interrupts()
     try:
         with interrupts.installed():

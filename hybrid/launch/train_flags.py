@@ -129,9 +129,11 @@ def _define_run_flags() -> None:
     flags.DEFINE_string(
         "xla_cache_dir",
         None,
-        "A persistent XLA compile cache (hybrid.engine.compile_cache): a stage program compiled "
-        "on one replica's device is loaded by the others (the first step runs the replicas in "
-        "turn) and by a restarted run. Off by default; TF_XLA_FLAGS' own directory wins.",
+        "The persistent XLA compile cache (hybrid.engine.compile_cache): a stage program "
+        "compiled on one replica's device is loaded by the others (each step's first call runs "
+        "the replicas in turn) and by a restarted or repeated run. Default: "
+        "~/.cache/hybrid/xla/tf-<version> (HYBRID_CACHE_DIR moves it); 'off' for none. "
+        "TF_XLA_FLAGS' own directory wins.",
     )
     flags.DEFINE_integer(
         "simulated_devices",

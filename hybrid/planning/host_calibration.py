@@ -13,8 +13,7 @@ ordering it), the actions launched one after another. Measured here on a tiny mo
 ``per_action`` its ``dispatch_overhead`` (the cost model takes a step as at least
 ``fixed + per_action × actions``). A calibration is cached per host, TensorFlow version,
 device kind, device count and XLA setting in a JSON file under the user's cache directory
-(``$XDG_CACHE_HOME/hybrid`` or ``~/.cache/hybrid``; ``HYBRID_CACHE_DIR`` overrides it), so
-the next plan on the machine reuses it.
+(``hybrid.core.user_cache``), so the next plan on the machine reuses it.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hybrid.core import user_cache
 from hybrid.planning.hardware import Hardware, Link
 
 __all__ = ["HostOverheads", "cache_path", "calibrated", "measure_host", "shared_cores"]
@@ -72,10 +72,7 @@ def shared_cores(devices: Sequence[str]) -> float | None:
 
 def cache_path() -> str:
     """The JSON file calibrations are kept in."""
-    root = os.environ.get("HYBRID_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hybrid"
-    )
-    return os.path.join(root, "host_calibration.json")
+    return os.path.join(user_cache.root(), "host_calibration.json")
 
 
 def _key(devices: Sequence[str], jit_compile: bool) -> str:
