@@ -129,7 +129,10 @@ def steps_for(
     inference = schedule_lib.forward_only(S, M, v)
 
     def traced(fn: Callable[..., Any]) -> Any:
-        return tf.function(fn, autograph=False)
+        # Through a partial: TensorFlow's retracing warning counts the traces of one Python
+        # code object across every tf.function made of it (every pipeline, every M): each
+        # traced step is counted on its own, so the warning means a step that retraces.
+        return tf.function(functools.partial(fn), autograph=False)
 
     return Steps(
         config=config,
