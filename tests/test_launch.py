@@ -195,6 +195,28 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_dry_run_of_a_planned_mesh_shows_the_plans_prediction_only():
+    """--mesh=auto --dry_run: the plan chooses, the stages table shows its layout, and the
+    prediction printed is the plan's (no second profile, no second number)."""
+    run = launch(
+        "--dry_run", "--mesh=auto", "--simulated_devices=2", "--model=mlp", "--data=synthetic",
+        "--width=8", "--depth=1", "--global_batch_size=8", "--micro_batches=2",
+        "--schedule=gpipe", "--remat=never",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    (planned,) = [line for line in lines if line.startswith("planned: ")]
+    (predicted,) = [line for line in lines if line.startswith("predicted")]
+    assert predicted.startswith("predicted (the plan's): "), predicted
+    step = predicted.split(": ", 1)[1].split(" per step")[0]  # e.g. "557 µs"
+    value, unit = step.split(" ")
+    ms = float(value) * {"s": 1e3, "ms": 1.0, "µs": 1e-3}[unit]
+    shown = float(planned.split("(predicted ")[1].split(" ms/step")[0])  # 1 decimal
+    assert abs(shown - ms) <= 0.05 + 0.005 * ms, (planned, predicted)  # the same number
+    assert lines[-1] == "dry run: nothing trained (drop --dry_run to train)"
+    assert not any(line.startswith("step ") for line in lines)
+
+
 def write_records(directory, files=2, per_file=96):
     """The user_model task as tf.train.Example files: x (12 floats) and its label."""
     import tensorflow as tf

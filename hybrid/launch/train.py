@@ -76,9 +76,10 @@ def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) ->
         sys.exit(3)
 
 
-def _planned(config: Any, devices: int) -> Any:
+def _planned(config: Any, devices: int) -> tuple[Any, Any]:
     """``config`` with the mesh, micro-batches, schedule, remat and balance the planner picks
-    for ``devices`` devices; flags the user gave explicitly stay as given."""
+    for ``devices`` devices (flags the user gave explicitly stay as given), and the chosen
+    prediction."""
     import dataclasses
 
     import keras
@@ -125,7 +126,7 @@ def _planned(config: Any, devices: int) -> Any:
         f"--shard_optimizer_states={run.shard_optimizer_states} (predicted "
         f"{choice.step_time * 1e3:.1f} ms/step, {format_bytes(choice.peak_memory)}/device)"
     )
-    return dataclasses.replace(config, mesh=run.mesh_spec, layout=layout_of(run))
+    return dataclasses.replace(config, mesh=run.mesh_spec, layout=layout_of(run)), choice
 
 
 def config_from_flags() -> Any:
@@ -240,8 +241,9 @@ def _check_gpus(config: Any) -> None:
         )
 
 
-def _dry_run(config: Any) -> None:
-    """``--dry_run``: the plan of the run on this host's devices, then nothing."""
+def _dry_run(config: Any, planned: Any = None) -> None:
+    """``--dry_run``: the plan of the run on this host's devices, then nothing (``planned``:
+    the prediction of ``--mesh=auto``'s plan, shown instead of profiling again)."""
     import hybrid
     from hybrid.core.mesh import parse_spec
     from hybrid.run.dry_run import dry_run
@@ -254,7 +256,7 @@ def _dry_run(config: Any) -> None:
     if config.platform == "cpu":
         stages, replicas = parse_spec(config.mesh)
         hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
-    dry_run(config)
+    dry_run(config, planned=planned)
 
 
 def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
@@ -265,12 +267,13 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
 
     if config.platform == "gpu" and FLAGS.cluster is None:
         _check_gpus(config)
+    planned = None
     if config.mesh == "auto":
         if config.platform == "cpu":
             hybrid.simulate_cpu_devices(FLAGS.simulated_devices)
-        config = _planned(config, len(hybrid.local_devices(config.platform.upper())))
+        config, planned = _planned(config, len(hybrid.local_devices(config.platform.upper())))
     if FLAGS.dry_run:
-        _dry_run(config)
+        _dry_run(config, planned)
         return config, None
     if FLAGS.cluster is not None:
         return config, _run_on_cluster(config, step_callback, stop)

@@ -25,14 +25,22 @@ from hybrid.run.user_model import build_model, optimizer_for
 __all__ = ["dry_run"]
 
 
-def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.Prediction | None:
+def dry_run(
+    config: TrainConfig,
+    log: Callable[[str], None] = print,
+    planned: planner.Prediction | None = None,
+) -> planner.Prediction | None:
     """Prints the run's stages table and (for a reference model) the planner's prediction
     of its step time, bubble and memory per device; returns the prediction (None when the
-    model is yours)."""
+    model is yours). ``planned``: the prediction of the plan that chose this run
+    (``--mesh=auto``), printed as it is, not profiled again: one prediction per run."""
     pipe, _, _ = pipeline_for(config, mesh_for(config))
     spec = config.mesh.replace(";", ",")
-    log(f"dry run of --mesh={spec}: nothing is compiled, trained or written")
+    log(f"dry run of --mesh={spec}: nothing is trained or written")
     pipe.summary(print_fn=log)
+    if planned is not None:
+        log(f"predicted (the plan's): {_predicted(planned)}")
+        return planned
     if is_function_spec(config.model.name):
         log(
             "predicted step time and memory: not for your own --model (the planner profiles "
@@ -58,12 +66,16 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> planner.
     cpu = config.platform == "cpu"
     hardware = planner.Hardware(host_cores=os.cpu_count() or 1) if cpu else None
     prediction = planner.evaluate(profile, run, config.data.global_batch_size, hardware)
+    log(f"predicted (profiled at {rows} rows per micro-batch): {_predicted(prediction)}")
+    return prediction
+
+
+def _predicted(prediction: planner.Prediction) -> str:
+    """Step time, bubble and memory per pipeline device, in one line."""
     memory = ", ".join(
         f"device {d} {format_bytes(m)}" for d, m in enumerate(prediction.memory_per_device)
     )
-    log(
-        f"predicted (profiled at {rows} rows per micro-batch): "
+    return (
         f"{format_time(prediction.step_time)} per step, bubble {prediction.bubble:.1%}; "
         f"memory per pipeline device: {memory}"
     )
-    return prediction
