@@ -170,14 +170,14 @@ def test_the_launcher_caches_by_default_and_a_second_run_loads_quietly(tmp_path)
 
 
 def test_the_launchers_cache_flag(monkeypatch, tmp_path):
-    from hybrid.launch import train
+    from hybrid.launch import use_xla_cache
 
     monkeypatch.setenv("TF_XLA_FLAGS", "")
-    train._xla_cache("off")
+    use_xla_cache("off")
     assert xla_cache.directory() is None
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"^--xla_cache_dir=.*/file/x: cannot create it \("):
-        train._xla_cache(str(tmp_path / "file" / "x"))
+        use_xla_cache(str(tmp_path / "file" / "x"))
     assert xla_cache.directory() is None
 
 

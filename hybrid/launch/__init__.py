@@ -11,7 +11,14 @@ from typing import Any
 
 from absl import app, flags
 
-__all__ = ["exit_now", "parse_flags", "run_app", "show_in_help"]
+__all__ = [
+    "define_xla_cache_flag",
+    "exit_now",
+    "parse_flags",
+    "run_app",
+    "show_in_help",
+    "use_xla_cache",
+]
 
 _HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
@@ -75,3 +82,47 @@ def exit_now(code: Any) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(int(code or 0))
+
+
+def define_xla_cache_flag() -> None:
+    """Defines ``--xla_cache_dir`` (:func:`use_xla_cache` reads it)."""
+    flags.DEFINE_string(
+        "xla_cache_dir",
+        None,
+        "The persistent XLA compile cache (hybrid.core.xla_cache): a stage program compiled on "
+        "one replica's device is loaded by the others (each step's first call runs the "
+        "replicas in turn) and by a restarted or repeated run. Default: "
+        "~/.cache/hybrid/xla/tf-<version> (HYBRID_CACHE_DIR moves it); 'off' for none. "
+        "TF_XLA_FLAGS' own directory wins.",
+    )
+
+
+def use_xla_cache(value: str | None) -> None:
+    """Turns the persistent XLA cache on: in ``value``, or by default in
+    ``xla_cache.default_directory()`` (a default that cannot be created: a warning, no
+    cache); ``off`` (or empty): none, unless ``TF_XLA_FLAGS`` names one. With a cache on,
+    its loader lines are filtered out of stderr (``quiet.hide_cache_loads``). Call it
+    before TensorFlow loads (it reads its XLA flags once).
+
+    Raises:
+      ValueError: ``value`` names a directory that cannot be created.
+    """
+    from hybrid.core import xla_cache
+    from hybrid.core.quiet import hide_cache_loads
+
+    if value is None or value.lower() not in xla_cache.OFF:
+        path = value or xla_cache.default_directory()
+        try:
+            xla_cache.enable(path)
+        except OSError as err:
+            if value is not None:
+                raise ValueError(
+                    f"--xla_cache_dir={value}: cannot create it ({err.strerror}); give a "
+                    "writable directory, or --xla_cache_dir=off"
+                ) from err
+            print(
+                f"warning: no XLA compile cache: cannot create {path} ({err.strerror})",
+                file=sys.stderr,
+            )
+    if xla_cache.directory() is not None:
+        hide_cache_loads()

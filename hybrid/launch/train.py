@@ -24,7 +24,7 @@ from hybrid.core.quiet import quiet_cpp_info
 
 quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
-from hybrid.launch import cloud_tpu, run_app, show_in_help  # noqa: E402
+from hybrid.launch import cloud_tpu, run_app, show_in_help, use_xla_cache  # noqa: E402
 from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
 from hybrid.launch.train_flags import (  # noqa: E402
     define_flags,
@@ -408,32 +408,6 @@ def _loads_with(model: str) -> str:
     return f"import {module}; keras.saving.load_model"
 
 
-def _xla_cache(value: str | None) -> None:
-    """Turns the persistent XLA cache on: in ``value``, or by default in
-    ``xla_cache.default_directory()`` (a default that cannot be created: a warning, no
-    cache); ``off`` (or empty): none, unless ``TF_XLA_FLAGS`` names one. With a cache on,
-    its loader lines are filtered out of stderr (``quiet.hide_cache_loads``)."""
-    from hybrid.core import xla_cache
-    from hybrid.core.quiet import hide_cache_loads
-
-    if value is None or value.lower() not in xla_cache.OFF:
-        path = value or xla_cache.default_directory()
-        try:
-            xla_cache.enable(path)
-        except OSError as err:
-            if value is not None:
-                raise ValueError(
-                    f"--xla_cache_dir={value}: cannot create it ({err.strerror}); give a "
-                    "writable directory, or --xla_cache_dir=off"
-                ) from err
-            print(
-                f"warning: no XLA compile cache: cannot create {path} ({err.strerror})",
-                file=sys.stderr,
-            )
-    if xla_cache.directory() is not None:
-        hide_cache_loads()
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -442,7 +416,7 @@ def main(argv: list[str]) -> None:
     from hybrid.core.quiet import import_tensorflow
 
     try:  # before TensorFlow loads: it reads its XLA flags once
-        _xla_cache(FLAGS.xla_cache_dir)
+        use_xla_cache(FLAGS.xla_cache_dir)
     except ValueError as err:
         sys.exit(report_error(err))
     import_tensorflow()  # without its start-up noise (no CUDA driver on a CPU host, ...)
@@ -480,7 +454,10 @@ def run() -> None:
     ``--help`` prints the flags and exits 0."""
     define_flags()
     show_in_help(
-        "hybrid.launch.train_flags", "hybrid.launch.model_flags", "hybrid.launch.cloud_tpu"
+        "hybrid.launch.train_flags",
+        "hybrid.launch.model_flags",
+        "hybrid.launch.cloud_tpu",
+        "hybrid.launch",
     )
     run_app(main, "hybrid-train")
 

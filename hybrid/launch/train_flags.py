@@ -11,7 +11,7 @@ from typing import Any
 
 from absl import flags
 
-from hybrid.launch import cloud_tpu, model_flags
+from hybrid.launch import cloud_tpu, define_xla_cache_flag, model_flags
 from hybrid.run.data_sources import is_function_spec
 
 FLAGS = flags.FLAGS
@@ -126,15 +126,7 @@ def _define_run_flags() -> None:
     flags.DEFINE_string(
         "profile_steps", None, "'FIRST,LAST': capture a TF profiler trace into --model_dir."
     )
-    flags.DEFINE_string(
-        "xla_cache_dir",
-        None,
-        "The persistent XLA compile cache (hybrid.engine.compile_cache): a stage program "
-        "compiled on one replica's device is loaded by the others (each step's first call runs "
-        "the replicas in turn) and by a restarted or repeated run. Default: "
-        "~/.cache/hybrid/xla/tf-<version> (HYBRID_CACHE_DIR moves it); 'off' for none. "
-        "TF_XLA_FLAGS' own directory wins.",
-    )
+    define_xla_cache_flag()
     flags.DEFINE_integer(
         "simulated_devices",
         None,

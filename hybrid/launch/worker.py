@@ -33,7 +33,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags  # noqa: E402
 
-from hybrid.launch import run_app, show_in_help  # noqa: E402
+from hybrid.launch import define_xla_cache_flag, run_app, show_in_help, use_xla_cache  # noqa: E402
 
 FLAGS = flags.FLAGS
 EXIT_LIFETIME = 3
@@ -75,8 +75,8 @@ def flag_terms(message: str) -> str:
 
 
 def define_flags() -> None:
-    """Defines ``--cluster``, ``--job_name``, ``--task_index``, ``--simulated_devices`` and
-    ``--lifetime_s``."""
+    """Defines ``--cluster``, ``--job_name``, ``--task_index``, ``--simulated_devices``,
+    ``--lifetime_s`` and ``--xla_cache_dir`` (the programs this task compiles)."""
     flags.DEFINE_string(
         "cluster",
         None,
@@ -96,6 +96,7 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "lifetime_s", 0.0, "Exit after this many seconds (0: serve until signalled).", lower_bound=0
     )
+    define_xla_cache_flag()
 
 
 def _task_of(text: str | None) -> dict[str, Any]:
@@ -133,6 +134,11 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is a --flag")
     job, index, text = _resolve_task()
+    try:  # before TensorFlow loads: it reads its XLA flags once
+        use_xla_cache(FLAGS.xla_cache_dir)
+    except ValueError as err:
+        print(f"worker: {err}", file=sys.stderr, flush=True)
+        return 2
     # After the flag checks: TensorFlow takes seconds to import.
     from hybrid.platforms import cluster
 
@@ -179,7 +185,7 @@ def _serve(server: Any, task: str) -> int:
 def run() -> None:
     """The ``hybrid-worker`` command: defines the flags, parses argv and runs :func:`main`."""
     define_flags()
-    show_in_help(__name__)
+    show_in_help(__name__, "hybrid.launch")
     run_app(main, "hybrid-worker")
 
 
