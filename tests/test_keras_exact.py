@@ -145,6 +145,9 @@ def assert_deferred(pipe):
     assert all(isinstance(plan, row_sums.Plan) for plan in plans), plans
 
 
+WEIGHTED = ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
+
+
 @functools.cache
 def keras_recipe(recipe):
     """Plain Keras's run of ``recipe``, the same for every cell of the grid (each test
@@ -163,9 +166,6 @@ def keras_recipe(recipe):
     w = sample_weights(9) if weighted else None
     evaluation = keras_model.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
     return keras_model, initial, losses, evaluation
-
-
-WEIGHTED = ("none", "sum", "sum_over_batch_size", "mean_with_sample_weight")
 
 
 @pytest.mark.parametrize("recipe,stages,replicas,micro_batches,schedule,deferred", GRID)

@@ -149,9 +149,10 @@ def hide_cache_loads() -> None:
 
 def import_tensorflow() -> None:
     """Imports TensorFlow (once) without its start-up noise. Its devices are not listed
-    here: listing them reads ``TF_XLA_FLAGS`` for good (a persistent XLA cache set after
-    that is ignored), so the device lists run under :func:`quiet_start` where they are made
-    (``hybrid.engine.devices``, ``hybrid.core.mesh``)."""
+    here: the device lists run under :func:`quiet_start` where they are made
+    (``hybrid.engine.devices``, ``hybrid.core.mesh``). A persistent XLA cache must be set
+    before this (``hybrid.core.xla_cache``): in the launcher, with TensorFlow 2.21, one set
+    after it was ignored."""
     if "tensorflow" in sys.modules:
         return
     with quiet_start():

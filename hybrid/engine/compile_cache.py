@@ -46,7 +46,7 @@ class FirstStep:
         self._steps: Any = None  # the Steps whose first calls are counted in _ran
         self._ran: set[str] = set()
 
-    def function(self, steps: Any, ordered: Callable[[], bool], kind: str = "train") -> Any:
+    def function(self, steps: Any, ordered: Callable[[], bool], kind: str) -> Any:
         """``steps.first_<kind>`` the first time ``steps`` runs ``kind`` and ``ordered()``
         (asked then only), else ``steps.<kind>``."""
         if self._steps is not steps:

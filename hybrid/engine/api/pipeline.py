@@ -26,7 +26,6 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -454,13 +453,14 @@ class Pipeline(Workflow):
             self._run_first("train", parts)
 
     def _run_first(self, kind: str, parts: Shards) -> Any:
-        """The traced ``kind`` step on ``parts``; its first call runs the replicas in turn
-        where that fills a persistent XLA cache (``compile_cache.FirstStep``, ``ordered``)."""
+        """The traced ``kind`` step on ``parts``, its first call in turn where it should."""
+        return self._first.function(self._steps, self._ordering, kind)(parts)
+
+    def _ordering(self) -> bool:
+        """Whether a first call runs the replicas in turn (``compile_cache.ordered``)."""
         jit = self._compiled is not None and self._compiled.jit_compile
         synced = any(copy.synced for row in self._stages for copy in row)
-        R = self.config.replicas
-        ordered = functools.partial(compile_cache.ordered, R, jit, self.strategy, synced)
-        return self._first.function(self._steps, ordered, kind)(parts)
+        return compile_cache.ordered(self.config.replicas, jit, self.strategy, synced)
 
     def _test_batch(self, parts: Shards) -> None:
         batches.warn_padding(parts, [row[0] for row in self._stages], training=False)
