@@ -139,8 +139,9 @@ def run_client(case: Case, spec: str) -> None:
 
     job = cluster.connect(spec, timeout_s=60.0)
     mesh = cluster.mesh(job, stages=STAGES, replicas=case.replicas)
-    # Connecting makes the first worker the default device: keep the Keras template model and
-    # the batch in this process, so a worker holds only what its stage's programs put there.
+    # Connecting makes the first worker the default device: keep the batch in this process
+    # (the engine builds the Keras model here too), so a worker holds only what its stage's
+    # programs put there.
     with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
         pipe = hybrid.Pipeline(
             layers(case), mesh=mesh, micro_batches=FLAGS.micro_batches, **case.options()
@@ -298,12 +299,6 @@ def predict(case: Case, balance: tuple[int, ...]) -> list[dict[str, float]]:
     return [{k: v / MB for k, v in terms.items()} for terms in p.memory_terms]
 
 
-def _without_template(terms: dict[str, float]) -> dict[str, float]:
-    """A device's terms on replica r > 0: the Keras template model is on replica 0's
-    device of stage 0 only (it is in both phases of the peak, so it comes off the total)."""
-    return {**terms, "template": 0.0, "total": terms["total"] - terms["template"]}
-
-
 def write_results(
     env: dict[str, Any], rows: list[dict[str, Any]], worst: float, worst_allocated: float
 ) -> None:
@@ -369,9 +364,8 @@ def main(argv: list[str]) -> None:
         case = CASES[name]
         measured, balance = _measure_retrying(name, case)
         predicted = predict(case, balance)
-        for stage, (replicas, terms) in enumerate(zip(measured, predicted, strict=True)):
+        for stage, (replicas, p) in enumerate(zip(measured, predicted, strict=True)):
             for replica, m in enumerate(replicas):
-                p = terms if replica == 0 else _without_template(terms)
                 row = {
                     "case": name,
                     **dataclasses.asdict(case),

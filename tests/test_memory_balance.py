@@ -34,11 +34,11 @@ def random_layers(seed: int, n: int) -> memory.LayerBytes:
     )
 
 
-def usage_for(name: str, S: int, M: int, remat: str, t: float = 3000.0, **kwargs) -> memory.Usage:
-    """The usage of an S × 2 run with Adam and a template of ``t`` bytes."""
+def usage_for(name: str, S: int, M: int, remat: str, **kwargs) -> memory.Usage:
+    """The usage of an S × 2 run with Adam."""
     config = RunConfig(S, 2, M, name, remat, **kwargs)
     sched = schedule_lib.validate(schedule_lib.get(name, S, M, config.virtual_stages))
-    return memory.usage_of(config, sched, optimizer_slots=2, template=t)
+    return memory.usage_of(config, sched, optimizer_slots=2)
 
 
 def cuts(n: int, S: int):
@@ -71,23 +71,24 @@ def test_the_memory_cut_is_the_best_of_every_cut(name, remat, deferred, sharded)
 
 
 def test_stage_peaks_apply_the_terms_stage_by_stage():
-    """Stage 0 holds the template and the batch input; the in-flight counts are 1F1B's."""
+    """Stage 0 holds the batch input (the user's model is in the client's memory, on no
+    device); the in-flight counts are 1F1B's."""
     layers = memory.LayerBytes([100.0, 200.0], [10.0, 20.0], [5.0, 7.0], [3.0, 4.0], 2.0)
-    usage = usage_for("1f1b", 2, 4, "never", t=50.0)
+    usage = usage_for("1f1b", 2, 4, "never")
     assert usage.in_flight == (2, 1)
     s0, s1 = memory.stage_peaks(layers, (1, 1), usage)
-    # stage 0: params 100, Adam state 200, template 50, input shard 4·2, gradients 200,
-    # activations 2·10 + 5 (its inputs are slices of the shard); update phase: 100 + 200 +
-    # 50 + 8 + 200 (R = 2: the all-reduce writes the reduced gradients, the update's
-    # second copy, and the update writes in place)
-    assert s0 == max(100 + 200 + 50 + 8 + 200 + 25, 558)
+    # stage 0: params 100, Adam state 200, input shard 4·2, gradients 200, activations
+    # 2·10 + 5 (its inputs are slices of the shard); update phase: 100 + 200 + 8 + 200
+    # (R = 2: the all-reduce writes the reduced gradients, the update's second copy, and
+    # the update writes in place)
+    assert s0 == max(100 + 200 + 8 + 200 + 25, 508)
     # stage 1: 200 + 400 + 400 + (1·(3 + 20) + 7) vs 200 + 400 + 400
     assert s1 == max(200 + 400 + 400 + 30, 1000)
 
 
 def test_a_device_holding_virtual_stages_holds_all_their_weights():
     """Interleaved, v = 2: device 0 holds model stages 0 and 2: the weights, gradients and
-    state of both, the activations of the fuller one, the template and the input shard."""
+    state of both, the activations of the fuller one and the input shard."""
     layers = random_layers(3, 8)
     usage = usage_for("interleaved", 2, 4, "never", virtual_stages=2)
     assert usage.device_of == (0, 1, 0, 1)
@@ -120,7 +121,7 @@ def test_the_memory_cut_evens_peaks_where_params_do_not():
         params=[16_000.0] * n, stored=[16_000.0] * n, working=[8000.0] * n,
         output=[8000.0] * n, model_input=64_000.0,
     )  # fmt: skip
-    usage = usage_for("1f1b", 3, 4, "never", t=0.0)
+    usage = usage_for("1f1b", 3, 4, "never")
     cut = memory.balance_by_memory(layers, 3, usage)
     assert cut[0] < cut[1] <= cut[2]
     by_memory = memory.stage_peaks(layers, cut, usage)
@@ -176,8 +177,8 @@ def test_pipeline_balance_memory_cuts_by_the_estimate_and_trains_as_keras():
         pipe.build((None, ref.IN_FEATURES))
     pipe.build((16, ref.IN_FEATURES))
     peaks = pipe.predicted_memory()
-    layers, template_bytes, batch = pipe._bytes
-    usage = memory.usage_of(pipe.config, pipe.schedule, 2, template_bytes)
+    layers, batch = pipe._bytes
+    usage = memory.usage_of(pipe.config, pipe.schedule, 2)
     micro = memory.scaled(layers, batch / 4)
     assert pipe.balance == memory.balance_by_memory(micro, 2, usage)
     assert peaks == memory.stage_peaks(micro, pipe.balance, usage)  # one stage per device

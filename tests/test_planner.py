@@ -252,15 +252,13 @@ def test_memory_per_device_follows_peak_in_flight():
     last = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "except_last"), M)
     assert activations(last) == pytest.approx((10 + 20, M + 10))
     # the pipeline phase: weights + 2 slots (Adam) + the running sums read and written +
-    # activations; stage 0 adds the template model (400) and the batch (M). (The update
-    # holds the accumulated and reduced gradients and writes in place: less.)
+    # activations; stage 0 adds the batch (M); the user's model is in the client's memory.
+    # (The update holds the accumulated and reduced gradients and writes in place: less.)
     assert gpipe.memory_per_device == pytest.approx(
-        (200 * 5 + 400 + M + M * 20 + 5, 200 * 5 + M * 21 + 5)
+        (200 * 5 + M + M * 20 + 5, 200 * 5 + M * 21 + 5)
     )
     sgd = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "never"), M, optimizer_slots=0)
-    assert sgd.memory_per_device == pytest.approx(
-        (200 * 3 + 400 + M + M * 20 + 5, 200 * 3 + M * 21 + 5)
-    )
+    assert sgd.memory_per_device == pytest.approx((200 * 3 + M + M * 20 + 5, 200 * 3 + M * 21 + 5))
     two = planner.evaluate(profile, RunConfig(S, 2, M, "gpipe", "never"), 2 * M)
     # replicas reduce the accumulated gradients into the update's second copy: nothing more
     assert two.peak_memory == pytest.approx(gpipe.peak_memory)
@@ -270,14 +268,14 @@ def test_memory_per_device_follows_peak_in_flight():
 def test_model_that_does_not_fit_one_device_is_pipelined():
     profile = uniform(4, param_bytes=100.0)  # 1600 bytes resident on one device
     result = planner.plan(
-        profile, devices=2, global_batch=4, memory_per_device=1900, remats=["never"]
+        profile, devices=2, global_batch=4, memory_per_device=1500, remats=["never"]
     )
     oom = [r for r in result.rejected if r.kind == "out of memory"]
     assert oom and all(r.config.stages == 1 for r in oom)
-    # 1×2: 400 × (1 weights + 2 slots + 2 gradient copies) + 400 template
-    assert oom[0].reason == "out of memory: needs 2.34 KiB per device, has 1.86 KiB"
-    # (1×2 with sharded optimizer states: 400 × (1 + 1 + 2) + 400 = 2000, out too)
-    # 2×1: stage 0's device holds 200 × 5 + the template 400 = 1400
+    # 1×2: 400 × (1 weights + 2 slots + 2 gradient copies)
+    assert oom[0].reason == "out of memory: needs 1.95 KiB per device, has 1.46 KiB"
+    # (1×2 with sharded optimizer states: 400 × (1 + 1 + 2) = 1600, out too)
+    # 2×1: stage 0's device holds 200 × 5 = 1000
     assert result.best.config.stages == 2
     with pytest.raises(ValueError, match=r"no configuration of 2 devices fits .*out of memory ×"):
         _ = planner.plan(profile, devices=2, global_batch=4, memory_per_device=100).best

@@ -124,7 +124,6 @@ class Usage:
         (:func:`holdings`).
       keeps_last: per model stage, whether its last micro-batch's activations are stored
         (its forward not fused with its backward; matters under ``except_last``).
-      template: bytes of the user's whole model, which model stage 0's device also holds.
       deferred: weight gradients deferred to one W per stage over all micro-batches.
       sharded: optimizer states sharded across the replicas (ZeRO-1).
       device_of: per model stage, its pipeline device (default: model stage k on device k).
@@ -136,17 +135,14 @@ class Usage:
     remat: str
     in_flight: Sequence[int]
     keeps_last: Sequence[bool]
-    template: float = 0.0
     deferred: bool = False
     sharded: bool = False
     device_of: Sequence[int] = ()
 
 
-def usage_of(
-    config: Any, sched: schedule_lib.Schedule, optimizer_slots: int, template: float
-) -> Usage:
+def usage_of(config: Any, sched: schedule_lib.Schedule, optimizer_slots: int) -> Usage:
     """The :class:`Usage` of a run: ``config`` a :class:`hybrid.core.config.RunConfig`,
-    ``sched`` its schedule, ``template`` the bytes of the user's whole model."""
+    ``sched`` its schedule."""
     in_flight, keeps_last = holdings(sched)
     return Usage(
         optimizer_slots=optimizer_slots,
@@ -155,7 +151,6 @@ def usage_of(
         remat=config.remat,
         in_flight=in_flight,
         keeps_last=keeps_last,
-        template=template,
         deferred=config.defer_weight_gradients,
         sharded=config.shard_optimizer_states,
         device_of=tuple(sched.device_of(k) for k in range(sched.num_model_stages)),
@@ -167,7 +162,6 @@ def memory_terms(
     optimizer_slots: int,
     replicas: int,
     activations: Any,
-    template: float = 0.0,
     batch_input: Any = 0.0,
     deferred: bool = False,
     sharded: bool = False,
@@ -175,30 +169,29 @@ def memory_terms(
     """One pipeline device's peak bytes, by term::
 
         state       = optimizer_slots · params   (÷ replicas when ``sharded``: ZeRO-1)
-        resident    = params + state + template
+        resident    = params + state
         pipeline    = resident + batch_input + gradients + activations
         update      = resident + batch_input + 2 · params (accumulated, reduced)
         total       = max(pipeline, update)
 
     ``gradients`` is the running sum a backward reads and the new one it writes
     (2 · params); with deferred weight gradients none: the one W's weight gradients are
-    its output, inside its working set (``deferred_bytes``). ``template`` is the user's
-    Keras model, which the device of stage 0, replica 0 also holds (the engine builds it
-    there); ``batch_input`` the replica's whole input shard, which stage 0 receives and
-    slices into its micro-batches (slices of it: no bytes of their own). The update reads
-    the reduced gradients beside the accumulated ones and writes the variables and
-    optimizer slots in place (an XLA update aliases them): nothing beyond. All measured
-    by ``benchmarks/memory.py``, as the bytes requested from each device's allocator.
+    its output, inside its working set (``deferred_bytes``). The user's Keras model is on
+    no device (the engine builds it in the client's host memory); ``batch_input`` is the
+    replica's whole input shard, which stage 0 receives and slices into its micro-batches
+    (slices of it: no bytes of their own). The update reads the reduced gradients beside
+    the accumulated ones and writes the variables and optimizer slots in place (an XLA
+    update aliases them): nothing beyond. All measured by ``benchmarks/memory.py``, as the
+    bytes requested from each device's allocator.
     """
     state = optimizer_slots * params / (replicas if sharded else 1)
-    resident = params + state + template
+    resident = params + state
     gradients = 0.0 * params if deferred else 2 * params
     pipeline = resident + batch_input + gradients + activations
     update = resident + batch_input + 2 * params
     total = np.maximum(pipeline, update)
     return {
         "params": params,
-        "template": template,
         "optimizer": state,
         "batch_input": batch_input,
         "gradients": gradients,
@@ -284,7 +277,7 @@ def device_terms(
     :class:`StageBytes`, or the planner's ``StageCost``, for each; ``wholes``: each at all
     micro-batches' rows, for deferred weight gradients): the weights, gradients and state
     of them all, and the activations of its fullest stage (one runs at a time); the
-    template and the input shard when it holds model stage 0."""
+    input shard when it holds model stage 0."""
     M = usage.micro_batches
     deferred = usage.deferred and M > 1
     held = functools.reduce(
@@ -304,7 +297,6 @@ def device_terms(
         optimizer_slots=usage.optimizer_slots,
         replicas=usage.replicas,
         activations=held,
-        template=usage.template if first else 0.0,
         batch_input=first[0].input * M if first else 0.0,
         deferred=deferred,
         sharded=usage.sharded,

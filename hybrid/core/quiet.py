@@ -13,7 +13,7 @@ hidden unless the user asked for them; warnings and errors always shown.
     unless TF_CPP_MIN_LOG_LEVEL=0 asks for everything; every other line passes
     the persistent XLA cache's loader lines (an ``E`` line per program loaded: TensorFlow
     tries the file as text before reading it as binary) -> dropped by a filter process
-    on file descriptor 2 (``hide_cache_loads``, the launcher), unless TF_CPP_MIN_LOG_LEVEL=0
+    on file descriptor 2 (``hide_known_noise``, the launcher), unless TF_CPP_MIN_LOG_LEVEL=0
 
 No TensorFlow here: this runs before TensorFlow is imported, which is when the C++ level is read.
 """
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 __all__ = [
     "CACHE_LOAD_NOISE",
     "LIBRARY_INFO_FILTER",
-    "hide_cache_loads",
+    "hide_known_noise",
     "hide_library_info",
     "import_tensorflow",
     "quiet_cpp_info",
@@ -107,36 +107,57 @@ def quiet_start() -> Iterator[None]:
 CACHE_LOAD_NOISE = (
     r"text_format\.cc:\d+\] Error parsing text-format tensorflow\.XlaSerializedCacheEntry"
 )
+# What the process that feeds the devices logs when a device runs out of memory, before the
+# error reaches Python, where the engine says it as one line (``out_of_memory.py``): its
+# rendezvous aborting (with any status: the error it aborts with is raised), functions and
+# tensors a device could not take (it could not allocate them: "Unable to parse tensor
+# proto"). Each message goes on over the lines after it (the node, hints, the remote task's
+# report, "This could happen if ...").
+OUT_OF_MEMORY_NOISE = (
+    r"rendezvous\.cc:\d+\] Local rendezvous is aborting with status"
+    r"|context\.cc:\d+\] Failed to (register|remove) function remotely due to Unable to parse"
+    r"|remote_tensor_handle_data\.cc:\d+\] Unable to destroy remote tensor handles"
+)
+NOISE = f"{CACHE_LOAD_NOISE}|{OUT_OF_MEMORY_NOISE}"
 
 # The filter process: stdin (the pipe that is now this process's fd 2) to stdout (the fd 2
-# it had), every line but the noise; deaf to the terminal's and a supervisor's signals, so
-# that it drains the pipe to its end (the parent's exit, however it exits) and then stops.
+# it had), every line but the noise and the lines that continue a noisy message (indented,
+# empty, or a hint or remote report: not a line of their own); deaf to the terminal's and a
+# supervisor's signals, so that it drains the pipe to its end (the parent's exit, however it
+# exits) and then stops.
 _FILTER = """
 import os, re, signal, sys
 for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 noise = re.compile(sys.argv[1].encode())
+goes_on = re.compile(rb"^(\\s|Hint:|Additional GRPC|:UNKNOWN:|This could happen|\\r?$)")
 out = sys.stdout.buffer
+skipping = False
 for line in sys.stdin.buffer:
-    if not noise.search(line):
+    skipping = bool(noise.search(line)) or (skipping and bool(goes_on.match(line)))
+    if not skipping:
         out.write(line)
         out.flush()
 """
 
 
-def hide_cache_loads() -> None:
-    """Drops the persistent XLA cache's loader lines (:data:`CACHE_LOAD_NOISE`) from
-    everything this process (and the processes it starts) writes to file descriptor 2:
-    fd 2 becomes a pipe to a small filter process that passes every other line on to the
-    stderr there was, and ends when the last writer closes the pipe, so nothing written
-    before an exit, a crash or a kill is lost. Unless TF_CPP_MIN_LOG_LEVEL=0 asks for
-    everything. Call once (the launcher does, where it turns the cache on)."""
-    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0":
+def hide_known_noise() -> None:
+    """Drops the persistent XLA cache's loader lines (:data:`CACHE_LOAD_NOISE`) and the
+    out-of-memory report the engine says itself (:data:`OUT_OF_MEMORY_NOISE`, with the
+    lines its message goes on over) from everything this process (and the processes it
+    starts) writes to file descriptor 2: fd 2 becomes a pipe to a small filter process that
+    passes every other line on to the stderr there was, and ends when the last writer
+    closes the pipe, so nothing written before an exit, a crash or a kill is lost. Unless
+    TF_CPP_MIN_LOG_LEVEL=0 asks for everything. Once per process (later calls do nothing;
+    the launchers call it first thing)."""
+    global _FILTERING
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0" or _FILTERING:
         return
+    _FILTERING = True
     sys.stderr.flush()
     read, write = os.pipe()
     subprocess.Popen(  # noqa: S603 - this interpreter, our own code
-        [sys.executable, "-I", "-S", "-c", _FILTER, CACHE_LOAD_NOISE],
+        [sys.executable, "-I", "-S", "-c", _FILTER, NOISE],
         stdin=read,
         stdout=2,
         stderr=subprocess.DEVNULL,
@@ -145,6 +166,9 @@ def hide_cache_loads() -> None:
     os.close(read)
     os.dup2(write, 2)
     os.close(write)
+
+
+_FILTERING = False
 
 
 def import_tensorflow() -> None:

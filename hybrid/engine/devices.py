@@ -30,6 +30,14 @@ def host_cpu(device: str) -> str:
     return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
 
 
+def client_cpu() -> str:
+    """This process's own CPU, fully named: where the user's Keras model lives (on a cluster,
+    the client's host; an unnamed device there would be the first worker's)."""
+    from tensorflow.python.eager import context
+
+    return f"{context.context().host_address_space()}/device:CPU:0"
+
+
 def _logical_cpu_count() -> int:
     with quiet_start():
         return len(tf.config.list_logical_devices("CPU"))

@@ -101,14 +101,14 @@ def use_xla_cache(value: str | None) -> None:
     """Turns the persistent XLA cache on: in ``value``, or by default in
     ``xla_cache.default_directory()`` (a default that cannot be created: a warning, no
     cache); ``off`` (or empty): none, unless ``TF_XLA_FLAGS`` names one. With a cache on,
-    its loader lines are filtered out of stderr (``quiet.hide_cache_loads``). Call it
+    its loader lines are filtered out of stderr (``quiet.hide_known_noise``). Call it
     before TensorFlow loads (it reads its XLA flags once).
 
     Raises:
       ValueError: ``value`` names a directory that cannot be created.
     """
     from hybrid.core import xla_cache
-    from hybrid.core.quiet import hide_cache_loads
+    from hybrid.core.quiet import hide_known_noise
 
     if value is None or value.lower() not in xla_cache.OFF:
         path = value or xla_cache.default_directory()
@@ -125,4 +125,4 @@ def use_xla_cache(value: str | None) -> None:
                 file=sys.stderr,
             )
     if xla_cache.directory() is not None:
-        hide_cache_loads()
+        hide_known_noise()

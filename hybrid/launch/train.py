@@ -20,7 +20,7 @@ from typing import Any
 
 from absl import app, flags
 
-from hybrid.core.quiet import quiet_cpp_info
+from hybrid.core.quiet import hide_known_noise, quiet_cpp_info
 
 quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
@@ -43,17 +43,25 @@ FLAGS = flags.FLAGS
 PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
 
 
-def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) -> Any:
-    """Connects to the workers, lays the mesh over their devices and trains from the client.
+def _run_on_cluster(
+    config: Any, step_callback: Any = None, stop: Any = None, spec: Any = None
+) -> Any:
+    """Connects to the workers (``--cluster``, else ``spec``), lays the mesh over their
+    devices and trains from the client; what the engine does not place on a device stays
+    in this process (once connected, TensorFlow's default device is the first worker's).
 
     Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
     """
+    import tensorflow as tf
+
     from hybrid.core.mesh import parse_spec
+    from hybrid.engine.devices import client_cpu
     from hybrid.launch.worker import flag_terms  # the cluster library's words -> flags
     from hybrid.platforms import cluster as cluster_lib
     from hybrid.run.trainer import train
 
-    spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
+    if spec is None:
+        spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
     stages, replicas = parse_spec(config.mesh)
     try:
         job = cluster_lib.connect(spec, timeout_s=FLAGS.cluster_timeout)
@@ -63,7 +71,7 @@ def _run_on_cluster(config: Any, step_callback: Any = None, stop: Any = None) ->
             )
         except ValueError as err:  # main() prints it (exit 1), in flag terms
             raise ValueError(flag_terms(str(err))) from err
-        with job.guard():
+        with job.guard(), tf.device(client_cpu()):
             return train(
                 config,
                 devices=[d for row in mesh.devices for d in row],
@@ -279,10 +287,34 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
         return config, _run_on_cluster(config, step_callback, stop)
     if config.platform == "tpu":
         return config, _run_on_tpu(config, step_callback, stop)
+    stages, replicas = parse_spec(config.mesh)
+    if config.platform == "cpu" and FLAGS.memory_per_device is not None:
+        return config, _run_on_capped_devices(config, step_callback, stop)
     if config.platform == "cpu":
-        stages, replicas = parse_spec(config.mesh)
         hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
     return config, train(config, step_callback=step_callback, stop=stop)
+
+
+def _run_on_capped_devices(config: Any, step_callback: Any, stop: Any) -> Any:
+    """``--platform=cpu --memory_per_device``: each simulated device is its own local worker
+    process with its CPU allocator capped (``hybrid.platforms.local_workers``), and this
+    process trains on them as a cluster's client. The workers end with this process."""
+    import atexit
+    import shutil
+
+    from hybrid.core.memory import format_bytes
+    from hybrid.core.mesh import parse_spec
+    from hybrid.platforms import local_workers
+
+    stages, replicas = parse_spec(config.mesh)
+    devices = FLAGS.simulated_devices or stages * replicas
+    workers = local_workers.start(
+        devices, parse_memory(FLAGS.memory_per_device), xla_cache_dir=FLAGS.xla_cache_dir
+    )
+    atexit.register(shutil.rmtree, workers.log_dir, True)  # the workers outlive atexit
+    cap = format_bytes(workers.memory_per_device or 0)
+    print(f"{devices} simulated devices, one worker process each, capped at {cap}", flush=True)
+    return _run_on_cluster(config, step_callback, stop, spec=workers.spec)
 
 
 # TensorFlow's errors about files (a path, its permissions, its space, its bytes); the last
@@ -319,11 +351,15 @@ def report_error(err: BaseException) -> int:
     if isinstance(err, ModuleNotFoundError) and missing_dependency("", err) is not None:
         print(f"error: {missing_dependency('hybrid-train', err)}", file=sys.stderr)
         return 1
+    from hybrid.engine.api.out_of_memory import OutOfMemoryError
     from hybrid.run.checkpoint import CheckpointError, error_line
     from hybrid.run.run_lock import RunLockError
     from hybrid.run.trainer import NonFiniteLossError
 
     lines = str(err).strip().splitlines() or [type(err).__name__]
+    if isinstance(err, OutOfMemoryError):
+        print(f"error: {err.line(flags=True)}", file=sys.stderr)
+        return 1
     if isinstance(err, NonFiniteLossError):
         print(f"error: {lines[0]} (--learning_rate)", file=sys.stderr)
         return 1
@@ -419,6 +455,7 @@ def main(argv: list[str]) -> None:
         use_xla_cache(FLAGS.xla_cache_dir)
     except ValueError as err:
         sys.exit(report_error(err))
+    hide_known_noise()  # with the cache off too: an out-of-memory report is said in one line
     import_tensorflow()  # without its start-up noise (no CUDA driver on a CPU host, ...)
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling

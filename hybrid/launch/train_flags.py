@@ -44,9 +44,11 @@ def _define_mesh_flags() -> None:
     flags.DEFINE_string(
         "memory_per_device",
         None,
-        "--mesh=auto: the memory each device has, e.g. '16GiB' or '512MiB'; the plan keeps "
-        "the fastest configuration (mesh, M, schedule, remat, cut) that fits (default: "
-        "unlimited).",
+        "The memory each device has, e.g. '16GiB' or '512MiB' (default: unlimited). With "
+        "--mesh=auto the plan keeps the fastest configuration (mesh, M, schedule, remat, cut) "
+        "that fits. On --platform=cpu the limit is made real: each simulated device is its own "
+        "local worker process with its CPU allocator capped at it (whole MiB), and a stage "
+        "beyond it fails with a one-line out-of-memory error.",
     )
     flags.DEFINE_string(
         "micro_batches",

@@ -93,6 +93,19 @@ def define_flags() -> None:
         "CPU only: logical CPU devices this task offers (default: the host's devices).",
         lower_bound=1,
     )
+    flags.DEFINE_string(
+        "memory_per_device",
+        None,
+        "CPU only: cap this task's CPU allocator, e.g. '512MiB' (whole MiB; one device per "
+        "task: --simulated_devices=1). An allocation beyond it fails with TensorFlow's "
+        "ResourceExhaustedError, as on a GPU.",
+    )
+    flags.DEFINE_bool(
+        "until_stdin_closes",
+        False,
+        "Also stop when standard input closes (a parent that starts its workers on a pipe: "
+        "they end with it).",
+    )
     flags.DEFINE_float(
         "lifetime_s", 0.0, "Exit after this many seconds (0: serve until signalled).", lower_bound=0
     )
@@ -139,6 +152,11 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"worker: {err}", file=sys.stderr, flush=True)
         return 2
+    try:
+        cap = _cap_memory()
+    except ValueError as err:
+        print(f"worker: --memory_per_device={FLAGS.memory_per_device}: {err}", file=sys.stderr)
+        return 2
     # After the flag checks: TensorFlow takes seconds to import.
     from hybrid.platforms import cluster
 
@@ -149,12 +167,37 @@ def main(argv: list[str]) -> int:
         print(f"worker: {flag_terms(str(err))}", file=sys.stderr, flush=True)
         return 2
     devices = FLAGS.simulated_devices or "all local"
+    capped = f", its allocator capped at {cap} MiB" if cap else ""
     print(
         f"worker {job}:{index} serving at {spec.task_address(job, index)} "
-        f"({server.target}, {devices} devices); stop with SIGTERM",
+        f"({server.target}, {devices} devices{capped}); stop with SIGTERM",
         flush=True,
     )
     return _serve(server, f"{job}:{index}")
+
+
+def _cap_memory() -> int | None:
+    """Caps this process's CPU allocator at ``--memory_per_device`` (before TensorFlow loads:
+    it reads the variables once); the cap in MiB, None without the flag.
+
+    Raises:
+      ValueError: not a size, under 1 MiB, or more than one device shares the allocator.
+    """
+    if FLAGS.memory_per_device is None:
+        return None
+    from hybrid.core.memory import parse_bytes
+    from hybrid.platforms.local_workers import cap_mib
+
+    if (FLAGS.simulated_devices or 1) != 1:
+        raise ValueError(
+            f"the {FLAGS.simulated_devices} simulated devices of one task share its allocator, "
+            "so a cap per device needs one task per device: --simulated_devices=1 (hybrid-train "
+            "--memory_per_device on --platform=cpu starts such workers itself)"
+        )
+    mib = cap_mib(parse_bytes(FLAGS.memory_per_device))
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(mib)
+    return mib
 
 
 def _serve(server: Any, task: str) -> int:
@@ -171,6 +214,16 @@ def _serve(server: Any, task: str) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if FLAGS.until_stdin_closes:
+
+        def until_closed() -> None:
+            """Reads standard input to its end, then ends the wait."""
+            for _ in sys.stdin:
+                pass
+            received.append("standard input closed")
+            stop.set()
+
+        threading.Thread(target=until_closed, daemon=True, name="hybrid-stdin").start()
     deadline = time.monotonic() + FLAGS.lifetime_s if FLAGS.lifetime_s else None
     # The main thread waits in Python (not in server.join()) so the signal handlers run.
     while not stop.wait(0.5):

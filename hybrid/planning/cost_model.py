@@ -42,7 +42,7 @@ class Prediction:
       memory_per_device: peak bytes of each pipeline device (equal on every replica).
       peak_in_flight: per pipeline device, micro-batches whose activations it holds at once.
       memory_terms: per pipeline device, ``memory_per_device`` in its terms (bytes):
-        ``params``, ``template``, ``optimizer`` (slots), ``batch_input``, ``gradients``,
+        ``params``, ``optimizer`` (slots), ``batch_input``, ``gradients``,
         ``activations`` and their ``total``
         (:func:`hybrid.core.memory.memory_terms`).
     """
@@ -163,7 +163,6 @@ def evaluate(
         remat=config.remat,
         in_flight=[run.peak_in_flight[sched.device_of(k)] for k in range(len(stages))],
         keeps_last=memory.keeps_last(sched),
-        template=profile.template_bytes,
         deferred=defer,
         sharded=config.shard_optimizer_states,
     )
@@ -228,7 +227,7 @@ def _balance(
         return tuple(config.balance)
     if config.balance == "memory":
         M = config.micro_batches
-        usage = memory.usage_of(config, sched, optimizer_slots, profile.template_bytes)
+        usage = memory.usage_of(config, sched, optimizer_slots)
         whole = layer_bytes(profile, batch * M)
         return memory.balance_by_memory(
             layer_bytes(profile, batch), config.model_stages, usage, whole

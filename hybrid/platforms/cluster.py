@@ -169,10 +169,13 @@ class Cluster:
         tasks that no longer answer are reported in an :class:`UnreachableTaskError`
         chained to the original error. An UNAVAILABLE error while every task answers (a
         task that restarted, a dropped connection) is reported with the tasks its message
-        names. Other errors pass through unchanged.
+        names. Other errors, and a task's out-of-memory error (a task that died of one
+        included: the engine says it so), pass through unchanged.
         """
         try:
             yield
+        except tf.errors.ResourceExhaustedError:
+            raise
         except tf.errors.OpError as err:
             down = self.unreachable(probe_timeout_s)
             if down:

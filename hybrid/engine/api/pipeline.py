@@ -26,7 +26,8 @@ trace per input signature); stage programs are XLA-compiled on their devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import keras
@@ -43,9 +44,9 @@ from hybrid.core.config import (
 )
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine import compile_cache
-from hybrid.engine.api import batches, feed, stage_memory
+from hybrid.engine.api import batches, feed, out_of_memory, stage_memory, step_bodies
 from hybrid.engine.api.compiled import Compiled
-from hybrid.engine.api.mesh_step import MeshExecutor, MeshStep, Placing
+from hybrid.engine.api.mesh_step import MeshExecutor, Placing
 from hybrid.engine.api.micro_batching import (
     AUTO,
     Steps,
@@ -56,12 +57,12 @@ from hybrid.engine.api.micro_batching import (
 )
 from hybrid.engine.api.strategy_step import StrategyExecutor
 from hybrid.engine.api.workflow import Workflow
+from hybrid.engine.devices import client_cpu
 from hybrid.engine.model.graph import graph_of
 from hybrid.engine.model.losses import LossLike
 from hybrid.engine.model.optimizers import OptimizerLike
-from hybrid.engine.model.sparse import flat_tensors
 from hybrid.engine.model.variables import Placement
-from hybrid.engine.step import assembly, compression, lowering, reduction, sharding, update
+from hybrid.engine.step import assembly, compression
 from hybrid.engine.step import clocks as timing
 from hybrid.engine.step.clocks import TimedAction
 from hybrid.engine.step.stage import StageReplica, TensorSpec
@@ -196,11 +197,12 @@ class Pipeline(Workflow):
         self._balance_mode = "compute" if balance is None or counts is not None else str(balance)
         self._stages: list[list[StageReplica]] = []
         self._placement: Placement | None = None
-        self._bytes: tuple[Any, float, int | None] = (None, 0.0, None)  # see predicted_memory
+        self._bytes: tuple[Any, int | None] = (None, None)  # see predicted_memory
         self._compiled: Compiled | None = None
         self._step = self._executor.step_variable(mesh)  # see step_counter
         self._steps = self._steps_for(M)
         self._first = compile_cache.FirstStep()  # which traced step of each kind runs next
+        self._event_keys: list[tuple[int, Any]] = []  # a timed step's (device, action) pairs
 
     def compile(
         self,
@@ -270,10 +272,10 @@ class Pipeline(Workflow):
         return steps_for(
             self.config,
             micro_batches,
-            train=self._train_step,
-            gradients=self._gradient_step,
-            evaluate=self._eval_step,
-            predict=self._predict_step,
+            train=functools.partial(step_bodies.train, self),
+            gradients=functools.partial(step_bodies.gradients, self),
+            evaluate=functools.partial(step_bodies.evaluate, self),
+            predict=functools.partial(step_bodies.predict, self),
         )
 
     def _use(self, micro_batches: int) -> None:
@@ -355,18 +357,20 @@ class Pipeline(Workflow):
         layout = assembly.lay_out(
             self._graph,
             specs,
-            self.mesh.device(0, 0),
+            client_cpu(),
             self.schedule.num_model_stages,
             self._balance,
             self._balance_mode,
             self.jit_compile,
             stage_memory.memory_cut(self, self._optimizers, batch) if by_memory else None,
+            timing_device=self.mesh.device(0, 0),
         )
-        self._bytes = (layout.bytes, layout.template, batch)
+        self._bytes = (layout.bytes, batch)
         self._balance, self._placement = layout.balance, layout.placement
         masked = [k in layout.masked for k in self._graph.outputs]
         self._loss = self._loss.bind(layout.output_shapes, masked)
-        self._stages = self._place(layout, batch)
+        with out_of_memory.said(self, building=True):  # the weights and optimizer slots
+            self._stages = self._place(layout, batch)
         self._ties = layout.placement.ties()
         self._clocks = [timing.DeviceClock(d) for d in self.mesh.pipeline(0)]
         if self._metrics.needs_predictions:
@@ -454,7 +458,8 @@ class Pipeline(Workflow):
 
     def _run_first(self, kind: str, parts: Shards) -> Any:
         """The traced ``kind`` step on ``parts``, its first call in turn where it should."""
-        return self._first.function(self._steps, self._ordering, kind)(parts)
+        with out_of_memory.said(self):
+            return self._first.function(self._steps, self._ordering, kind)(parts)
 
     def _ordering(self) -> bool:
         """Whether a first call runs the replicas in turn (``compile_cache.ordered``)."""
@@ -471,7 +476,8 @@ class Pipeline(Workflow):
 
     def _timed_step(self, parts: Shards) -> timing.StepView:
         """The training step on ``parts``, timed: its view is kept in ``last_timeline``."""
-        stamps = self._steps.timed(parts)
+        with out_of_memory.said(self):
+            stamps = self._steps.timed(parts)
         events = timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
         self.last_timeline = timing.StepView.of(events)
         return self.last_timeline
@@ -538,63 +544,3 @@ class Pipeline(Workflow):
         if self._placement is None:
             raise RuntimeError("the pipeline is not built yet; call build() or train_step()")
         return self._placement
-
-    # -- the step functions ----------------------------------------------------------------
-
-    def _seeds(self, replica: int) -> Callable[[int], tf.Tensor]:
-        return lowering.seeds(self._step.read_value(), replica, self.micro_batches)
-
-    def _train_step(self, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
-        step = self._executor.train(self._mesh_step(), parts, record, self._apply, ordered)
-        y, w = batches.whole_labels(parts)
-        examples = batches.examples(parts)
-        self._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
-        if record:  # (device, action) of each timestamp pair: the same in every trace
-            self._event_keys = [(device, action) for device, action, _, _ in step.events]
-        return [[start, end] for _, _, start, end in step.events]
-
-    def _apply(self, grads: list[list[list[Any]]], stats: list[Any], ordered: bool) -> None:
-        """Every device's update (``update.apply_all``), its gradients clipped by the global
-        norm when the optimizer asks; then the step counter moves."""
-        reduction.whole_model(grads, self._stages, self._optimizers)
-        R, M = self.config.replicas, self.micro_batches
-        update.apply_all(self._stages, grads, stats, R * M, ordered)
-        for row in self._stages:  # sharded optimizer states: owners send their updates
-            sharding.broadcast(row)
-        done = [g for row in grads for per in row for g in flat_tensors(per)]
-        with tf.control_dependencies(done):
-            self._step.assign_add(1)
-
-    def _gradient_step(self, parts: Shards, ordered: bool = False) -> tuple[Any, list[Any]]:
-        step = self._mesh_step().gradients(parts, record=False, ordered=ordered)
-        return step.loss, [step.grads[k][0][j] for k, j in self.placement.gradient_order()]
-
-    def _mesh_step(self) -> MeshStep:
-        """The step over the mesh's devices as it stands (``mesh_step.py``)."""
-        return MeshStep(
-            stages=self._stages,
-            groups=self._groups,
-            ties=self._ties,
-            objective=self._loss,
-            steps=self._steps,
-            mesh=self.mesh,
-            codec=self._codec,
-            remat=self.remat,
-            defer=self._defer,
-            seeds=self._seeds,
-            clocks=self._clocks,
-            devices=self._shard_devices(),
-        )
-
-    def _eval_step(self, parts: Shards, ordered: bool = False) -> None:
-        outs, activity = self._executor.forward(self._mesh_step(), parts, ordered)
-        loss, _, output_losses = reduction.global_loss(self._loss, [o[0] for o in outs], None)
-        penalties = [p[0] for p in (row[0].weight_penalty() for row in self._stages) if p]
-        loss = loss + tf.add_n(penalties + activity) if penalties + activity else loss
-        predictions = batches.joined([out[1:] for out in outs])
-        y, w = batches.whole_labels(parts)
-        self._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
-
-    def _predict_step(self, parts: Shards, ordered: bool = False) -> Flat:
-        outs, _ = self._executor.forward(self._mesh_step(), parts, ordered)
-        return [t[: batches.examples(parts)] for t in batches.joined(outs) or []]

@@ -22,10 +22,9 @@ from hybrid.engine.model.optimizers import OptimizerCopies, slots_per_weight
 __all__ = ["memory_cut", "predicted_peaks", "usage"]
 
 
-def usage(pipe: Any, optimizers: OptimizerCopies, template: float) -> memory.Usage:
-    """How ``pipe`` uses memory beyond its layers, with these optimizer copies;
-    ``template``: the bytes of the user's model."""
-    return memory.usage_of(pipe.config, pipe.schedule, slots_per_weight(optimizers), template)
+def usage(pipe: Any, optimizers: OptimizerCopies) -> memory.Usage:
+    """How ``pipe`` uses memory beyond its layers, with these optimizer copies."""
+    return memory.usage_of(pipe.config, pipe.schedule, slots_per_weight(optimizers))
 
 
 def _micro_batch(pipe: Any, batch: int) -> float:
@@ -34,9 +33,9 @@ def _micro_batch(pipe: Any, batch: int) -> float:
 
 def memory_cut(
     pipe: Any, optimizers: OptimizerCopies, batch: int | None
-) -> Callable[[memory.LayerBytes, float], tuple[int, ...]]:
+) -> Callable[[memory.LayerBytes], tuple[int, ...]]:
     """The cut for ``balance="memory"`` at this global ``batch``: the calls' bytes per
-    example and the model's weight bytes -> calls per model stage.
+    example -> calls per model stage.
 
     Raises:
       ValueError: the batch is not known (built from a shape without its batch size).
@@ -48,10 +47,10 @@ def memory_cut(
             "(None, 32)), or let the first batch build the pipeline"
         )
 
-    def cut(per_example: memory.LayerBytes, template: float) -> tuple[int, ...]:
+    def cut(per_example: memory.LayerBytes) -> tuple[int, ...]:
         layers = memory.scaled(per_example, _micro_batch(pipe, batch))
         return memory.balance_by_memory(
-            layers, pipe.schedule.num_model_stages, usage(pipe, optimizers, template)
+            layers, pipe.schedule.num_model_stages, usage(pipe, optimizers)
         )
 
     return cut
@@ -61,13 +60,12 @@ def predicted_peaks(
     pipe: Any,
     optimizers: OptimizerCopies,
     per_example: memory.LayerBytes | None,
-    template: float,
     batch: int | None,
 ) -> tuple[float, ...] | None:
     """Each pipeline device's predicted peak bytes (a row of the mesh: every replica's is
-    the same), from the built ``pipe``'s calls' bytes per example and weight bytes at the
-    global ``batch``; None when the batch size is not known."""
+    the same), from the built ``pipe``'s calls' bytes per example at the global ``batch``;
+    None when the batch size is not known."""
     if batch is None or per_example is None:
         return None
     layers = memory.scaled(per_example, _micro_batch(pipe, batch))
-    return memory.device_peaks(layers, pipe.balance, usage(pipe, optimizers, template))
+    return memory.device_peaks(layers, pipe.balance, usage(pipe, optimizers))

@@ -58,7 +58,6 @@ class Layout:
       unused: ids of the trainable variables Keras would get no gradient for.
       bytes: each call's bytes estimated from shapes, activations per example
         (:func:`hybrid.engine.model.layer_costs.layer_bytes`).
-      template: bytes of every model variable (the user's model, held beside stage 0).
     """
 
     balance: tuple[int, ...]
@@ -71,7 +70,6 @@ class Layout:
     sparse: frozenset[int] = frozenset()
     unused: frozenset[int] = frozenset()
     bytes: memory.LayerBytes | None = None
-    template: float = 0.0
 
 
 def spec_of(t: Any) -> TensorSpec:
@@ -86,19 +84,20 @@ def lay_out(
     balance: Sequence[int] | None,
     balance_mode: str,
     jit_compile: bool,
-    memory_cut: Callable[[memory.LayerBytes, float], tuple[int, ...]] | None = None,
+    memory_cut: Callable[[memory.LayerBytes], tuple[int, ...]] | None = None,
+    timing_device: str | None = None,
 ) -> Layout:
     """Builds and checks the model on ``device`` and cuts it into ``num_stages`` segments.
 
     Args:
       graph: the model's layer calls.
       input_specs: the model inputs' shapes (without batch) and dtypes.
-      device: where the template model is built and, for ``balance_mode="time"``, timed.
+      device: where the user's model is built (the client's host: it is on no mesh device).
       num_stages: model stages (devices × virtual stages).
       balance: explicit calls per stage, or None to balance by ``balance_mode``.
       balance_mode: "compute", "params", "time" or "memory".
-      memory_cut: for ``balance_mode="memory"``: the cut of the calls' bytes (per example)
-        and the model's weight bytes.
+      memory_cut: for ``balance_mode="memory"``: the cut of the calls' bytes (per example).
+      timing_device: where ``balance_mode="time"`` times each call (default ``device``).
 
     Raises:
       NotImplementedError: a layer whose Keras semantics the pipeline cannot honour.
@@ -117,14 +116,14 @@ def lay_out(
             check_layer(call.layer, arguments[-1], values[call.outputs[0]])
     layers = [call.layer for call in graph.calls]
     estimate = layer_costs.layer_bytes(graph.calls, values, graph.inputs)
-    template = layer_costs.weight_bytes(graph.variables())
     if balance is None and balance_mode == "memory":
         if memory_cut is None:
             raise ValueError('balance="memory" needs the run\'s memory use (memory_cut)')
-        balance = memory_cut(estimate, template)
+        balance = memory_cut(estimate)
     if balance is None:
         if balance_mode == "time":
-            costs = layer_costs.time_costs(layers, arguments, device, jit_compile=jit_compile)
+            timed_on = timing_device or device
+            costs = layer_costs.time_costs(layers, arguments, timed_on, jit_compile=jit_compile)
         elif balance_mode == "params":
             costs = layer_costs.parameter_costs(layers)
         else:
@@ -147,7 +146,6 @@ def lay_out(
         frozenset(slices),
         frozenset(unused),
         estimate,
-        template,
     )
 
 

@@ -1,0 +1,255 @@
+"""The memory wall: the largest model that trains under one fixed memory cap per device, on
+1, 2, 4 and 8 capped devices.
+
+Each device is a local worker process whose CPU allocator is capped at ``--cap``
+(``hybrid-train --memory_per_device`` on ``--platform=cpu``: ``hybrid.platforms.local_workers``),
+so "fits" is measured, not predicted. For a model family grown by depth (``--families``:
+the reference Transformer at ``--width``, the reference ResNet) and each device count N,
+every point is a real ``hybrid-train`` run of ``--train_steps`` steps that must end with exit
+code 0 (a finite loss), in two modes:
+
+    planner    --mesh=auto --simulated_devices=N: the planner's choice under the cap (mesh,
+               M, schedule, remat, ZeRO-1, cut), then trained on the capped devices
+    pipeline   --mesh=stage:N,replica:1 --remat=never --balance=params: pipelining alone
+
+The depth doubles from the largest that trained on N/2 devices until a run fails, then
+bisects (``--bisections``); the next depth up is shown to fail, with the run's one-line
+error (``out of memory on pipeline device ...`` for a run that did not fit, or the planner's
+"no configuration ... fits"). Parameters are counted on the model built here. ``ratio`` is
+a point's parameters over pipelining's on one device (remat never: GPipe's "naive-1"),
+beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8 accelerators: 22x) and torchgpipe's
+(81.5 M -> 1.84 B).
+
+    python benchmarks/memory_wall.py                                  # ~30 min on 2 cores
+    python benchmarks/memory_wall.py --families=transformer --devices=1,2 --cap=96MiB
+
+Writes ``results/memory_wall.json`` (every run: depth, parameters, outcome, the layout the
+run printed, its last error line) and ``results/memory_wall.png`` (parameters vs devices per
+mode and family, the papers' 22x beside).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from absl import app, flags
+
+import common
+
+flags.DEFINE_list("families", ["transformer", "resnet"], "Model families: transformer, resnet.")
+flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Capped device counts.")
+flags.DEFINE_list("modes", ["pipeline", "planner"], "pipeline (S = N alone), planner (auto).")
+flags.DEFINE_string("cap", "128MiB", "Memory per device (the allocator's cap).")
+flags.DEFINE_integer("width", 256, "Transformer d_model / ResNet channels.")
+flags.DEFINE_integer("seq_len", 32, "Transformer context.")
+flags.DEFINE_integer("batch", 8, "Global batch.")
+flags.DEFINE_integer("train_steps", 2, "Steps each run trains.")
+flags.DEFINE_integer("bisections", 2, "Bisection steps between the last fit and first failure.")
+flags.DEFINE_integer("timeout_s", 900, "Seconds a run may take.")
+FLAGS = flags.FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The papers' endpoints: parameters on 1 accelerator without pipelining, and on 8 with it.
+PAPERS = {"GPipe (AmoebaNet-D)": (82e6, 1.8e9), "torchgpipe (AmoebaNet-D)": (81.5e6, 1.84e9)}
+
+
+def parameters(family: str, depth: int) -> int:
+    """The parameters of ``family`` at ``depth``, as the launcher builds it."""
+    import keras
+
+    from hybrid import models
+    from hybrid.run.data_sources import VOCAB_SIZE
+
+    if family == "transformer":
+        layers = models.transformer(
+            vocab_size=VOCAB_SIZE,
+            seq_len=FLAGS.seq_len,
+            d_model=FLAGS.width,
+            num_heads=4,
+            num_blocks=depth,
+        )
+        shape, dtype = (FLAGS.seq_len,), "int32"
+    else:
+        layers = models.resnet(10, FLAGS.width, depth)
+        shape, dtype = (16, 16, 3), "float32"  # the launcher's synthetic images
+    model = keras.Sequential([keras.Input(shape, dtype=dtype), *layers])
+    return int(model.count_params())
+
+
+def command(family: str, mode: str, devices: int, depth: int) -> list[str]:
+    """The ``hybrid-train`` run of one point."""
+    model = [f"--model={family}", f"--width={FLAGS.width}", f"--depth={depth}"]
+    if family == "transformer":
+        model += [f"--seq_len={FLAGS.seq_len}", "--num_heads=4"]
+    else:
+        model += ["--data=synthetic"]
+    if mode == "planner":
+        layout = ["--mesh=auto", f"--simulated_devices={devices}"]
+    else:
+        layout = [f"--mesh=stage:{devices},replica:1", "--remat=never", "--balance=params"]
+        layout += [f"--micro_batches={min(devices, FLAGS.batch)}"]
+    return [
+        sys.executable, "-m", "hybrid.launch.train", *model, *layout,
+        f"--memory_per_device={FLAGS.cap}", f"--global_batch_size={FLAGS.batch}",
+        f"--train_steps={FLAGS.train_steps}", "--log_every=1",
+    ]  # fmt: skip
+
+
+def run(family: str, mode: str, devices: int, depth: int) -> dict[str, Any]:
+    """One point, run for real: whether it trained, and what it printed."""
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command(family, mode, devices, depth),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=FLAGS.timeout_s,
+            check=False,
+        )
+        code, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired:
+        code, out, err = None, "", f"did not finish in {FLAGS.timeout_s} s"
+    layout = [line for line in out.splitlines() if line.startswith("mesh ")]
+    errors = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    row = {
+        "family": family,
+        "mode": mode,
+        "devices": devices,
+        "depth": depth,
+        "parameters": parameters(family, depth),
+        "trained": code == 0,
+        "exit_code": code,
+        "out_of_memory": any("out of memory" in line for line in errors),
+        "layout": layout[-1] if layout else "",
+        "error": errors[-1] if errors else (err.strip().splitlines() or [""])[-1][:400],
+        "seconds": time.monotonic() - start,
+    }
+    outcome = "trained" if row["trained"] else f"failed: {row['error'][:160]}"
+    print(
+        f"  {family:11s} {mode:8s} N={devices} depth {depth:4d} "
+        f"({row['parameters'] / 1e6:7.2f} M params): {outcome} [{row['seconds']:.0f} s]",
+        flush=True,
+    )
+    return row
+
+
+def largest(family: str, mode: str, devices: int, start: int, rows: list) -> tuple[int, int]:
+    """The largest depth that trains on ``devices`` (searching up from ``start``, which
+    should train) and the smallest that failed above it."""
+    good, bad = 0, None
+    depth = max(1, start)
+    while bad is None:
+        row = run(family, mode, devices, depth)
+        rows.append(row)
+        if row["trained"]:
+            good, depth = depth, depth * 2
+        elif depth == 1 or good:
+            bad = depth
+        else:  # the start was too big already: halve
+            depth //= 2
+            if depth < 1:
+                bad = 1
+    for _ in range(FLAGS.bisections):
+        if bad - good <= 1:
+            break
+        middle = (good + bad) // 2
+        row = run(family, mode, devices, middle)
+        rows.append(row)
+        good, bad = (middle, bad) if row["trained"] else (good, middle)
+    return good, bad
+
+
+def chart(points: list[dict[str, Any]]) -> str:
+    """Parameters (relative to pipelining on one device) vs devices; the papers beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family in sorted({p["family"] for p in points}):
+        for mode, style in (("pipeline", "o--"), ("planner", "s-")):
+            line = [p for p in points if p["family"] == family and p["mode"] == mode]
+            if line and all(p["ratio"] for p in line):
+                devices = [p["devices"] for p in line]
+                ax.plot(devices, [p["ratio"] for p in line], style, label=f"{family}, {mode}")
+    for name, (one, eight) in PAPERS.items():
+        ax.plot([1, 8], [1, eight / one], ":", label=f"{name}: {eight / one:.0f}x")
+    ax.plot([1, 8], [1, 8], color="grey", lw=0.8, label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("capped devices")
+    ax.set_ylabel("largest model / pipelining's on 1 device (parameters)")
+    ax.set_title(f"The memory wall under {FLAGS.cap} per device")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(common.RESULTS, exist_ok=True)
+    path = os.path.join(common.RESULTS, "memory_wall.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    env = common.environment()
+    common.print_header("memory_wall", env)
+    rows: list[dict[str, Any]] = []
+    points: list[dict[str, Any]] = []
+    for family in FLAGS.families:
+        for mode in FLAGS.modes:
+            start = 1
+            for devices in map(int, FLAGS.devices):
+                good, bad = largest(family, mode, devices, start, rows)
+                start = max(good, 1)
+                failed = [r for r in rows if r["family"] == family and r["mode"] == mode]
+                failed = [r for r in failed if r["devices"] == devices and r["depth"] == bad]
+                points.append(
+                    {
+                        "family": family,
+                        "mode": mode,
+                        "devices": devices,
+                        "depth": good,
+                        "parameters": parameters(family, good) if good else 0,
+                        "next_depth": bad,
+                        "next_error": failed[-1]["error"] if failed else "",
+                        "layout": next(
+                            (
+                                r["layout"]
+                                for r in rows
+                                if (r["family"], r["mode"], r["devices"], r["depth"])
+                                == (family, mode, devices, good)
+                            ),
+                            "",
+                        ),
+                    }
+                )
+    for point in points:
+        base = [
+            p["parameters"]
+            for p in points
+            if (p["family"], p["mode"], p["devices"]) == (point["family"], "pipeline", 1)
+        ]
+        point["ratio"] = point["parameters"] / base[0] if base and base[0] else None
+    print("\nlargest model that trains, per device count:")
+    for p in points:
+        ratio = f"{p['ratio']:.2f}x" if p["ratio"] else "-"
+        print(
+            f"  {p['family']:11s} {p['mode']:8s} N={p['devices']}: depth {p['depth']:4d}, "
+            f"{p['parameters'] / 1e6:8.2f} M params ({ratio} of pipelining on 1 device); "
+            f"depth {p['next_depth']}: {p['next_error'][:120]}"
+        )
+    config = common.flag_values(
+        "families", "devices", "modes", "cap", "width", "seq_len", "batch", "train_steps"
+    )
+    payload = {"env": env, "config": config, "points": points, "runs": rows, "papers": PAPERS}
+    print("wrote", common.write_json("memory_wall", payload), chart(points))
+
+
+if __name__ == "__main__":
+    app.run(main)
