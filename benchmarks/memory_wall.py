@@ -23,9 +23,9 @@ beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8 accelerators: 22x) and torchgpip
     python benchmarks/memory_wall.py                                  # ~30 min on 2 cores
     python benchmarks/memory_wall.py --families=transformer --devices=1,2 --cap=96MiB
 
-Writes ``results/memory_wall.json`` (every run: depth, parameters, outcome, the layout the
-run printed, its last error line) and ``results/memory_wall.png`` (parameters vs devices per
-mode and family, the papers' 22x beside).
+Writes ``results/memory_wall.json`` (``--output``; every run: depth, parameters, outcome,
+the layout the run printed, its last error line) and ``results/memory_wall.png``
+(parameters vs devices per mode and family, the papers' 22x beside).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ flags.DEFINE_integer("batch", 8, "Global batch.")
 flags.DEFINE_integer("train_steps", 2, "Steps each run trains.")
 flags.DEFINE_integer("bisections", 2, "Bisection steps between the last fit and first failure.")
 flags.DEFINE_integer("timeout_s", 900, "Seconds a run may take.")
+flags.DEFINE_string("output", "memory_wall", "Result files' name under results/.")
 FLAGS = flags.FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,7 +190,7 @@ def chart(points: list[dict[str, Any]]) -> str:
     ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(common.RESULTS, exist_ok=True)
-    path = os.path.join(common.RESULTS, "memory_wall.png")
+    path = os.path.join(common.RESULTS, f"{FLAGS.output}.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -248,7 +249,7 @@ def main(argv: list[str]) -> None:
         "families", "devices", "modes", "cap", "width", "seq_len", "batch", "train_steps"
     )
     payload = {"env": env, "config": config, "points": points, "runs": rows, "papers": PAPERS}
-    print("wrote", common.write_json("memory_wall", payload), chart(points))
+    print("wrote", common.write_json(FLAGS.output, payload), chart(points))
 
 
 if __name__ == "__main__":
