@@ -301,6 +301,17 @@ def write_json(name: str, payload: Mapping[str, Any]) -> str:
     return path
 
 
+def save_figure(fig: Any, name: str, dpi: int = 100) -> str:
+    """Writes ``fig`` to ``benchmarks/results/<name>.png``, closes it and returns the path."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.png")
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def bar_chart(name: str, values: Mapping[str, float], ylabel: str, title: str) -> str:
     """A PNG bar chart of ``values`` in ``benchmarks/results/<name>.png``."""
     import matplotlib

@@ -22,6 +22,7 @@ beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8 accelerators: 22x) and torchgpip
 
     python benchmarks/memory_wall.py                                  # ~30 min on 2 cores
     python benchmarks/memory_wall.py --families=transformer --devices=1,2 --cap=96MiB
+    python benchmarks/memory_wall.py --merge=results/a.json,results/b.json   # together
 
 Writes ``results/memory_wall.json`` (``--output``; every run: depth, parameters, outcome,
 the layout the run printed, its last error line) and ``results/memory_wall.png``
@@ -30,6 +31,7 @@ the layout the run printed, its last error line) and ``results/memory_wall.png``
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,9 +50,11 @@ flags.DEFINE_integer("width", 256, "Transformer d_model / ResNet channels.")
 flags.DEFINE_integer("seq_len", 32, "Transformer context.")
 flags.DEFINE_integer("batch", 8, "Global batch.")
 flags.DEFINE_integer("train_steps", 2, "Steps each run trains.")
+flags.DEFINE_integer("start_depth", 1, "The depth the first device count's search starts at.")
 flags.DEFINE_integer("bisections", 2, "Bisection steps between the last fit and first failure.")
 flags.DEFINE_integer("timeout_s", 900, "Seconds a run may take.")
 flags.DEFINE_string("output", "memory_wall", "Result files' name under results/.")
+flags.DEFINE_list("merge", [], "Result JSON files of earlier runs: shown and charted together.")
 FLAGS = flags.FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,54 +193,42 @@ def chart(points: list[dict[str, Any]]) -> str:
     ax.set_title(f"The memory wall under {FLAGS.cap} per device")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    os.makedirs(common.RESULTS, exist_ok=True)
-    path = os.path.join(common.RESULTS, f"{FLAGS.output}.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, FLAGS.output)
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    env = common.environment()
-    common.print_header("memory_wall", env)
-    rows: list[dict[str, Any]] = []
-    points: list[dict[str, Any]] = []
-    for family in FLAGS.families:
-        for mode in FLAGS.modes:
-            start = 1
-            for devices in map(int, FLAGS.devices):
-                good, bad = largest(family, mode, devices, start, rows)
-                start = max(good, 1)
-                failed = [r for r in rows if r["family"] == family and r["mode"] == mode]
-                failed = [r for r in failed if r["devices"] == devices and r["depth"] == bad]
-                points.append(
-                    {
-                        "family": family,
-                        "mode": mode,
-                        "devices": devices,
-                        "depth": good,
-                        "parameters": parameters(family, good) if good else 0,
-                        "next_depth": bad,
-                        "next_error": failed[-1]["error"] if failed else "",
-                        "layout": next(
-                            (
-                                r["layout"]
-                                for r in rows
-                                if (r["family"], r["mode"], r["devices"], r["depth"])
-                                == (family, mode, devices, good)
-                            ),
-                            "",
-                        ),
-                    }
-                )
-    for point in points:
-        base = [
-            p["parameters"]
-            for p in points
-            if (p["family"], p["mode"], p["devices"]) == (point["family"], "pipeline", 1)
-        ]
-        point["ratio"] = point["parameters"] / base[0] if base and base[0] else None
+def point(rows: list[dict[str, Any]], key: tuple[str, str, int], good: int, bad: int) -> dict:
+    """The result of one (family, mode, devices) search: the largest depth that trained, its
+    parameters and layout, and the next depth's error."""
+    family, mode, devices = key
+    ran = {r["depth"]: r for r in rows if (r["family"], r["mode"], r["devices"]) == key}
+    return {
+        "family": family,
+        "mode": mode,
+        "devices": devices,
+        "depth": good,
+        "parameters": ran[good]["parameters"] if good in ran else 0,
+        "next_depth": bad,
+        "next_error": ran[bad]["error"] if bad in ran else "",
+        "layout": ran[good]["layout"] if good in ran else "",
+    }
+
+
+def with_ratios(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each point's parameters over pipelining's on one device of its family (its own
+    mode's one-device point where pipelining did not run)."""
+    for p in points:
+        ones = {
+            q["mode"]: q["parameters"]
+            for q in points
+            if (q["family"], q["devices"]) == (p["family"], 1)
+        }
+        base = ones.get("pipeline") or ones.get(p["mode"])
+        p["ratio"] = p["parameters"] / base if base else None
+    return points
+
+
+def report(points: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict) -> None:
+    """Prints the table and writes the JSON and the chart."""
     print("\nlargest model that trains, per device count:")
     for p in points:
         ratio = f"{p['ratio']:.2f}x" if p["ratio"] else "-"
@@ -250,6 +242,27 @@ def main(argv: list[str]) -> None:
     )
     payload = {"env": env, "config": config, "points": points, "runs": rows, "papers": PAPERS}
     print("wrote", common.write_json(FLAGS.output, payload), chart(points))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    env = common.environment()
+    common.print_header("memory_wall", env)
+    if FLAGS.merge:  # earlier runs' files, shown together
+        files = [json.load(open(path)) for path in FLAGS.merge]
+        rows = [r for f in files for r in f["runs"]]
+        report(with_ratios([p for f in files for p in f["points"]]), rows, env)
+        return
+    rows: list[dict[str, Any]] = []
+    points: list[dict[str, Any]] = []
+    for family in FLAGS.families:
+        for mode in FLAGS.modes:
+            start = FLAGS.start_depth
+            for devices in map(int, FLAGS.devices):
+                good, bad = largest(family, mode, devices, start, rows)
+                start = max(good, 1)
+                points.append(point(rows, (family, mode, devices), good, bad))
+    report(with_ratios(points), rows, env)
 
 
 if __name__ == "__main__":

@@ -433,11 +433,7 @@ def plot(name: str, sweeps: list[dict], title: str) -> str:
     _versus_keras_panel(right, sweeps)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    os.makedirs(common.RESULTS, exist_ok=True)
-    path = os.path.join(common.RESULTS, f"{name}.png")
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, name, dpi=72)
 
 
 def model_values(small: bool) -> dict[str, Any]:

@@ -456,6 +456,11 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         sys.exit(report_error(err))
     hide_known_noise()  # with the cache off too: an out-of-memory report is said in one line
+    if FLAGS.platform == "cpu" and (FLAGS.mesh == "auto" or FLAGS.dry_run):
+        # The planner's profile measures each layer's bytes (kept for its backward, its
+        # working peak) with the allocator's statistics, which on a CPU only TensorFlow's BFC
+        # allocator keeps: without it the figures fall back to the layers' outputs.
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import_tensorflow()  # without its start-up noise (no CUDA driver on a CPU host, ...)
 
     logging.getLogger("tensorflow").setLevel(logging.ERROR)  # retracing notes while profiling
