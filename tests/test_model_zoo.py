@@ -37,12 +37,15 @@ def fit_both(
         from_logits=True
     ),
     epochs: int = 2,
+    eager: bool = True,
 ) -> hybrid.Pipeline:
     """Keras's ``fit`` and the pipeline's on the same data, batches of ``BATCH``, unshuffled;
-    asserts the same losses and weights and returns the pipeline."""
+    asserts the same losses and weights and returns the pipeline. Keras runs eagerly
+    (``eager``: tracing a zoo model's step costs Keras 10-15 s here) unless its eager and
+    traced steps differ for the model."""
     reference = build()
     start = reference.get_weights()
-    reference.compile(optimizer(), loss(), jit_compile=False)
+    reference.compile(optimizer(), loss(), jit_compile=False, run_eagerly=eager)
     want = reference.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     model = build()
     model.set_weights(start)
@@ -177,7 +180,9 @@ def test_an_applications_feature_extractor_is_cut_inside():
     ``training=False``, its BatchNormalization still trains under ``fit``, as in Keras (whose
     functional call overrides it): exact at R·M = 1."""
     x, y = classes(16, (32, 32, 3), 4)
-    pipe = fit_both(feature_extractor, x, y, 2, 1, 1, optimizer=sgd, epochs=1)
+    # Traced: Keras's eager fit gives this model another loss (5e-4 relative; the cause is
+    # not pinned down); its traced fit, which the pipeline matches, is the reference.
+    pipe = fit_both(feature_extractor, x, y, 2, 1, 1, optimizer=sgd, epochs=1, eager=False)
     base = pipe.to_keras().layers[1]
     assert cut_inside(pipe, base), stage_layers(pipe)
 
