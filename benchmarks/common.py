@@ -493,16 +493,3 @@ def _reference_layers_and_batch(
     else:
         raise ValueError(f"unknown model {model!r}; choose transformer, mlp or resnet")
     return layers, shape, dtype, x, y
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` TCP ports free on 127.0.0.1 right now (held open together, so they differ),
-    for a loopback cluster's tasks."""
-    import contextlib
-    import socket
-
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]

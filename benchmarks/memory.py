@@ -48,6 +48,8 @@ from typing import Any
 
 from absl import app, flags
 
+from hybrid.platforms.local_workers import free_ports
+
 import common
 
 
@@ -200,7 +202,7 @@ def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[
     high-water mark of the bytes requested), ``waste`` (chunk bytes beyond the requests at
     the peak), ``by_op`` (requested MiB per op at the requested peak); and the cut."""
     tasks = STAGES * case.replicas
-    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(tasks)]})
+    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in free_ports(tasks)]})
     env = {**os.environ, **CHILD_ENV}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
     os.makedirs(common.RESULTS, exist_ok=True)

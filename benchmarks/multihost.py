@@ -33,6 +33,8 @@ from typing import Any
 
 from absl import app, flags
 
+from hybrid.platforms.local_workers import free_ports
+
 import common
 
 common.define_timing_flags(rounds=12, steps_per_round=4)
@@ -88,7 +90,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.client_of:
         run(FLAGS.client_of)
         return 0
-    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in common.free_ports(2)]})
+    spec = json.dumps({"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]})
     logs = tempfile.mkdtemp(prefix="hybrid-multihost-")
     workers = _start_workers(spec, logs)
     forwarded = common.flag_args(

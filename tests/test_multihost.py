@@ -10,7 +10,6 @@ a deadline and is killed at teardown at the latest.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -26,6 +25,7 @@ import pytest
 import tensorflow as tf
 
 from hybrid.platforms import cluster
+from hybrid.platforms.local_workers import free_ports
 
 import pause
 import reference as ref
@@ -37,15 +37,6 @@ STEPS = 3
 OPTIMIZER = "sgd_momentum"
 DEADLINE_S = 150  # any one process of these tests
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 right now (held open together, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def stop(process: subprocess.Popen, grace_s: float = 15.0) -> int:

@@ -141,6 +141,9 @@ for line in sys.stdin.buffer:
 """
 
 
+_FILTERING = False  # whether this process's fd 2 goes through the filter already
+
+
 def hide_known_noise() -> None:
     """Drops the persistent XLA cache's loader lines (:data:`CACHE_LOAD_NOISE`) and the
     out-of-memory report the engine says itself (:data:`OUT_OF_MEMORY_NOISE`, with the
@@ -149,7 +152,7 @@ def hide_known_noise() -> None:
     passes every other line on to the stderr there was, and ends when the last writer
     closes the pipe, so nothing written before an exit, a crash or a kill is lost. Unless
     TF_CPP_MIN_LOG_LEVEL=0 asks for everything. Once per process (later calls do nothing;
-    the launchers call it first thing)."""
+    the launchers call it first thing, through ``hybrid.launch.use_xla_cache``)."""
     global _FILTERING
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0" or _FILTERING:
         return
@@ -166,9 +169,6 @@ def hide_known_noise() -> None:
     os.close(read)
     os.dup2(write, 2)
     os.close(write)
-
-
-_FILTERING = False
 
 
 def import_tensorflow() -> None:

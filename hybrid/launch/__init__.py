@@ -100,9 +100,10 @@ def define_xla_cache_flag() -> None:
 def use_xla_cache(value: str | None) -> None:
     """Turns the persistent XLA cache on: in ``value``, or by default in
     ``xla_cache.default_directory()`` (a default that cannot be created: a warning, no
-    cache); ``off`` (or empty): none, unless ``TF_XLA_FLAGS`` names one. With a cache on,
-    its loader lines are filtered out of stderr (``quiet.hide_known_noise``). Call it
-    before TensorFlow loads (it reads its XLA flags once).
+    cache); ``off`` (or empty): none, unless ``TF_XLA_FLAGS`` names one. Then, cache or
+    not, stderr loses TensorFlow's lines the launchers say otherwise (the cache's loader
+    lines, an out-of-memory cascade: ``quiet.hide_known_noise``). Call it before TensorFlow
+    loads (it reads its XLA flags once).
 
     Raises:
       ValueError: ``value`` names a directory that cannot be created.
@@ -124,5 +125,4 @@ def use_xla_cache(value: str | None) -> None:
                 f"warning: no XLA compile cache: cannot create {path} ({err.strerror})",
                 file=sys.stderr,
             )
-    if xla_cache.directory() is not None:
-        hide_known_noise()
+    hide_known_noise()

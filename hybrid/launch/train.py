@@ -20,7 +20,7 @@ from typing import Any
 
 from absl import app, flags
 
-from hybrid.core.quiet import hide_known_noise, quiet_cpp_info
+from hybrid.core.quiet import quiet_cpp_info
 
 quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
@@ -288,26 +288,25 @@ def _run(config: Any, step_callback: Any, stop: Any = None) -> Any:
     if config.platform == "tpu":
         return config, _run_on_tpu(config, step_callback, stop)
     stages, replicas = parse_spec(config.mesh)
+    devices = FLAGS.simulated_devices or stages * replicas
     if config.platform == "cpu" and FLAGS.memory_per_device is not None:
-        return config, _run_on_capped_devices(config, step_callback, stop)
+        return config, _run_on_capped_devices(config, devices, step_callback, stop)
     if config.platform == "cpu":
-        hybrid.simulate_cpu_devices(FLAGS.simulated_devices or stages * replicas)
+        hybrid.simulate_cpu_devices(devices)
     return config, train(config, step_callback=step_callback, stop=stop)
 
 
-def _run_on_capped_devices(config: Any, step_callback: Any, stop: Any) -> Any:
-    """``--platform=cpu --memory_per_device``: each simulated device is its own local worker
-    process with its CPU allocator capped (``hybrid.platforms.local_workers``), and this
-    process trains on them as a cluster's client. The workers end with this process."""
+def _run_on_capped_devices(config: Any, devices: int, step_callback: Any, stop: Any) -> Any:
+    """``--platform=cpu --memory_per_device``: each of the ``devices`` simulated devices is
+    its own local worker process with its CPU allocator capped
+    (``hybrid.platforms.local_workers``), and this process trains on them as a cluster's
+    client. The workers end with this process."""
     import atexit
     import shutil
 
     from hybrid.core.memory import format_bytes
-    from hybrid.core.mesh import parse_spec
     from hybrid.platforms import local_workers
 
-    stages, replicas = parse_spec(config.mesh)
-    devices = FLAGS.simulated_devices or stages * replicas
     workers = local_workers.start(
         devices, parse_memory(FLAGS.memory_per_device), xla_cache_dir=FLAGS.xla_cache_dir
     )
@@ -455,7 +454,6 @@ def main(argv: list[str]) -> None:
         use_xla_cache(FLAGS.xla_cache_dir)
     except ValueError as err:
         sys.exit(report_error(err))
-    hide_known_noise()  # with the cache off too: an out-of-memory report is said in one line
     if FLAGS.platform == "cpu" and (FLAGS.mesh == "auto" or FLAGS.dry_run):
         # The planner's profile measures each layer's bytes (kept for its backward, its
         # working peak) with the allocator's statistics, which on a CPU only TensorFlow's BFC

@@ -42,7 +42,7 @@ import time
 
 from hybrid.core import device_limits, memory
 
-__all__ = ["MIB", "LocalWorkers", "cap_mib", "start"]
+__all__ = ["MIB", "LocalWorkers", "cap_mib", "free_ports", "start"]
 
 MIB = 1 << 20
 _WORKER = ("-m", "hybrid.launch.worker")
@@ -89,11 +89,6 @@ class LocalWorkers:
         return tuple(
             f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(len(self._processes))
         )
-
-    def exited(self) -> dict[int, int]:
-        """The workers that have ended: task -> exit code."""
-        codes = {i: p.poll() for i, p in enumerate(self._processes)}
-        return {i: code for i, code in codes.items() if code is not None}
 
     def log_tail(self, task: int, lines: int = 5) -> str:
         """The last ``lines`` lines of task ``task``'s log."""
@@ -180,7 +175,7 @@ def start(
     log_dir = tempfile.mkdtemp(prefix="hybrid-workers-") if log_dir is None else log_dir
     os.makedirs(log_dir, exist_ok=True)
     for attempt in range(_ATTEMPTS):
-        addresses = [f"127.0.0.1:{port}" for port in _free_ports(devices)]
+        addresses = [f"127.0.0.1:{port}" for port in free_ports(devices)]
         workers = LocalWorkers({"worker": addresses}, mib * MIB if mib else None, log_dir, [], own)
         for task in range(devices):
             workers._processes.append(_launch(workers, task, mib, xla_cache_dir))
@@ -202,8 +197,9 @@ def start(
     raise AssertionError("unreachable")
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports free now (the system's choice)."""
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on 127.0.0.1 now (held open together, so they differ), for a
+    loopback cluster's tasks; one can still be taken before its task binds it."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:

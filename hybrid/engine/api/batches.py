@@ -191,6 +191,9 @@ def warn_padding(parts: Sequence[Shard], stages: Sequence[StageReplica], trainin
         )
 
 
+Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
+
+
 class Shard(NamedTuple):
     """One replica's contiguous part of a global batch: its inputs (one tensor per model
     input), labels and sample weights (one per output, or None) and which examples are real
@@ -200,6 +203,9 @@ class Shard(NamedTuple):
     ys: list[tf.Tensor] | None
     ws: list[tf.Tensor] | None
     valid: tf.Tensor | None
+
+
+Shards = list[Shard]  # the global batch, one shard per replica
 
 
 def shards(

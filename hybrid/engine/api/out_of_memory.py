@@ -29,7 +29,10 @@ import tensorflow as tf
 from hybrid.core import device_limits
 from hybrid.core.memory import format_bytes
 
-__all__ = ["OutOfMemoryError", "Where", "explain", "requested_bytes", "said"]
+__all__ = [
+    "OutOfMemoryError", "Where", "explain", "locate", "remedies", "requested_bytes", "row_of",
+    "said",
+]  # fmt: skip
 
 _SIZE = re.compile(r"allocate (\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|bytes)\b")
 _TENSOR = re.compile(r"OOM when allocating tensor with shape\[([\d,\s]*)\] and type (\w+) on (\S+)")
@@ -70,9 +73,7 @@ def locate(text: str, mesh: Any, schedule: Any) -> Where:
     scope = _SCOPE.search(text)
     stage = int(scope.group(1)) if scope else None
     if tensor:
-        device = tensor.group(3)
-        rows = [d for d, row in enumerate(mesh.devices) if _same(device, row)]
-        return Where(rows[0] if rows else None, stage, device)
+        return Where(row_of(tensor.group(3), mesh), stage, tensor.group(3))
     if stage is None:
         return Where(None, None, None)
     row = schedule.device_of(stage) if schedule is not None else stage
@@ -84,9 +85,12 @@ def locate(text: str, mesh: Any, schedule: Any) -> Where:
     return Where(row, stage, devices[0] if len(devices) == 1 else None)
 
 
-def _same(device: str, row: Any) -> bool:
-    """Whether ``device`` (as TensorFlow names it) is one of ``row``'s devices."""
-    return any(device == d or device.endswith(d) or d.endswith(device) for d in row)
+def row_of(device: str, mesh: Any) -> int | None:
+    """The mesh row holding ``device`` (as TensorFlow names it, fully or not); None if none."""
+    for d, row in enumerate(mesh.devices):
+        if any(device == name or device.endswith(name) or name.endswith(device) for name in row):
+            return d
+    return None
 
 
 class OutOfMemoryError(tf.errors.ResourceExhaustedError):
@@ -173,11 +177,11 @@ def explain(
     """``err`` as an :class:`OutOfMemoryError` of ``pipe``; ``building``: raised while
     placing the weights; ``lost``: (device, its allocator's line) of a device that died out
     of memory, when ``err`` is only the lost connection."""
-    message = lost[1] if lost else getattr(err, "message", str(err))
-    where = locate(message, pipe.mesh, pipe.schedule)
     if lost:
-        rows = [d for d, row in enumerate(pipe.mesh.devices) if _same(lost[0], row)]
-        where = Where(rows[0] if rows else None, None, lost[0])
+        message, where = lost[1], Where(row_of(lost[0], pipe.mesh), None, lost[0])
+    else:
+        message = getattr(err, "message", str(err))
+        where = locate(message, pipe.mesh, pipe.schedule)
     predicted = None
     if where.row is not None and pipe.built and pipe.compiled:
         peaks = pipe.predicted_memory()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 import keras
 import numpy as np
@@ -45,6 +45,7 @@ from hybrid.core.config import (
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine import compile_cache
 from hybrid.engine.api import batches, feed, out_of_memory, stage_memory, step_bodies
+from hybrid.engine.api.batches import Flat, Shards
 from hybrid.engine.api.compiled import Compiled
 from hybrid.engine.api.mesh_step import MeshExecutor, Placing
 from hybrid.engine.api.micro_batching import (
@@ -68,9 +69,6 @@ from hybrid.engine.step.clocks import TimedAction
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 
 __all__ = ["REMAT_MODES", "Pipeline", "TimedAction"]
-
-Flat = list[tf.Tensor]  # one tensor per model input (labels, sample weights: per output)
-Shards: TypeAlias = list[batches.Shard]  # the global batch, one shard per replica
 
 
 class Pipeline(Workflow):

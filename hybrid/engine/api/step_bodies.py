@@ -17,14 +17,12 @@ from typing import Any
 import tensorflow as tf
 
 from hybrid.engine.api import batches
+from hybrid.engine.api.batches import Flat, Shards
 from hybrid.engine.api.mesh_step import MeshStep
 from hybrid.engine.model.sparse import flat_tensors
 from hybrid.engine.step import lowering, reduction, sharding, update
 
 __all__ = ["apply", "evaluate", "gradients", "mesh_step", "predict", "train"]
-
-Flat = list[tf.Tensor]  # one tensor per model input
-Shards = list[batches.Shard]  # the global batch, one shard per replica
 
 
 def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
