@@ -4,6 +4,7 @@ TensorFlow fixes its logical devices once per process, so this runs before any t
 touches TensorFlow.
 """
 
+import gc
 import os
 import tempfile
 
@@ -32,6 +33,16 @@ import hybrid  # noqa: E402
 
 NUM_DEVICES = 8
 hybrid.simulate_cpu_devices(NUM_DEVICES)
+
+import tensorflow as tf  # noqa: E402
+
+# TensorFlow's graph optimizer (grappler) rewrites every new graph at its first run: a third
+# of a cold graph-mode test's time here. Off in tests, like LLVM's level above: it changes how
+# a graph runs, not what a test compares (each against a reference run in the same process).
+tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+# What TensorFlow and Keras allocate at import lives to the end: kept out of the collector's
+# full passes, which otherwise walk it again and again as tests build models.
+gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
