@@ -197,11 +197,11 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
 
 def test_dry_run_of_a_planned_mesh_shows_the_plans_prediction_only():
     """--mesh=auto --dry_run: the plan chooses, the stages table shows its layout, and the
-    prediction printed is the plan's (no second profile, no second number)."""
+    prediction printed is the plan's (no second profile, no second number). The model is
+    test_mesh_auto_trains_on_the_planned_mesh's: whichever runs second reads the profile."""
     run = launch(
         "--dry_run", "--mesh=auto", "--simulated_devices=2", "--model=mlp", "--data=synthetic",
-        "--width=8", "--depth=1", "--global_batch_size=8", "--micro_batches=2",
-        "--schedule=gpipe", "--remat=never",
+        "--width=16", "--depth=1", "--global_batch_size=8", "--schedule=gpipe", "--remat=never",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()

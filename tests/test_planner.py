@@ -4,6 +4,7 @@ rejections and errors; one real profile of a tiny model."""
 import collections
 import dataclasses
 import math
+import os
 import sys
 
 import keras
@@ -597,6 +598,7 @@ def test_profile_a_tiny_model_and_choose_a_mesh():
         loss=keras.losses.SparseCategoricalCrossentropy(True),
         optimizer=lambda: keras.optimizers.SGD(0.1),
         repeats=3,
+        cache=False,
     )
     assert profile.batch_sizes == (2, 4) and profile.num_layers == 3
     assert [layer.param_bytes for layer in profile.layers] == [(8 * 8 + 8) * 4] * 2 + [
@@ -654,6 +656,50 @@ def test_profile_of_a_tied_model_counts_the_embedding_once():
     assert [x.param_bytes for x in profile.layers] == [table, (8 * 8 + 8) * 4, table]
     assert profile.model_bytes == table + (8 * 8 + 8) * 4
     assert profile.template_bytes == profile.model_bytes < profile.param_bytes
+
+
+def test_a_profile_is_measured_once_per_host_and_model(monkeypatch, tmp_path):
+    """The second profile of the same layers (new instances, other names) is read back;
+    another layer configuration, input, batch size or optimizer is measured; a layer without
+    a configuration is measured every time."""
+    from hybrid.planning import costs, profile_cache
+    from hybrid.planning import profile as profile_lib
+
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))
+    measured = []
+    measure = profile_lib.measure_layers
+    monkeypatch.setattr(
+        profile_lib, "measure_layers", lambda *a, **k: measured.append(1) or measure(*a, **k)
+    )
+
+    def profile(width=8, batch=2, lr=0.1, layers=None):
+        keras.utils.set_random_seed(0)
+        layers = layers or [keras.layers.Dense(width, activation="relu"), keras.layers.Dense(4)]
+        return layers, costs.profile_model(
+            layers, (8,), "float32", [batch], loss=keras.losses.SparseCategoricalCrossentropy(True),
+            optimizer=lambda: keras.optimizers.SGD(lr), repeats=1,
+        )  # fmt: skip
+
+    _, first = profile()
+    assert len(measured) == 1 and len(os.listdir(profile_cache.directory())) == 1
+    layers, again = profile()
+    assert len(measured) == 1  # read back
+    assert [x.name for x in again.layers] == [layer.name for layer in layers]  # its own names
+    same = lambda p: dataclasses.replace(p, layers=tuple(  # noqa: E731
+        dataclasses.replace(x, name="") for x in p.layers))  # fmt: skip
+    assert same(again) == same(first)
+    for changed in ({"width": 9}, {"batch": 4}, {"lr": 0.2}):
+        profile(**changed)
+    assert len(measured) == 4 and len(os.listdir(profile_cache.directory())) == 4
+    from hybrid.models.transformer import TiedHead
+
+    embedding = keras.layers.Embedding(16, 8)
+    embedding.build((None,))
+    tied = [keras.layers.Dense(8), TiedHead(embedding)]
+    assert profile_cache.fingerprint(tied, (8,), "float32", [2], device="CPU:0") is None
+    profile(layers=tied)
+    profile(layers=tied)
+    assert len(measured) == 6 and len(os.listdir(profile_cache.directory())) == 4
 
 
 if __name__ == "__main__":

@@ -260,19 +260,38 @@ def profile_model(
     device: str | None = None,
     repeats: int = 7,
     verbose: int = 0,
+    cache: bool = True,
 ) -> CostProfile:
     """Measures ``layers`` on one device (:func:`hybrid.planning.profile.measure_layers`) at the
     given micro-batch sizes and returns their :class:`CostProfile` (``verbose=1``: a progress
     bar while measuring).
 
     ``device`` defaults to the first local device (the first GPU, else the first CPU).
+    ``cache``: read a profile of the same model and arguments measured earlier on this host,
+    and file a new one (:mod:`hybrid.planning.profile_cache`); False measures, files nothing.
     """
     import tensorflow as tf  # only profiling needs TensorFlow
 
     from hybrid.core.mesh import local_devices
     from hybrid.planning import profile as profile_lib
+    from hybrid.planning import profile_cache
 
     where = device or local_devices()[0]
+    key = None
+    if cache:
+        key = profile_cache.fingerprint(
+            layers, input_shape, input_dtype, batch_sizes, device=where, loss=loss,
+            target_shape=target_shape, optimizer=optimizer, repeats=repeats,
+        )  # fmt: skip
+        stored = profile_cache.read(key, layers) if key else None
+        if stored is not None:
+            if verbose:
+                print(
+                    f"read the cost profile of {len(layers)} layers at micro-batch sizes "
+                    f"{list(batch_sizes)} measured earlier on this host "
+                    f"({profile_cache.directory()})"
+                )
+            return stored
     measurement = profile_lib.measure_layers(
         layers,
         input_shape,
@@ -290,9 +309,12 @@ def profile_model(
     )
     unique = {id(v): v for layer in layers for v in layer.weights}.values()
     model_bytes = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in unique)
-    return dataclasses.replace(
+    profile = dataclasses.replace(
         profile, batch_norm=_batch_norm_kind(layers), model_bytes=float(model_bytes)
     )
+    if key:
+        profile_cache.write(key, profile)
+    return profile
 
 
 def _batch_norm_kind(layers: Sequence[Any]) -> str:

@@ -123,7 +123,9 @@ def plan(
 
     Args:
       model: a list of Keras layers (profiled on one device first, see
-        :func:`profile_model`; needs ``input_shape``) or a :class:`CostProfile`.
+        :func:`profile_model`; needs ``input_shape``; a profile this host measured of the
+        same layers and arguments is read back, :mod:`hybrid.planning.profile_cache`) or a
+        :class:`CostProfile`.
       devices: N, the device budget.
       global_batch: examples per step.
       memory_per_device: bytes per device (overrides ``hardware.memory_per_device``).

@@ -1,0 +1,131 @@
+"""Cost profiles kept between runs: a model profiled once on a host is read back by the next
+plan, dry run or ``--mesh=auto`` of the same model instead of measured again.
+
+A profile is filed under a fingerprint of everything its figures depend on::
+
+    the host, TensorFlow's version, the device kind, the XLA flags, whether the CPU
+    allocator keeps statistics (the byte figures), the timing repeats
+    each layer's class, configuration (its name left out) and weight shapes and dtypes
+    the input's shape and dtype, the target's shape, the micro-batch sizes
+    the loss's and the optimizer's class and configuration
+
+one JSON file per profile under ``<user cache>/profiles/`` (:mod:`hybrid.core.user_cache`).
+A model whose layers do not give their configuration (``get_config`` not implemented) has
+no fingerprint and is measured every time. The weights' values are not in it: they do not
+change what a step costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybrid.core import user_cache
+from hybrid.planning.costs import CostProfile
+
+__all__ = ["directory", "fingerprint", "read", "write"]
+
+
+def directory() -> str:
+    """Where profiles are kept."""
+    return os.path.join(user_cache.root(), "profiles")
+
+
+def fingerprint(
+    layers: Sequence[Any],
+    input_shape: Sequence[int],
+    input_dtype: str,
+    batch_sizes: Sequence[int],
+    *,
+    device: str,
+    loss: Any = None,
+    target_shape: Sequence[int] | None = None,
+    optimizer: Callable[[], Any] | None = None,
+    repeats: int = 7,
+) -> str | None:
+    """The hex digest a profile of these arguments is filed under, or None when a layer,
+    the loss or the optimizer does not give its configuration."""
+    import tensorflow as tf
+
+    try:
+        described = {
+            "host": platform.node(),
+            "tensorflow": tf.__version__,
+            "device": device.rsplit("/", 1)[-1].rsplit(":", 1)[0],
+            "xla": [os.environ.get(k, "") for k in ("XLA_FLAGS", "TF_XLA_FLAGS")],
+            "allocator_statistics": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", ""),
+            "repeats": repeats,
+            "layers": [_layer(layer) for layer in layers],
+            "input": [list(input_shape), str(input_dtype)],
+            "target": None if target_shape is None else list(target_shape),
+            "batch_sizes": list(batch_sizes),
+            "loss": _configured(loss),
+            "optimizer": _configured(optimizer() if optimizer is not None else None),
+        }
+    except NotImplementedError:
+        return None
+    text = json.dumps(described, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _layer(layer: Any) -> dict[str, Any]:
+    weights = [(tuple(v.shape), str(v.dtype)) for v in getattr(layer, "weights", [])]
+    return {"class": _class(layer), "config": _unnamed(layer.get_config()), "weights": weights}
+
+
+def _configured(thing: Any) -> Any:
+    if thing is None:
+        return None
+    get_config = getattr(thing, "get_config", None)
+    return [_class(thing), _unnamed(get_config()) if get_config else repr(thing)]
+
+
+def _unnamed(config: Any) -> Any:
+    """``config`` without its top-level name (Keras numbers the names of new objects)."""
+    return {k: v for k, v in config.items() if k != "name"} if isinstance(config, dict) else config
+
+
+def _class(thing: Any) -> str:
+    kind = type(thing)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _path(key: str) -> str:
+    return os.path.join(directory(), f"{key}.json")
+
+
+def read(key: str, layers: Sequence[Any]) -> CostProfile | None:
+    """The profile filed under ``key`` with ``layers``' names, or None (none filed, or a
+    file that does not read as one)."""
+    try:
+        with open(_path(key)) as f:
+            profile = CostProfile.from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if profile.num_layers != len(layers):
+        return None
+    named = tuple(
+        dataclasses.replace(cost, name=layer.name)
+        for cost, layer in zip(profile.layers, layers, strict=True)
+    )
+    return dataclasses.replace(profile, layers=named)
+
+
+def write(key: str, profile: CostProfile) -> str | None:
+    """Files ``profile`` under ``key`` (atomically); its path, or None where the cache
+    cannot be written (it is then measured again next time)."""
+    path = _path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(profile.to_dict(), f)
+        os.replace(temporary, path)
+    except OSError:
+        return None
+    return path
