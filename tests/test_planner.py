@@ -666,11 +666,13 @@ def test_a_profile_is_measured_once_per_host_and_model(monkeypatch, tmp_path):
     from hybrid.planning import profile as profile_lib
 
     monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))
-    measured = []
-    measure = profile_lib.measure_layers
-    monkeypatch.setattr(
-        profile_lib, "measure_layers", lambda *a, **k: measured.append(1) or measure(*a, **k)
-    )
+    measured = []  # the first measurement is real; the others are counted and reuse it
+
+    def measure(*args, real=profile_lib.measure_layers, **kwargs):
+        measured.append(measured[0] if measured else real(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(profile_lib, "measure_layers", measure)
 
     def profile(width=8, batch=2, lr=0.1, layers=None):
         keras.utils.set_random_seed(0)
@@ -700,6 +702,49 @@ def test_a_profile_is_measured_once_per_host_and_model(monkeypatch, tmp_path):
     profile(layers=tied)
     profile(layers=tied)
     assert len(measured) == 6 and len(os.listdir(profile_cache.directory())) == 4
+
+
+def chain_model(dtype="float32"):
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8)])
+    x_in = keras.Input((6,), dtype=dtype)
+    return keras.Model(x_in, keras.layers.Dense(3)(inner(keras.layers.Dense(8)(x_in))))
+
+
+def test_a_chain_model_is_planned_from_its_layer_calls(monkeypatch):
+    """A functional model whose calls form a chain (a nested Sequential flattened in place)
+    is profiled as the list of its layer calls, at its own input shape and dtype."""
+    from hybrid.planning import chains
+
+    model = chain_model()
+    layers, shape, dtype = chains.chain_of(model)
+    assert [type(layer).__name__ for layer in layers] == ["Dense"] * 4
+    assert layers[1] is model.layers[2].layers[0] and (shape, dtype) == ((6,), "float32")
+    profiled = []
+
+    def profile(layers, input_shape, input_dtype, sizes, **kwargs):
+        profiled.append((list(layers), tuple(input_shape), input_dtype))
+        return uniform(len(layers))
+
+    monkeypatch.setattr(search, "profile_model", profile)
+    monkeypatch.setattr(search, "_host_hardware", lambda devices, verbose: Hardware())
+    found = planner.plan(model, devices=2, global_batch=8, verbose=0)
+    assert profiled == [(layers, (6,), "float32")]
+    assert sum(found.best.config.balance) == 4
+    planner.plan(keras.Sequential(layers), devices=2, global_batch=8, input_shape=(6,), verbose=0)
+    assert profiled[1] == (layers, (6,), "float32")
+
+
+def test_a_model_that_is_not_a_chain_is_refused_naming_the_call():
+    x_in = keras.Input((6,))
+    h = keras.layers.Dense(6, name="first")(x_in)
+    skip = keras.layers.Add(name="join")([h, x_in])
+    with pytest.raises(ValueError, match=r"call 1 \(join\) reads 2 tensor\(s\), not only"):
+        planner.plan(keras.Model(x_in, skip), devices=2, global_batch=8, verbose=0)
+    tokens = keras.Input((None,), dtype="int32")
+    open_length = keras.Model(tokens, keras.layers.Embedding(8, 4)(tokens))
+    with pytest.raises(ValueError, match=r"leaves a dimension open: give plan\(\) input_shape"):
+        planner.plan(open_length, devices=2, global_batch=8, verbose=0)
 
 
 if __name__ == "__main__":

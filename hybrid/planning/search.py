@@ -86,7 +86,7 @@ def candidates(
 
 
 def plan(
-    model: Sequence[Any] | CostProfile,
+    model: Sequence[Any] | CostProfile | Any,
     *,
     devices: int,
     global_batch: int,
@@ -122,7 +122,10 @@ def plan(
     schedule is left out of the ranking and counted in ``Plan.merged``.
 
     Args:
-      model: a list of Keras layers (profiled on one device first, see
+      model: a Keras model whose layer calls form a chain (a ``keras.Sequential``, a
+        functional model without skips or merges: :func:`hybrid.planning.chains.chain_of`;
+        its input shape and dtype are the default ``input_shape`` and ``input_dtype``), a
+        list of Keras layers (profiled on one device first, see
         :func:`profile_model`; needs ``input_shape``; a profile this host measured of the
         same layers and arguments is read back, :mod:`hybrid.planning.profile_cache`) or a
         :class:`CostProfile`.
@@ -149,13 +152,16 @@ def plan(
 
     Raises:
       ValueError: devices or global_batch below 1, an unknown schedule or remat mode, a
-        micro-batch count below 1, stages that do not divide devices, or layers without an
-        input shape.
+        micro-batch count below 1, stages that do not divide devices, layers without an
+        input shape, or a Keras model that is not a chain (named with the call that breaks
+        it) or leaves an input dimension open without ``input_shape``.
     """
     schedules, remats = _checked_arguments(
         devices, global_batch, schedules, remats, micro_batches, stages
     )
     began = time.perf_counter()
+    if not isinstance(model, CostProfile):  # a Keras model: its chain of layer calls
+        model, input_shape, input_dtype = _as_chain(model, input_shape, input_dtype)
     if isinstance(model, CostProfile):
         profile = model
         hardware = hardware or Hardware()
@@ -394,6 +400,29 @@ def _host_hardware(devices: int, verbose: int) -> Hardware:
     here = list(local_devices())[: max(1, devices)]
     found = host_calibration.calibrated(here, verbose=verbose)
     return found.hardware(host_cores=host_calibration.shared_cores(here))
+
+
+def _as_chain(
+    model: Any, input_shape: Sequence[int] | None, input_dtype: str
+) -> tuple[Any, Sequence[int] | None, str]:
+    """A Keras model's chain of layer calls (:func:`hybrid.planning.chains.chain_of`) and the
+    input shape and dtype to profile them at: the ones given, else the model's; anything
+    else (a list of layers) as it is."""
+    import keras
+
+    from hybrid.planning.chains import chain_of
+
+    if not isinstance(model, keras.Model):
+        return model, input_shape, input_dtype
+    layers, shape, dtype = chain_of(model)
+    if input_shape is not None or shape is None:
+        return layers, input_shape, input_dtype
+    if None in shape:
+        raise ValueError(
+            f"the model's input shape {shape} leaves a dimension open: give plan() "
+            "input_shape= with the size to profile at (e.g. the sequence length)"
+        )
+    return layers, [int(d) for d in shape if d is not None], dtype
 
 
 def _profile_layers(
