@@ -583,7 +583,7 @@ def test_profile_round_trip_and_link_fit():
         Link.fit([1], [1.0])
 
 
-def test_profile_a_tiny_model_and_choose_a_mesh():
+def test_profile_a_tiny_model_and_choose_a_mesh(caplog):
     keras.utils.set_random_seed(0)
     layers = [
         keras.layers.Dense(8, activation="relu"),
@@ -601,6 +601,8 @@ def test_profile_a_tiny_model_and_choose_a_mesh():
         cache=False,
     )
     assert profile.batch_sizes == (2, 4) and profile.num_layers == 3
+    # a program per layer and batch size, each traced once: no retracing warning
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()]
     assert [layer.param_bytes for layer in profile.layers] == [(8 * 8 + 8) * 4] * 2 + [
         (8 * 10 + 10) * 4
     ]

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.step.stage import StageReplica, TensorSpec
+from hybrid.planning.stopwatch import program
 
 __all__ = [
     "PROGRAMS",
@@ -97,13 +98,13 @@ class StagePrograms:
                     outputs = body(x + tf.cast(zero, x.dtype), dy)
                 return outputs
 
-            return tf.function(run, autograph=False)
+            return program(run)
 
         self.forward = chained(forward)
         self.stored = chained(stored)
         self.fused = chained(fused)
         self.input_only = chained(input_only)
-        self.fused_once = tf.function(fused, autograph=False)
+        self.fused_once = program(fused)
 
     def kept_forward(self, x: tf.Tensor) -> Any:
         """Eagerly: the record a stored-activation forward keeps (its residuals)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.planning.stopwatch import net_seconds
+from hybrid.planning.stopwatch import net_seconds, program
 
 __all__ = ["measure_all_reduce", "measure_transfer"]
 
@@ -43,8 +43,8 @@ def measure_all_reduce(
                 values.append(tf.ones([max(1, int(size) // 4)]))
         out.append(
             net_seconds(
-                tf.function(reduce, autograph=False),
-                tf.function(nothing, autograph=False),
+                program(reduce),
+                program(nothing),
                 tuple(values),
                 repeats,
             )
@@ -65,7 +65,7 @@ def measure_transfer(
             with tf.device(where):
                 return [tf.reduce_sum(t)]
 
-        return tf.function(run, autograph=False)
+        return program(run)
 
     out = []
     for size in sizes_bytes:

@@ -26,7 +26,7 @@ from hybrid.planning.layer_programs import (
     signature,
 )
 from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
-from hybrid.planning.stopwatch import median_seconds, run_seconds
+from hybrid.planning.stopwatch import median_seconds, program, run_seconds
 
 __all__ = [
     "LayerMeasurement",
@@ -354,10 +354,10 @@ def _update_seconds(stage: StageReplica, device: str, repeats: int) -> float:
         def nothing(grads: list[tf.Tensor]) -> tf.Tensor:
             return tf.constant(0)
 
-        program = tf.function(apply, autograph=False)
-        empty = tf.function(nothing, autograph=False)
+        update = program(apply)
+        empty = program(nothing)
         return max(
             0.0,
-            median_seconds(lambda: [program(zeros)], repeats)
+            median_seconds(lambda: [update(zeros)], repeats)
             - median_seconds(lambda: [empty(zeros)], repeats),
         )
