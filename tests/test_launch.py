@@ -275,10 +275,6 @@ def test_trains_on_tfrecord_files(tmp_path):
             "it needs the label 'label' and at least one input feature",
         ),
         (["--optimizer_config=weight_decay"], "--optimizer_config=weight_decay is not JSON"),
-        (
-            ["--model=mine:model", "--data=mine:data", "--mesh=auto", "--simulated_devices=2"],
-            "--mesh=auto --model=mine:model: the planner profiles the reference models only",
-        ),
         (["--micro_batches=0"], "--micro_batches=0 must be a positive integer, or 'auto'"),
         (
             ["--micro_batches=auto", "--platform=tpu", "--tpu=n", "--tpu_zone=z"]
@@ -354,6 +350,22 @@ def test_bad_flags_fail_before_training(flags, message):
     assert run.returncode != 0
     assert message in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
     assert "step " not in run.stdout
+
+
+def test_mesh_auto_on_your_model_with_a_skip_names_the_call_that_branches():
+    run = launch(
+        "--model=user_model:model", "--data=user_model:data", "--mesh=auto",
+        "--simulated_devices=2", "--train_steps=1",
+        env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert run.stderr.strip().splitlines() == [
+        "error: --model=user_model:model: plan() profiles a model whose layer calls form a "
+        "chain (each takes the previous one's output); 'functional' does not: call 2 (add) "
+        "reads 2 tensor(s), not only the previous call's output (a skip or a merge). Plan it "
+        "from a CostProfile (hybrid.planning.CostProfile, e.g. measured per layer by hand), or "
+        "choose the mesh yourself and compare with pipe.summary()"
+    ], run.stderr[-3000:]
 
 
 def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):

@@ -749,5 +749,18 @@ def test_a_model_that_is_not_a_chain_is_refused_naming_the_call():
         planner.plan(open_length, devices=2, global_batch=8, verbose=0)
 
 
+def test_the_launcher_profiles_your_chain_model_with_its_loss():
+    """--mesh=auto and --dry_run profile a --model=module:function model that is a chain: its
+    layer calls, its input, the loss it was compiled with."""
+    from hybrid.run.train_config import TrainConfig
+    from hybrid.run.user_model import profiled_layers
+
+    config = TrainConfig.of(model="user_model:chain", data="user_model:data", mesh="auto")
+    layers, shape, dtype, loss = profiled_layers(config)
+    assert [type(layer).__name__ for layer in layers] == ["Dense", "Dense"]
+    assert (shape, dtype) == ((12,), "float32")
+    assert isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+
+
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))

@@ -19,6 +19,16 @@ def model():
     }
 
 
+def chain():
+    """A Sequential model compiled with its loss: a chain of layer calls, which the planner
+    profiles (--mesh=auto, --dry_run)."""
+    model = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+    )
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def data(global_batch_size):
     """Endless (x, y) global batches of a learnable task: the class of the largest of the
     first three features."""

@@ -32,7 +32,6 @@ def define_flags() -> None:
 def register_late_validators() -> None:
     """The validators that also read flags defined elsewhere (--mesh, --keras_file)."""
     flags.register_multi_flags_validator(["keras_file", "tie_embeddings"], _check_keras_file)
-    flags.register_multi_flags_validator(["model", "mesh"], _check_user_model)
 
 
 def _define_model_flags() -> None:
@@ -176,15 +175,6 @@ def _check_optimizer(values: dict[str, Any]) -> bool:
         raise flags.ValidationError(
             f"--optimizer_config={values['optimizer_config']} must be a JSON object of the "
             "optimizer's arguments (the learning rate is --learning_rate)"
-        )
-    return True
-
-
-def _check_user_model(values: dict[str, Any]) -> bool:
-    if is_function_spec(values["model"]) and values["mesh"] == "auto":
-        raise flags.ValidationError(
-            f"--mesh=auto --model={values['model']}: the planner profiles the reference "
-            "models only; give --mesh='stage:S;replica:R' for your model"
         )
     return True
 

@@ -95,9 +95,9 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
     from hybrid import planning as planner
     from hybrid.core.config import layout_of
     from hybrid.core.memory import format_bytes
-    from hybrid.run.user_model import build_model
+    from hybrid.run.user_model import profiled_layers
 
-    layers, shape, dtype = build_model(config)
+    layers, shape, dtype, loss = profiled_layers(config)
     flags_given = (
         "schedule", "remat", "micro_batches", "defer_weight_gradients", "shard_optimizer_states"
     )  # fmt: skip
@@ -118,7 +118,7 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
         shard_optimizer_states=config.layout.shard_optimizer_states
         if given["shard_optimizer_states"] or config.platform == "tpu"
         else None,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss,
         optimizer=lambda: keras.optimizers.Adam(config.optimizer.learning_rate),
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
         if config.platform == "cpu"

@@ -5,8 +5,9 @@
     profile = the model's layers measured at the run's micro-batch size (hybrid.planning)
     print evaluate(profile, the run's configuration)   # step time, bubble, memory per device
 
-Your own model (``--model=package.module:fn``) is summarised but not profiled: the planner
-measures layer lists (the reference models).
+Your own model (``--model=package.module:fn``) is profiled as its chain of layer calls
+(:func:`hybrid.run.user_model.profiled_layers`); one with branches is summarised, not
+profiled, and the line says why.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from collections.abc import Callable
 
 from hybrid import planning as planner
 from hybrid.planning.report import format_bytes, format_time
-from hybrid.run.data_sources import is_function_spec
 from hybrid.run.train_config import TrainConfig
 from hybrid.run.trainer import mesh_for, pipeline_for
-from hybrid.run.user_model import build_model, optimizer_for
+from hybrid.run.user_model import optimizer_for, profiled_layers
 
 __all__ = ["dry_run"]
 
@@ -41,23 +41,19 @@ def dry_run(
     if planned is not None:
         log(f"predicted (the plan's): {_predicted(planned)}")
         return planned
-    if is_function_spec(config.model.name):
-        log(
-            "predicted step time and memory: not for your own --model (the planner profiles "
-            "layer lists: hybrid.plan(layers, ...))"
-        )
+    try:
+        layers, shape, dtype, loss = profiled_layers(config)
+    except ValueError as err:  # your model is not a chain of layer calls
+        log(f"predicted step time and memory: not for this model: {err}")
         return None
-    layers, shape, dtype = build_model(config)
     R, M = pipe.mesh.num_replicas, pipe.micro_batches
     rows = max(1, config.data.global_batch_size // (R * M))
-    import keras
-
     profile = planner.profile_model(
         layers,
         shape,
         dtype,
         [rows],
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss,
         optimizer=lambda: optimizer_for(config),
         repeats=3,
         verbose=1,

@@ -28,6 +28,7 @@ __all__ = [
     "model_for",
     "optimizer_class",
     "optimizer_for",
+    "profiled_layers",
 ]
 
 _IMAGE_SHAPE = (16, 16, 3)
@@ -184,3 +185,31 @@ def model_for(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
         keras.mixed_precision.set_global_policy(previous)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return layers, loss, None, (None, *input_shape), dtype
+
+
+def profiled_layers(config: TrainConfig) -> tuple[list[Any], tuple[int, ...], str, Any]:
+    """What the planner profiles for ``config``'s model: its layers in order, their input
+    shape (without the batch) and dtype, and the loss. A reference model's layers; your
+    ``--model``'s chain of layer calls (:func:`hybrid.planning.chains.chain_of`) and loss.
+
+    Raises:
+      ValueError: your model is not a chain (names the call that branches), or leaves an
+        input dimension open.
+    """
+    if not is_function_spec(config.model.name):
+        layers, shape, dtype = build_model(config)
+        return layers, shape, dtype, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    from hybrid.planning.chains import chain_of
+
+    model, loss, _, _, _ = model_for(config)
+    try:
+        calls, open_shape, dtype = chain_of(model)
+    except ValueError as err:
+        raise ValueError(f"--model={config.model.name}: {err}") from None
+    if open_shape is None or None in open_shape:
+        raise ValueError(
+            f"--model={config.model.name}: the planner profiles at a fixed input shape, and "
+            f"your model's input leaves a dimension open ({open_shape}); give its keras.Input "
+            "a fixed shape, or choose --mesh yourself"
+        )
+    return calls, tuple(int(d) for d in open_shape if d is not None), dtype, loss
