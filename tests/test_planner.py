@@ -745,7 +745,7 @@ def test_a_model_that_is_not_a_chain_is_refused_naming_the_call():
         planner.plan(keras.Model(x_in, skip), devices=2, global_batch=8, verbose=0)
     tokens = keras.Input((None,), dtype="int32")
     open_length = keras.Model(tokens, keras.layers.Embedding(8, 4)(tokens))
-    with pytest.raises(ValueError, match=r"leaves a dimension open: give plan\(\) input_shape"):
+    with pytest.raises(ValueError, match=r"leaves an input dimension open \(None,\): the plan"):
         planner.plan(open_length, devices=2, global_batch=8, verbose=0)
 
 

@@ -15,6 +15,7 @@ the first call that breaks the chain.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -25,16 +26,19 @@ __all__ = ["chain_of"]
 
 
 def chain_of(
-    model: keras.Model,
-) -> tuple[list[keras.layers.Layer], tuple[int | None, ...] | None, str]:
-    """``model``'s layer calls in order, its input shape (without the batch axis; None where
-    the model leaves a dimension open; None for a ``Sequential`` not built yet) and dtype.
+    model: keras.Model, input_shape: Sequence[int] | None = None
+) -> tuple[list[keras.layers.Layer], tuple[int, ...] | None, str]:
+    """``model``'s layer calls in order, and the input shape (without the batch axis) and
+    dtype to profile them at: ``input_shape`` when given, else the model's (None for a
+    ``Sequential`` not built yet: the caller needs one given).
 
     Raises:
-      ValueError: the model is not a chain; names the call and what it reads or takes.
+      ValueError: the model is not a chain (names the call and what it reads or takes), or
+        its input leaves a dimension open and no ``input_shape`` is given.
     """
     if isinstance(model, keras.Sequential) and not model.built:
-        return list(model.layers), None, "float32"
+        fixed = None if input_shape is None else tuple(int(d) for d in input_shape)
+        return list(model.layers), fixed, "float32"
     graph = graph_of(model)
     if len(graph.inputs) != 1 or len(graph.outputs) != 1:
         raise _not_a_chain(model, f"it takes {len(graph.inputs)} inputs and returns "
@@ -58,8 +62,14 @@ def chain_of(
     if previous != graph.outputs[0]:
         raise _not_a_chain(model, "its output is not its last call's")
     (spec,) = model.inputs
-    shape = tuple(None if d is None else int(d) for d in spec.shape[1:])
-    return [call.layer for call in graph.calls], shape, str(spec.dtype)
+    shape = tuple(spec.shape[1:]) if input_shape is None else tuple(input_shape)
+    if None in shape:
+        raise ValueError(
+            f"{model.name!r} leaves an input dimension open {shape}: the planner profiles at "
+            "a fixed input shape; give plan() input_shape= (e.g. with the sequence length), "
+            "or the model's keras.Input a fixed shape"
+        )
+    return [call.layer for call in graph.calls], tuple(int(d) for d in shape), str(spec.dtype)
 
 
 def _not_a_chain(model: Any, why: str) -> ValueError:

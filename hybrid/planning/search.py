@@ -405,24 +405,15 @@ def _host_hardware(devices: int, verbose: int) -> Hardware:
 def _as_chain(
     model: Any, input_shape: Sequence[int] | None, input_dtype: str
 ) -> tuple[Any, Sequence[int] | None, str]:
-    """A Keras model's chain of layer calls (:func:`hybrid.planning.chains.chain_of`) and the
-    input shape and dtype to profile them at: the ones given, else the model's; anything
-    else (a list of layers) as it is."""
+    """A Keras model's chain of layer calls and the input shape and dtype to profile them at
+    (:func:`hybrid.planning.chains.chain_of`); anything else (a list of layers) as it is."""
     import keras
 
     from hybrid.planning.chains import chain_of
 
     if not isinstance(model, keras.Model):
         return model, input_shape, input_dtype
-    layers, shape, dtype = chain_of(model)
-    if input_shape is not None or shape is None:
-        return layers, input_shape, input_dtype
-    if None in shape:
-        raise ValueError(
-            f"the model's input shape {shape} leaves a dimension open: give plan() "
-            "input_shape= with the size to profile at (e.g. the sequence length)"
-        )
-    return layers, [int(d) for d in shape if d is not None], dtype
+    return chain_of(model, input_shape)
 
 
 def _profile_layers(

@@ -194,7 +194,7 @@ def profiled_layers(config: TrainConfig) -> tuple[list[Any], tuple[int, ...], st
 
     Raises:
       ValueError: your model is not a chain (names the call that branches), or leaves an
-        input dimension open.
+        input dimension open (:func:`hybrid.planning.chains.chain_of`).
     """
     if not is_function_spec(config.model.name):
         layers, shape, dtype = build_model(config)
@@ -203,13 +203,8 @@ def profiled_layers(config: TrainConfig) -> tuple[list[Any], tuple[int, ...], st
 
     model, loss, _, _, _ = model_for(config)
     try:
-        calls, open_shape, dtype = chain_of(model)
-    except ValueError as err:
+        calls, fixed, dtype = chain_of(model)
+    except ValueError as err:  # not a chain, or an open input dimension
         raise ValueError(f"--model={config.model.name}: {err}") from None
-    if open_shape is None or None in open_shape:
-        raise ValueError(
-            f"--model={config.model.name}: the planner profiles at a fixed input shape, and "
-            f"your model's input leaves a dimension open ({open_shape}); give its keras.Input "
-            "a fixed shape, or choose --mesh yourself"
-        )
-    return calls, tuple(int(d) for d in open_shape if d is not None), dtype, loss
+    assert fixed is not None  # a model built on its keras.Input
+    return calls, fixed, dtype, loss
