@@ -749,6 +749,25 @@ def test_a_model_that_is_not_a_chain_is_refused_naming_the_call():
         planner.plan(open_length, devices=2, global_batch=8, verbose=0)
 
 
+def test_the_optimizers_state_is_counted_on_the_optimizer_given():
+    """Without optimizer_slots, the plan counts the state of the optimizer it is given, as
+    the Pipeline counts it: SGD none, SGD with momentum one, Adam two weights' worth."""
+    args = dict(
+        devices=1, global_batch=4, stages=[1], schedules=["gpipe"], remats=["never"],
+        micro_batches=[1], verbose=0,
+    )  # fmt: skip
+    profile = uniform(4, param_bytes=1000.0)
+
+    def peak(**kwargs):
+        return planner.plan(profile, **args, **kwargs).best.peak_memory
+
+    sgd = peak(optimizer=lambda: keras.optimizers.SGD(0.1))
+    assert peak(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9)) == sgd + 4000
+    assert peak(optimizer=lambda: keras.optimizers.Adam()) == sgd + 8000 == peak()
+    assert peak(optimizer=lambda: keras.optimizers.Adam(), optimizer_slots=0) == sgd
+    assert search.slots_of(lambda: keras.optimizers.Adam(use_ema=True)) == 3
+
+
 def test_the_launcher_profiles_your_chain_model_with_its_loss():
     """--mesh=auto and --dry_run profile a --model=module:function model that is a chain: its
     layer calls, its input, the loss it was compiled with."""

@@ -90,12 +90,10 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
     prediction."""
     import dataclasses
 
-    import keras
-
     from hybrid import planning as planner
     from hybrid.core.config import layout_of
     from hybrid.core.memory import format_bytes
-    from hybrid.run.user_model import profiled_layers
+    from hybrid.run.user_model import optimizer_for, profiled_layers
 
     layers, shape, dtype, loss = profiled_layers(config)
     flags_given = (
@@ -119,7 +117,7 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
         if given["shard_optimizer_states"] or config.platform == "tpu"
         else None,
         loss=loss,
-        optimizer=lambda: keras.optimizers.Adam(config.optimizer.learning_rate),
+        optimizer=lambda: optimizer_for(config),  # its update timed, its state counted
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
         if config.platform == "cpu"
         else None,

@@ -27,7 +27,7 @@ from hybrid.planning.costs import CostProfile, profile_model
 from hybrid.planning.hardware import Hardware
 from hybrid.planning.report import Plan, Rejection, format_bytes
 
-__all__ = ["BATCH_NORM_MIN_EXAMPLES", "candidates", "choose_mesh", "plan"]
+__all__ = ["BATCH_NORM_MIN_EXAMPLES", "candidates", "choose_mesh", "plan", "slots_of"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -97,7 +97,7 @@ def plan(
     loss: Any = None,
     target_shape: Sequence[int] | None = None,
     optimizer: Callable[[], Any] | None = None,
-    optimizer_slots: int = 2,
+    optimizer_slots: int | None = None,
     schedules: Sequence[str] | None = None,
     remats: Sequence[str] | None = None,
     micro_batches: Sequence[int] | None = None,
@@ -137,7 +137,8 @@ def plan(
         :mod:`hybrid.planning.host_calibration`; for a ``CostProfile``, no overheads).
       input_shape, input_dtype, loss, target_shape, optimizer, device: for profiling
         layers (see :func:`profile_model`).
-      optimizer_slots: optimizer state per weight (Adam 2).
+      optimizer_slots: optimizer state per weight, in weights of its size (Adam 2, SGD 0);
+        default: counted on ``optimizer`` when given (:func:`slots_of`), else 2 (Adam).
       schedules: schedule names (default: all of ``hybrid.core.schedule.names()``).
       remats: remat modes (default: all of :data:`REMAT_MODES`).
       deferrals: with ``remat="never"``, whether weight gradients are deferred
@@ -160,6 +161,7 @@ def plan(
         devices, global_batch, schedules, remats, micro_batches, stages
     )
     began = time.perf_counter()
+    slots = slots_of(optimizer) if optimizer_slots is None else optimizer_slots
     if not isinstance(model, CostProfile):  # a Keras model: its chain of layer calls
         model, input_shape, input_dtype = _as_chain(model, input_shape, input_dtype)
     if isinstance(model, CostProfile):
@@ -193,7 +195,7 @@ def plan(
     judged: set[RunConfig] = set()  # a memory cut equal to the time cut is judged once
     bar = _progress_bar(len(configs), verbose)
     for config in configs:
-        outcome = _judge(profile, config, global_batch, hardware, optimizer_slots)
+        outcome = _judge(profile, config, global_batch, hardware, slots)
         if bar is not None:
             bar.add(1)
         if _judged_before(outcome, config, judged):
@@ -402,6 +404,17 @@ def _host_hardware(devices: int, verbose: int) -> Hardware:
     return found.hardware(host_cores=host_calibration.shared_cores(here))
 
 
+def slots_of(optimizer: Callable[[], Any] | None) -> int:
+    """The state one weight gets from the optimizers ``optimizer`` makes, in weights of its
+    size, counted as the Pipeline counts it
+    (:func:`hybrid.engine.model.optimizers.slots_per_weight`); 2 (Adam's) without one."""
+    if optimizer is None:
+        return 2
+    from hybrid.engine.model.optimizers import optimizer_copies, slots_per_weight
+
+    return slots_per_weight(optimizer_copies(optimizer))
+
+
 def _as_chain(
     model: Any, input_shape: Sequence[int] | None, input_dtype: str
 ) -> tuple[Any, Sequence[int] | None, str]:
@@ -458,7 +471,7 @@ def choose_mesh(
     hardware: Hardware | None = None,
     loss: Any = None,
     optimizer: Callable[[], Any] | None = None,
-    optimizer_slots: int = 2,
+    optimizer_slots: int | None = None,
     micro_batches: int | None = None,
     stages: int | None = None,
     device: str | None = None,

@@ -61,7 +61,8 @@ def dry_run(
     run = dataclasses.replace(pipe.config, balance=tuple(pipe.balance))
     cpu = config.platform == "cpu"
     hardware = planner.Hardware(host_cores=os.cpu_count() or 1) if cpu else None
-    prediction = planner.evaluate(profile, run, config.data.global_batch_size, hardware)
+    slots = planner.search.slots_of(lambda: optimizer_for(config))
+    prediction = planner.evaluate(profile, run, config.data.global_batch_size, hardware, slots)
     log(f"predicted (profiled at {rows} rows per micro-batch): {_predicted(prediction)}")
     return prediction
 
