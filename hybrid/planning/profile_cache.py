@@ -49,7 +49,8 @@ def fingerprint(
     repeats: int = 7,
 ) -> str | None:
     """The hex digest a profile of these arguments is filed under, or None when a layer,
-    the loss or the optimizer does not give its configuration."""
+    the loss or the optimizer does not give its configuration (its ``get_config`` raises):
+    such a model is measured every time, never refused."""
     import tensorflow as tf
 
     try:
@@ -67,7 +68,7 @@ def fingerprint(
             "loss": _configured(loss),
             "optimizer": _configured(optimizer() if optimizer is not None else None),
         }
-    except NotImplementedError:
+    except (NotImplementedError, TypeError, ValueError):  # a get_config that cannot say
         return None
     text = json.dumps(described, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
