@@ -11,9 +11,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from hybrid.engine.api.micro_batching import traced
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.step.stage import StageReplica, TensorSpec
-from hybrid.planning.stopwatch import program
 
 __all__ = [
     "PROGRAMS",
@@ -98,13 +98,13 @@ class StagePrograms:
                     outputs = body(x + tf.cast(zero, x.dtype), dy)
                 return outputs
 
-            return program(run)
+            return traced(run)
 
         self.forward = chained(forward)
         self.stored = chained(stored)
         self.fused = chained(fused)
         self.input_only = chained(input_only)
-        self.fused_once = program(fused)
+        self.fused_once = traced(fused)
 
     def kept_forward(self, x: tf.Tensor) -> Any:
         """Eagerly: the record a stored-activation forward keeps (its residuals)."""

@@ -9,7 +9,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.planning.stopwatch import net_seconds, program
+from hybrid.engine.api.micro_batching import traced
+from hybrid.planning.stopwatch import net_seconds
 
 __all__ = ["measure_all_reduce", "measure_transfer"]
 
@@ -43,8 +44,8 @@ def measure_all_reduce(
                 values.append(tf.ones([max(1, int(size) // 4)]))
         out.append(
             net_seconds(
-                program(reduce),
-                program(nothing),
+                traced(reduce),
+                traced(nothing),
                 tuple(values),
                 repeats,
             )
@@ -65,7 +66,7 @@ def measure_transfer(
             with tf.device(where):
                 return [tf.reduce_sum(t)]
 
-        return program(run)
+        return traced(run)
 
     out = []
     for size in sizes_bytes:

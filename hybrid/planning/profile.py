@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from hybrid.engine.api.micro_batching import traced
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import optimizer_copies
@@ -26,7 +27,7 @@ from hybrid.planning.layer_programs import (
     signature,
 )
 from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
-from hybrid.planning.stopwatch import median_seconds, program, run_seconds
+from hybrid.planning.stopwatch import median_seconds, run_seconds
 
 __all__ = [
     "LayerMeasurement",
@@ -354,8 +355,8 @@ def _update_seconds(stage: StageReplica, device: str, repeats: int) -> float:
         def nothing(grads: list[tf.Tensor]) -> tf.Tensor:
             return tf.constant(0)
 
-        update = program(apply)
-        empty = program(nothing)
+        update = traced(apply)
+        empty = traced(nothing)
         return max(
             0.0,
             median_seconds(lambda: [update(zeros)], repeats)

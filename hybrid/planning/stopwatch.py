@@ -1,10 +1,8 @@
 """Wall-clock timing of TensorFlow programs for the profiler: one run, the median of several,
-and the median of a program net of a baseline program timed in turns with it; and the
-graph functions it times (:func:`program`)."""
+and the median of a program net of a baseline program timed in turns with it."""
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -14,15 +12,7 @@ import tensorflow as tf
 
 from hybrid.engine.model.layer_costs import block
 
-__all__ = ["median_seconds", "net_seconds", "program", "run_seconds"]
-
-
-def program(fn: Callable[..., Any]) -> Any:
-    """``fn`` as a graph function (no autograph) of its own. Through a partial: TensorFlow's
-    retracing warning counts the traces of one Python code object across every
-    ``tf.function`` made of it, and the profiler makes one per layer and batch size of the
-    same code, which is no retracing."""
-    return tf.function(functools.partial(fn), autograph=False)
+__all__ = ["median_seconds", "net_seconds", "run_seconds"]
 
 
 def run_seconds(program: Any, args: tuple[tf.Tensor, ...]) -> float:

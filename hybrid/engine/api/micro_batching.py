@@ -42,6 +42,7 @@ __all__ = [
     "choose_micro_batches",
     "initial_micro_batches",
     "steps_for",
+    "traced",
 ]
 
 AUTO = "auto"
@@ -106,6 +107,14 @@ class Steps:
         return self.config.micro_batches
 
 
+def traced(fn: Callable[..., Any]) -> Any:
+    """``fn`` as a graph function (no autograph) of its own. Through a partial: TensorFlow's
+    retracing warning counts the traces of one Python code object across every
+    ``tf.function`` made of it (every pipeline, every M, every layer the planner profiles):
+    each is counted on its own, so the warning means a function that retraces."""
+    return tf.function(functools.partial(fn), autograph=False)
+
+
 def steps_for(
     config: RunConfig,
     micro_batches: int,
@@ -127,12 +136,6 @@ def steps_for(
     S, M, v = config.stages, micro_batches, config.virtual_stages
     schedule = schedule_lib.validate(schedule_lib.get(config.schedule, S, M, v))
     inference = schedule_lib.forward_only(S, M, v)
-
-    def traced(fn: Callable[..., Any]) -> Any:
-        # Through a partial: TensorFlow's retracing warning counts the traces of one Python
-        # code object across every tf.function made of it (every pipeline, every M): each
-        # traced step is counted on its own, so the warning means a step that retraces.
-        return tf.function(functools.partial(fn), autograph=False)
 
     return Steps(
         config=config,
