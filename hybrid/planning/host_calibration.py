@@ -19,7 +19,6 @@ device kind, device count and XLA setting in a JSON file under the user's cache 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -99,24 +98,13 @@ def calibrated(
         print(f"measuring the host's cost per step and per action on {len(devices)} devices")
     found = measure_host(devices, jit_compile)
     stored[key] = dataclasses.asdict(found)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(stored, f, indent=1)
-        os.replace(temporary, path)
-    except OSError:  # a read-only home: measured again next time
-        pass
+    user_cache.write_json(path, stored)
     return found
 
 
 def _read(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            stored = json.load(f)
-        return stored if isinstance(stored, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    stored = user_cache.read_json(path)
+    return stored if isinstance(stored, dict) else {}
 
 
 def measure_host(

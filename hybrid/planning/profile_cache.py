@@ -103,10 +103,10 @@ def _path(key: str) -> str:
 def read(key: str, layers: Sequence[Any]) -> CostProfile | None:
     """The profile filed under ``key`` with ``layers``' names, or None (none filed, or a
     file that does not read as one)."""
+    stored = user_cache.read_json(_path(key))
     try:
-        with open(_path(key)) as f:
-            profile = CostProfile.from_dict(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError):
+        profile = CostProfile.from_dict(stored)
+    except (ValueError, KeyError, TypeError):
         return None
     if profile.num_layers != len(layers):
         return None
@@ -121,12 +121,4 @@ def write(key: str, profile: CostProfile) -> str | None:
     """Files ``profile`` under ``key`` (atomically); its path, or None where the cache
     cannot be written (it is then measured again next time)."""
     path = _path(key)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(profile.to_dict(), f)
-        os.replace(temporary, path)
-    except OSError:
-        return None
-    return path
+    return path if user_cache.write_json(path, profile.to_dict()) else None
