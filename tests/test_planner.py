@@ -733,8 +733,10 @@ def test_a_chain_model_is_planned_from_its_layer_calls(monkeypatch):
     found = planner.plan(model, devices=2, global_batch=8, verbose=0)
     assert profiled == [(layers, (6,), "float32")]
     assert sum(found.best.config.balance) == 4
-    planner.plan(keras.Sequential(layers), devices=2, global_batch=8, input_shape=(6,), verbose=0)
-    assert profiled[1] == (layers, (6,), "float32")
+    unbuilt = keras.Sequential(layers)  # no Input: the shape and dtype given are used
+    planner.plan(unbuilt, devices=2, global_batch=8, input_shape=(6,), input_dtype="float16",
+                 verbose=0)  # fmt: skip
+    assert profiled[1] == (layers, (6,), "float16")
 
 
 def test_a_model_that_is_not_a_chain_is_refused_naming_the_call():

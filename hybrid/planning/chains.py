@@ -26,11 +26,12 @@ __all__ = ["chain_of"]
 
 
 def chain_of(
-    model: keras.Model, input_shape: Sequence[int] | None = None
+    model: keras.Model, input_shape: Sequence[int] | None = None, input_dtype: str = "float32"
 ) -> tuple[list[keras.layers.Layer], tuple[int, ...] | None, str]:
     """``model``'s layer calls in order, and the input shape (without the batch axis) and
-    dtype to profile them at: ``input_shape`` when given, else the model's (None for a
-    ``Sequential`` not built yet: the caller needs one given).
+    dtype to profile them at: ``input_shape`` when given, else the model's; the model's
+    dtype. A ``Sequential`` not built yet has neither: ``input_shape`` (None when not given:
+    the caller needs one) and ``input_dtype``.
 
     Raises:
       ValueError: the model is not a chain (names the call and what it reads or takes), or
@@ -38,7 +39,7 @@ def chain_of(
     """
     if isinstance(model, keras.Sequential) and not model.built:
         fixed = None if input_shape is None else tuple(int(d) for d in input_shape)
-        return list(model.layers), fixed, "float32"
+        return list(model.layers), fixed, input_dtype
     graph = graph_of(model)
     if len(graph.inputs) != 1 or len(graph.outputs) != 1:
         raise _not_a_chain(model, f"it takes {len(graph.inputs)} inputs and returns "

@@ -426,7 +426,7 @@ def _as_chain(
 
     if not isinstance(model, keras.Model):
         return model, input_shape, input_dtype
-    return chain_of(model, input_shape)
+    return chain_of(model, input_shape, input_dtype)
 
 
 def _profile_layers(
