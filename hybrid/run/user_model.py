@@ -183,8 +183,12 @@ def model_for(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
         layers, input_shape, dtype = build_model(config)
     finally:
         keras.mixed_precision.set_global_policy(previous)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return layers, loss, None, (None, *input_shape), dtype
+    return layers, _reference_loss(), None, (None, *input_shape), dtype
+
+
+def _reference_loss() -> keras.losses.Loss:
+    """The reference models' loss: their outputs are logits over classes (or bytes)."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def profiled_layers(config: TrainConfig) -> tuple[list[Any], tuple[int, ...], str, Any]:
@@ -198,7 +202,7 @@ def profiled_layers(config: TrainConfig) -> tuple[list[Any], tuple[int, ...], st
     """
     if not is_function_spec(config.model.name):
         layers, shape, dtype = build_model(config)
-        return layers, shape, dtype, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return layers, shape, dtype, _reference_loss()
     from hybrid.planning.chains import chain_of
 
     model, loss, _, _, _ = model_for(config)
