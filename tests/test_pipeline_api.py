@@ -92,7 +92,7 @@ def test_uncompiled_and_uncompilable_are_refused_as_keras_refuses():
     for arguments, match in (
         ({"loss": None}, "loss=None"),
         ({"loss": "mse", "run_eagerly": True}, "run_eagerly=True"),
-        ({"loss": "mse", "steps_per_execution": 4}, "steps_per_execution=4"),
+        ({"loss": "mse", "steps_per_execution": 0}, "steps_per_execution=0"),
         ({"loss": "mse", "jit_compile": "yes"}, "jit_compile='yes'"),
     ):
         with pytest.raises((ValueError, TypeError), match=match):

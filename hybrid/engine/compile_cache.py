@@ -46,6 +46,10 @@ class FirstStep:
         self._steps: Any = None  # the Steps whose first calls are counted in _ran
         self._ran: set[str] = set()
 
+    def ran(self, steps: Any, kind: str) -> bool:
+        """Whether ``steps`` ran ``kind`` already (its programs compiled)."""
+        return self._steps is steps and kind in self._ran
+
     def function(self, steps: Any, ordered: Callable[[], bool], kind: str) -> Any:
         """``steps.first_<kind>`` the first time ``steps`` runs ``kind`` and ``ordered()``
         (asked then only), else ``steps.<kind>``."""

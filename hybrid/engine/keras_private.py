@@ -264,6 +264,23 @@ class _TensorEpochIterator(EpochIterator):  # type: ignore[misc]
         batches = iter(self.data_adapter.get_tf_dataset())
         return batches if self.feed is None else self.feed(batches)
 
+    def __next__(self) -> tuple[int, int, list[Any]]:
+        """The next execution's batches: ``steps_per_execution`` of them, fewer where the
+        data ends inside it (a short last execution, without Keras's warning that the input
+        ran out: its TensorFlow trainer's loop ends there quietly)."""
+        begin, end, batches = next(self._epoch_iterator)
+        buffer: list[Any] = []
+        with self.catch_stop_iteration():
+            for _ in range(self.steps_per_execution):
+                try:
+                    buffer.append(next(batches))
+                except StopIteration:
+                    if not buffer:
+                        raise
+                    break
+            return begin, end, buffer
+        raise StopIteration  # the data ran out before this execution's first batch
+
     @contextlib.contextmanager
     def catch_stop_iteration(self) -> Iterator[None]:
         """Keras's (which ends the epoch where the data runs out), counting in ``ran_out``

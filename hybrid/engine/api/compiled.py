@@ -9,6 +9,7 @@ from typing import Any
 import keras
 
 from hybrid.core.config import check_switches
+from hybrid.engine.api.executions import check_steps_per_execution
 from hybrid.engine.api.metrics import StepMetrics
 from hybrid.engine.model.graph import Graph
 from hybrid.engine.model.losses import LossLike
@@ -27,12 +28,14 @@ class Compiled:
       optimizers: the optimizer's copies, one per stage device when placed.
       metrics: the loss tracker and compiled metrics (``metrics.py``).
       jit_compile: whether stage programs are XLA-compiled.
+      steps_per_execution: the steps one call of a traced step runs (``executions.py``).
     """
 
     objective: Objective
     optimizers: OptimizerCopies
     metrics: StepMetrics
     jit_compile: bool
+    steps_per_execution: int = 1
 
     @classmethod
     def of(
@@ -66,11 +69,6 @@ class Compiled:
                 "compile(run_eagerly=True): the pipelined step always runs as a traced "
                 "function over the mesh; debug the model with plain Keras on one device"
             )
-        if steps_per_execution != 1:
-            raise ValueError(
-                f"compile(steps_per_execution={steps_per_execution!r}): the pipeline runs "
-                "one pipelined step per batch; give 1 (feed ahead with prefetch=)"
-            )
         if jit_compile != "auto":
             check_switches(jit_compile=jit_compile)
         check_switches(auto_scale_loss=auto_scale_loss)
@@ -82,4 +80,5 @@ class Compiled:
             optimizers=optimizer_copies(optimizer, scale_loss=scale),
             metrics=StepMetrics(metrics, weighted_metrics, names, graph.output_names),
             jit_compile=jit_compile is not False,
+            steps_per_execution=check_steps_per_execution(steps_per_execution),
         )

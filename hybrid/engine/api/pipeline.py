@@ -44,7 +44,14 @@ from hybrid.core.config import (
 )
 from hybrid.core.mesh import DeviceMesh
 from hybrid.engine import compile_cache
-from hybrid.engine.api import batches, feed, out_of_memory, stage_memory, step_bodies
+from hybrid.engine.api import (
+    batches,
+    executions,
+    feed,
+    out_of_memory,
+    stage_memory,
+    step_bodies,
+)
 from hybrid.engine.api.batches import Flat, Shards
 from hybrid.engine.api.compiled import Compiled
 from hybrid.engine.api.mesh_step import MeshExecutor, Placing
@@ -231,7 +238,10 @@ class Pipeline(Workflow):
             ``train_step`` report them, computed on the global batch (``metrics.py``).
           run_eagerly: must be False: the pipelined step is always a traced function
             (debug the model with plain Keras on one device).
-          steps_per_execution: must be 1: one pipelined step per batch.
+          steps_per_execution: the steps ``fit`` and ``evaluate`` run per call of their
+            traced function (one loop: ``executions.py``), as Keras's: callbacks and logs
+            every that many steps; ``predict`` hands its callbacks that many batches'
+            outputs at once.
           jit_compile: "auto" or True compiles the stage programs with XLA (a stage that
             updates sparse gradients on a CPU updates with TensorFlow's kernels); False
             runs them with TensorFlow's kernels.
@@ -239,8 +249,8 @@ class Pipeline(Workflow):
             ``LossScaleOptimizer``, as ``compile`` does.
 
         Raises:
-          ValueError: a loss of None, run_eagerly, steps_per_execution other than 1, or a
-            second compile once the pipeline is built.
+          ValueError: a loss of None, run_eagerly, steps_per_execution not an integer
+            >= 1, or a second compile once the pipeline is built.
         """
         if self.built:
             raise ValueError(
@@ -264,6 +274,7 @@ class Pipeline(Workflow):
         self._compiled = compiled
         self._loss, self._optimizers = compiled.objective, compiled.optimizers
         self._metrics, self.jit_compile = compiled.metrics, compiled.jit_compile
+        self.steps_per_execution = compiled.steps_per_execution
 
     def _steps_for(self, micro_batches: int) -> Steps:
         """The schedules and traced step functions of M = ``micro_batches``."""
@@ -274,6 +285,8 @@ class Pipeline(Workflow):
             gradients=functools.partial(step_bodies.gradients, self),
             evaluate=functools.partial(step_bodies.evaluate, self),
             predict=functools.partial(step_bodies.predict, self),
+            train_loop=functools.partial(step_bodies.train_loop, self),
+            evaluate_loop=functools.partial(step_bodies.evaluate_loop, self),
         )
 
     def _use(self, micro_batches: int) -> None:
@@ -453,6 +466,30 @@ class Pipeline(Workflow):
             self._timed_step(parts)
         else:
             self._run_first("train", parts)
+
+    def _train_many(self, many: list[Shards]) -> None:
+        self._run_many("train", many)
+
+    def _test_many(self, many: list[Shards]) -> None:
+        self._run_many("evaluate", many)
+
+    def _run_many(self, kind: str, many: list[Shards]) -> None:
+        """``kind`` ("train" or "evaluate") on each batch in turn: every run of batches that
+        stack (``executions.groups``) in one call of the ``<kind>_loop`` step; the pipeline's
+        first step of the kind, and a lone batch, in one call of the single step."""
+        training = kind == "train"
+        single = self._train_batch if training else self._test_batch
+        if not self._first.ran(self._steps, kind):
+            single(many[0])  # the first call compiles, in turn where it should
+            many = many[1:]
+        for group in executions.groups(many):
+            if len(group) == 1:
+                single(group[0])
+                continue
+            for parts in group:
+                batches.warn_padding(parts, [row[0] for row in self._stages], training)
+            with out_of_memory.said(self):
+                getattr(self._steps, f"{kind}_loop")(group)
 
     def _run_first(self, kind: str, parts: Shards) -> Any:
         """The traced ``kind`` step on ``parts``, its first call in turn where it should."""

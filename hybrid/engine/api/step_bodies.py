@@ -6,6 +6,9 @@ function of the pipeline (``micro_batching.steps_for`` traces them, one per kind
     gradients  the batch's loss and replica 0's gradients, in the model's variable order
     evaluate   the forwards, the loss as Keras reduces it (penalties added) and the metrics
     predict    the forwards' outputs, the padding cut off
+    train_loop, evaluate_loop
+               ``train``, ``evaluate`` on each of several batches, one loop
+               (``executions.py``: ``compile(steps_per_execution=N)``)
 """
 
 from __future__ import annotations
@@ -16,13 +19,22 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.engine.api import batches
+from hybrid.engine.api import batches, executions
 from hybrid.engine.api.batches import Flat, Shards
 from hybrid.engine.api.mesh_step import MeshStep
 from hybrid.engine.model.sparse import flat_tensors
 from hybrid.engine.step import lowering, reduction, sharding, update
 
-__all__ = ["apply", "evaluate", "gradients", "mesh_step", "predict", "train"]
+__all__ = [
+    "apply",
+    "evaluate",
+    "evaluate_loop",
+    "gradients",
+    "mesh_step",
+    "predict",
+    "train",
+    "train_loop",
+]
 
 
 def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
@@ -36,6 +48,13 @@ def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False)
     if record:  # (device, action) of each timestamp pair: the same in every trace
         pipe._event_keys = [(device, action) for device, action, _, _ in step.events]
     return [[start, end] for _, _, start, end in step.events]
+
+
+def train_loop(pipe: Any, many: list[Shards]) -> None:
+    """:func:`train` on each of ``many`` batches in turn, in one loop; each iteration after
+    the previous one's step counter update."""
+    train_step = functools.partial(train, pipe)
+    executions.run_loop(train_step, many, pipe._shard_devices(), pipe._step.read_value)
 
 
 def apply(pipe: Any, grads: list[list[list[Any]]], stats: list[Any], ordered: bool) -> None:
@@ -89,6 +108,15 @@ def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> None:
     predictions = batches.joined([out[1:] for out in outs])
     y, w = batches.whole_labels(parts)
     pipe._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
+
+
+def evaluate_loop(pipe: Any, many: list[Shards]) -> None:
+    """:func:`evaluate` on each of ``many`` batches in turn, in one loop; each iteration after
+    the previous one's metrics update (its last loss written)."""
+    evaluate_step = functools.partial(evaluate, pipe)
+    executions.run_loop(
+        evaluate_step, many, pipe._shard_devices(), pipe._metrics.last_loss.read_value
+    )
 
 
 def predict(pipe: Any, parts: Shards, ordered: bool = False) -> Flat:

@@ -103,6 +103,7 @@ class Workflow(abc.ABC):
         self._logical_optimizer: LogicalOptimizer | None = None
         # The epoch a callback restored (Keras's BackupAndRestore sets it): fit starts there.
         self._initial_epoch: int | None = None
+        self.steps_per_execution = 1  # compile's: steps per call of a traced step
 
     @property
     def timeline_every(self) -> int:
@@ -166,6 +167,15 @@ class Workflow(abc.ABC):
     def _predict_batch(self, parts: Any) -> list[Any]:
         """The model's outputs on a prepared batch's real examples."""
 
+    @abc.abstractmethod
+    def _train_many(self, batches: list[Any]) -> None:
+        """Training steps on several prepared batches, in order, in as few calls as it can
+        (``compile(steps_per_execution=N)``); none of them timed."""
+
+    @abc.abstractmethod
+    def _test_many(self, batches: list[Any]) -> None:
+        """Evaluation steps on several prepared batches, in as few calls as it can."""
+
     def timed(self, step: int) -> bool:
         """Whether training step ``step`` (counted from 1 over the run) is run timed: every
         ``timeline_every``-th."""
@@ -174,7 +184,30 @@ class Workflow(abc.ABC):
 
     def _train_one(self, parts: Any) -> None:
         """One training step; timed when the step it takes is a ``timeline_every`` one."""
-        self._train_batch(parts, timed=self.timed(int(self.step_counter.numpy()) + 1))
+        timed = bool(self.timeline_every) and self.timed(int(self.step_counter.numpy()) + 1)
+        self._train_batch(parts, timed=timed)
+
+    def _train_execution(self, data: list[Any]) -> None:
+        """The training steps of one execution (the batches Keras's epoch iterator hands
+        over together): one by one when there is one or one of them is timed, else in as
+        few calls as the pipeline can."""
+        if len(data) > 1 and self.timeline_every:
+            step = int(self.step_counter.numpy())
+            if any(self.timed(step + k) for k in range(1, len(data) + 1)):
+                for parts in data:
+                    self._train_one(parts)
+                return
+        if len(data) == 1:
+            self._train_one(data[0])
+        else:
+            self._train_many(data)
+
+    def _test_execution(self, data: list[Any]) -> None:
+        """The evaluation steps of one execution."""
+        if len(data) == 1:
+            self._test_batch(data[0])
+        else:
+            self._test_many(data)
 
     # -- the model's weights, in and out ---------------------------------------------------
 
@@ -391,7 +424,8 @@ class Workflow(abc.ABC):
         validation_freq: int | Sequence[int] = 1,
     ) -> keras.callbacks.History:
         """Trains for ``epochs`` as ``keras.Model.fit`` does (same arguments, callbacks,
-        progress bar and returned ``History``), one pipelined step per batch."""
+        progress bar and returned ``History``), one pipelined step per batch, ``steps_per_execution``
+        of them per call (``executions.py``)."""
         self._require_compiled("fit")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = keras_private.train_validation_split(
@@ -405,6 +439,7 @@ class Workflow(abc.ABC):
             steps_per_epoch=steps_per_epoch,
             shuffle=shuffle,
             class_weight=class_weight,
+            steps_per_execution=self.steps_per_execution,
         )
         with self._feed(iterator):
             callbacks = self._callbacks(callbacks, verbose, epochs, iterator.num_batches)
@@ -420,7 +455,7 @@ class Workflow(abc.ABC):
                 with iterator.catch_stop_iteration():
                     for begin, end, data in iterator:
                         callbacks.on_train_batch_begin(begin)
-                        self._train_one(data[0])
+                        self._train_execution(data)
                         ran = True
                         callbacks.on_train_batch_end(end, self._metrics.result())
                         if self.stop_training:
@@ -464,7 +499,12 @@ class Workflow(abc.ABC):
         computes them (the loss: the batch-size weighted mean of the batches' losses)."""
         self._require_compiled("evaluate")
         iterator = keras_private.epoch_iterator(
-            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps
+            x=x,
+            y=y,
+            sample_weight=sample_weight,
+            batch_size=batch_size,
+            steps_per_epoch=steps,
+            steps_per_execution=self.steps_per_execution,
         )
         with self._feed(iterator):
             callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
@@ -473,7 +513,7 @@ class Workflow(abc.ABC):
             ran = False  # no data: empty logs, as in Keras
             for begin, end, data in iterator:
                 callbacks.on_test_batch_begin(begin)
-                self._test_batch(data[0])
+                self._test_execution(data)
                 ran = True
                 callbacks.on_test_batch_end(end, self._metrics.result())
         logs = self._metrics.result() if ran else {}
@@ -491,15 +531,21 @@ class Workflow(abc.ABC):
         """The model's outputs for every example of ``x``, in order, structured as the
         model returns them (``keras.Model.predict``)."""
         self._require_compiled("predict")
-        iterator = keras_private.epoch_iterator(x=x, batch_size=batch_size, steps_per_epoch=steps)
+        iterator = keras_private.epoch_iterator(
+            x=x,
+            batch_size=batch_size,
+            steps_per_epoch=steps,
+            steps_per_execution=self.steps_per_execution,
+        )
         pieces = []
         with self._feed(iterator, labelled=False):
             callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
             callbacks.on_predict_begin()
             for begin, end, data in iterator:
                 callbacks.on_predict_batch_begin(begin)
-                outputs = [t.numpy() for t in self._predict_batch(data[0])]
-                pieces.append(outputs)
+                each = [[t.numpy() for t in self._predict_batch(parts)] for parts in data]
+                pieces += each
+                outputs = [np.concatenate(p) for p in zip(*each, strict=True)]
                 callbacks.on_predict_batch_end(end, {"outputs": self._output_structure(outputs)})
         callbacks.on_predict_end()
         return self._output_structure([np.concatenate(p) for p in zip(*pieces, strict=True)])

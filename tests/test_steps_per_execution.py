@@ -1,0 +1,164 @@
+"""``compile(steps_per_execution=N)``: N steps per call, with Keras's meaning.
+
+The reference is plain Keras on one device compiled with the same ``steps_per_execution``:
+``fit``'s History, every batch-end callback (Keras calls them once per execution, with the
+index of the execution's last step), ``evaluate``, ``predict`` and its callbacks' outputs,
+the weights and Adam's moments. The data (100 examples in batches of 16: 7 batches, the
+last of 4 padded to the mesh's R·M) ends inside an execution, and the padded batch cannot
+stack with the full ones: an execution of 4 is then a loop of 3 and a single step.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hybrid
+
+EXAMPLES, BATCH, FEATURES, CLASSES = 100, 16, 8, 3
+
+
+def model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    h = keras.layers.Dense(16, activation="tanh")(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES)(h))
+
+
+def data(examples=EXAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, FEATURES)).astype("float32")
+    return x, np.argmax(x[:, :CLASSES], axis=1)
+
+
+class Seen(keras.callbacks.Callback):
+    """Every batch-end hook's batch index and loss (or outputs' shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("train", batch, round(logs["loss"], 5)))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.seen.append(("test", batch, round(logs["loss"], 5)))
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.seen.append(("predict", batch, logs["outputs"].shape))
+
+
+def compile_args(steps):
+    return dict(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=steps,
+    )
+
+
+def workflow(m, steps, **fit_args):
+    """fit (with validation), evaluate and predict, as a user would call them."""
+    m.compile(**compile_args(steps))
+    seen = Seen()
+    x, y = data()
+    history = m.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[seen],
+        validation_data=data(40, seed=1),
+        **fit_args,
+    ).history
+    x_test, y_test = data(37, seed=2)
+    evaluated = m.evaluate(x_test, y_test, batch_size=BATCH, verbose=0, callbacks=[seen])
+    predicted = m.predict(x_test, batch_size=BATCH, verbose=0, callbacks=[seen])
+    return history, evaluated, predicted, seen.seen
+
+
+def assert_same_as_keras(pipe, keras_model, got, want):
+    assert got[3] == want[3]  # every callback hook: same batch indices, same losses
+    assert got[0].keys() == want[0].keys()
+    for key in want[0]:
+        np.testing.assert_allclose(got[0][key], want[0][key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+    for ours, theirs in zip(pipe.get_weights(), keras_model.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    moments = [v.numpy() for v in pipe.optimizer.variables if len(v.shape) > 0]
+    keras_moments = [v.numpy() for v in keras_model.optimizer.variables if len(v.shape) > 0]
+    for ours, theirs in zip(moments, keras_moments, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def pair(stages, replicas, micro_batches, **pipeline_args):
+    keras_model = model()
+    template = keras.models.clone_model(keras_model)
+    template.set_weights(keras_model.get_weights())
+    pipe = hybrid.Pipeline(
+        template,
+        hybrid.DeviceMesh.create(stages, replicas),
+        micro_batches=micro_batches,
+        remat="never",
+        **pipeline_args,
+    )
+    return keras_model, pipe
+
+
+@pytest.mark.parametrize(
+    "stages,replicas,micro_batches,steps,prefetch,loops",
+    # loops: the numbers of batches stacked. 7 batches, the last padded; the pipeline's
+    # first step runs alone. N=4: 1 + 3, 2 + 1 | 4, 2 + 1.  N=3: 1 + 2, 3, 1 | 3, 3, 1.
+    [(2, 2, 2, 4, 2, 3), (2, 1, 4, 3, 0, 2)],
+)
+def test_fit_evaluate_predict_match_keras(
+    stages, replicas, micro_batches, steps, prefetch, loops
+):
+    keras_model, pipe = pair(stages, replicas, micro_batches, prefetch=prefetch)
+    want = workflow(keras_model, steps)
+    got = workflow(pipe, steps)
+    assert_same_as_keras(pipe, keras_model, got, want)
+    assert int(pipe.step_counter.numpy()) == 14  # 7 batches, 2 epochs
+    # one trace per number of batches stacked, however many executions ran
+    assert pipe._steps.train_loop.experimental_get_tracing_count() == loops
+
+
+def test_a_loop_is_bit_identical_to_single_steps():
+    """N steps in one loop compute exactly what N calls of the single step compute."""
+    x, y = data(128)
+    pipes = []
+    for steps in (1, 4):
+        _, pipe = pair(2, 2, 2)
+        pipe.compile(**compile_args(steps))
+        pipe.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        pipes.append(pipe)
+    assert pipes[1]._steps.train_loop.experimental_get_tracing_count() == 2  # 1 + 3, 4
+    for ours, theirs in zip(pipes[0].get_weights(), pipes[1].get_weights(), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_timed_steps_run_alone_inside_an_execution():
+    keras_model, pipe = pair(2, 1, 2)
+    pipe.timeline_every = 3
+    want = workflow(keras_model, 2)
+    got = workflow(pipe, 2)
+    assert_same_as_keras(pipe, keras_model, got, want)
+    assert pipe.last_timeline is not None  # step 12, timed, inside the execution 11-12
+
+
+def test_under_a_strategy():
+    keras_model, pipe = pair(1, 1, 2, strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))
+    want = workflow(keras_model, 3)
+    got = workflow(pipe, 3)
+    assert_same_as_keras(pipe, keras_model, got, want)
+
+
+@pytest.mark.parametrize("steps", [0, -2, 1.5, "auto", True, None])
+def test_bad_steps_per_execution_is_refused_naming_it(steps):
+    _, pipe = pair(2, 1, 2)
+    with pytest.raises(ValueError, match=rf"steps_per_execution={steps!r}.*integer >= 1"):
+        pipe.compile(**compile_args(steps))
