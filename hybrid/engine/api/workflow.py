@@ -424,8 +424,8 @@ class Workflow(abc.ABC):
         validation_freq: int | Sequence[int] = 1,
     ) -> keras.callbacks.History:
         """Trains for ``epochs`` as ``keras.Model.fit`` does (same arguments, callbacks,
-        progress bar and returned ``History``), one pipelined step per batch, ``steps_per_execution``
-        of them per call (``executions.py``)."""
+        progress bar and returned ``History``), one pipelined step per batch,
+        ``steps_per_execution`` of them per call (``executions.py``)."""
         self._require_compiled("fit")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = keras_private.train_validation_split(
