@@ -115,9 +115,7 @@ def pair(stages, replicas, micro_batches, **pipeline_args):
     # first step runs alone. N=4: 1 + 3, 2 + 1 | 4, 2 + 1.  N=3: 1 + 2, 3, 1 | 3, 3, 1.
     [(2, 2, 2, 4, 2, 3), (2, 1, 4, 3, 0, 2)],
 )
-def test_fit_evaluate_predict_match_keras(
-    stages, replicas, micro_batches, steps, prefetch, loops
-):
+def test_fit_evaluate_predict_match_keras(stages, replicas, micro_batches, steps, prefetch, loops):
     keras_model, pipe = pair(stages, replicas, micro_batches, prefetch=prefetch)
     want = workflow(keras_model, steps)
     got = workflow(pipe, steps)
