@@ -321,6 +321,11 @@ def test_trains_on_tfrecord_files(tmp_path):
         ),
         (["--width=30", "--num_heads=4"], "--width=30 must be divisible by --num_heads=4"),
         (["--checkpoint_every=5"], "--checkpoint_every=5 needs --model_dir"),
+        (
+            ["--steps_per_execution=4"],
+            "--steps_per_execution=4 runs that many steps per call and logs, checkpoints and "
+            "times only after a call; --log_every=10 is not a multiple of it",
+        ),
         (["--profile_steps=5,3", "--model_dir=/tmp/x"], "--profile_steps=5,3 must satisfy"),
         (["--platform=tpu", "--tpu=n"], "--platform=tpu needs --tpu_zone, --gcp_project"),
         (["--tpu=node", "--tpu_zone=z"], "--tpu, --tpu_zone only apply with --platform=tpu"),

@@ -8,12 +8,16 @@ last of 4 padded to the mesh's R·M) ends inside an execution, and the padded ba
 stack with the full ones: an execution of 4 is then a loop of 3 and a single step.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import hybrid
+from hybrid.run.train_config import TrainConfig
+from hybrid.run.trainer import train
 
 EXAMPLES, BATCH, FEATURES, CLASSES = 100, 16, 8, 3
 
@@ -160,3 +164,40 @@ def test_bad_steps_per_execution_is_refused_naming_it(steps):
     _, pipe = pair(2, 1, 2)
     with pytest.raises(ValueError, match=rf"steps_per_execution={steps!r}.*integer >= 1"):
         pipe.compile(**compile_args(steps))
+
+
+def test_the_launcher_runs_executions_checkpoints_between_them_and_resumes(tmp_path):
+    """``--steps_per_execution=3`` trains exactly the steps an N=1 run trains: 7 steps are
+    executions 1-3, 4-6 and a short 7; checkpoints come at 3, 6 and 7; a run resumed from
+    step 7 with N=3 runs 8-10, and ends with the weights of N=1 run to 10."""
+    config = TrainConfig.of(
+        model="mlp",
+        data="synthetic",
+        mesh="stage:2;replica:1",
+        micro_batches=2,
+        global_batch_size=8,
+        width=8,
+        depth=1,
+        log_every=3,
+        jit_compile=False,
+        prefetch=0,
+    )
+    lines = []
+    executions = config.replace(
+        model_dir=str(tmp_path / "n3"), steps_per_execution=3, checkpoint_every=3
+    )
+    result = train(executions.replace(train_steps=7), log=lines.append)
+    assert "compiled and ran steps 1-3 in" in "\n".join(lines)
+    assert len(result.losses) == 3  # one per execution
+    written = sorted(n for n in os.listdir(tmp_path / "n3") if n.endswith(".index"))
+    assert written == ["ckpt-3.index", "ckpt-6.index", "ckpt-7.index"]
+    resumed = train(executions.replace(train_steps=10), log=lines.append)
+    assert resumed.start_step == 7 and len(resumed.losses) == 1
+    single = train(config.replace(train_steps=10), log=lambda _: None)
+    for ours, theirs in zip(
+        resumed.pipeline.get_weights(), single.pipeline.get_weights(), strict=True
+    ):
+        np.testing.assert_array_equal(ours, theirs)
+    assert resumed.losses[-1] == single.losses[-1]
+    with pytest.raises(ValueError, match="--log_every=3 is not a multiple"):
+        train(config.replace(steps_per_execution=2), log=lambda _: None)

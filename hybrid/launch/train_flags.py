@@ -108,6 +108,15 @@ def _define_run_flags() -> None:
         lower_bound=0,
     )
     flags.DEFINE_integer("log_every", 10, "Log and write summaries every N steps.", lower_bound=1)
+    flags.DEFINE_integer(
+        "steps_per_execution",
+        1,
+        "Training steps per call of the traced step (Keras's compile(steps_per_execution=)): "
+        "the host's fixed cost per step paid once per N; logs, checkpoints and the progress "
+        "bar come every N steps (--log_every, --checkpoint_every and --timeline_every: "
+        "multiples of N).",
+        lower_bound=1,
+    )
     flags.DEFINE_string("model_dir", None, "Checkpoints and TensorBoard events (resumes from it).")
     flags.DEFINE_integer(
         "checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0
@@ -211,6 +220,10 @@ def _register_validators() -> None:
         ["model_dir", "export_dir", "keras_file"], _check_output_paths
     )
     flags.register_multi_flags_validator(["timeline_every", "model_dir"], _check_extras)
+    flags.register_multi_flags_validator(
+        ["steps_per_execution", "log_every", "checkpoint_every", "timeline_every"],
+        _check_executions,
+    )
     flags.register_multi_flags_validator(
         [
             "platform",
@@ -381,6 +394,21 @@ def _check_run(values: dict[str, Any]) -> bool:
             )
         if not values["model_dir"]:
             raise flags.ValidationError("--profile_steps needs --model_dir to write the trace to")
+    return True
+
+
+def _check_executions(values: dict[str, Any]) -> bool:
+    """The periods of the launcher's work after a step fit ``--steps_per_execution``."""
+    from hybrid.run.train_config import execution_conflict
+
+    conflict = execution_conflict(
+        values["steps_per_execution"],
+        values["log_every"],
+        values["checkpoint_every"],
+        values["timeline_every"],
+    )
+    if conflict:
+        raise flags.ValidationError(conflict)
     return True
 
 

@@ -47,11 +47,12 @@ class _Progress:
         self.batch, self.remaining = batch, remaining
         self.counted, self.seconds, self.last = 0, 0.0, 0.0
 
-    def add(self, seconds: float, left_out: bool) -> None:
-        self.remaining -= 1
-        self.last = seconds
+    def add(self, seconds: float, left_out: bool, steps: int = 1) -> None:
+        """``steps`` steps (one execution) took ``seconds``."""
+        self.remaining -= steps
+        self.last = seconds / steps
         if not left_out:
-            self.counted += 1
+            self.counted += steps
             self.seconds += seconds
 
     @property
@@ -68,7 +69,9 @@ class _Progress:
 class Steps(keras.callbacks.Callback):
     """What the launcher does around each step of ``fit``: times it, stops on a non-finite
     loss, logs and writes TensorBoard scalars, checkpoints, profiles, and calls the
-    ``step_callback``; the model's step is ``start`` + the batch's index + 1. Once ``stop``
+    ``step_callback``; the model's step is ``start`` + the batch's index + 1. With
+    ``steps_per_execution`` N > 1, ``fit`` calls it once per N steps (the batch index: the
+    execution's last), and all of this happens for the execution's last step. Once ``stop``
     is set, the step just run is checkpointed (with a saver) and ``fit`` stops after it
     (``interrupted_at``).
 
@@ -99,6 +102,7 @@ class Steps(keras.callbacks.Callback):
         self.losses: list[float] = []
         self.last_checkpoint: str | None = None
         self.began = 0.0
+        self.first_step = start + 1  # the running execution's first step
         self.timeline_seen: StepView | None = None
         self.bar: keras.utils.Progbar | None = None
         self.compile_seconds: float | None = None
@@ -118,7 +122,7 @@ class Steps(keras.callbacks.Callback):
         self._write(text)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        step = self.start + batch + 1
+        step = self.first_step = self.start + batch + 1
         if batch == 0:
             self.log(f"compiling {_programs(self.pipe)} stage programs (the first step)...")
         if self.pipe.timed(step) and not self.timed_seen:
@@ -131,10 +135,17 @@ class Steps(keras.callbacks.Callback):
         self.began = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        config, step = self.config, self.start + batch + 1
+        # an execution's last step (Keras's index assumes a whole one; the last may be short)
+        config = self.config
+        step = min(self.start + batch + 1, config.train_steps)
         loss = self.pipe.last_loss
         timed = self.pipe.timed(step)
-        self.progress.add(time.perf_counter() - self.began, left_out=batch == 0 or timed)
+        first = self.first_step == self.start + 1
+        self.progress.add(
+            time.perf_counter() - self.began,
+            left_out=first or timed,
+            steps=step - self.first_step + 1,
+        )
         if timed and not self.timed_seen:
             self.timed_seen = True
             self.log(f"compiled and ran the timed step {step} in {self.progress.last:.1f} s")
@@ -143,15 +154,16 @@ class Steps(keras.callbacks.Callback):
         self.finished = step
         self.losses.append(loss)
         metrics = _metrics(logs)
-        if batch == 0:
-            self.compile_seconds = self.progress.last
-            self.log(f"compiled and ran step {step} in {self.progress.last:.1f} s")
+        if first:
+            self.compile_seconds = seconds = time.perf_counter() - self.began
+            steps = f"step {step}" if step == self.first_step else f"steps {self.first_step}-{step}"
+            self.log(f"compiled and ran {steps} in {seconds:.1f} s")
             if config.progress_bar:
                 self.bar = keras.utils.Progbar(
                     config.train_steps - self.start, stateful_metrics=["loss", *metrics]
                 )
         if self.bar is not None:
-            self.bar.update(batch + 1, [("loss", loss), *metrics.items()])
+            self.bar.update(step - self.start, [("loss", loss), *metrics.items()])
         if step % config.log_every == 0 or step == config.train_steps:
             rate = resume.learning_rate(self.pipe)
             _report(config, step, loss, rate, metrics, self.progress, self.log, self.writer)

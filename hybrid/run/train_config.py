@@ -22,7 +22,15 @@ from typing import Any
 from hybrid.core.config import Layout
 from hybrid.run.data_sources import BUILTIN_TEXT
 
-__all__ = ["FIELDS", "DataSpec", "ModelSpec", "OptimizerSpec", "OutputSpec", "TrainConfig"]
+__all__ = [
+    "FIELDS",
+    "DataSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "OutputSpec",
+    "TrainConfig",
+    "execution_conflict",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +138,11 @@ class TrainConfig:
       timeline_every: time every this many steps: per device compute, transfers,
         all-reduce and idle to the log, TensorBoard and a PNG (0: never).
       log_every: log and write TensorBoard scalars every this many steps.
+      steps_per_execution: the training steps one call of the traced step runs
+        (``compile(steps_per_execution=N)``): the launcher's work after a step (logs,
+        checkpoints, the progress bar) then comes every N steps; ``log_every``,
+        ``checkpoint_every`` and ``timeline_every`` are multiples of N
+        (:func:`execution_conflict`).
       profile_steps: (first, last) steps to capture in a TF profiler trace, or None.
       progress_bar: show Keras's progress bar instead of the log lines.
     """
@@ -148,6 +161,7 @@ class TrainConfig:
     boundary_dtype: str = "float32"
     timeline_every: int = 0
     log_every: int = 10
+    steps_per_execution: int = 1
     profile_steps: tuple[int, int] | None = None
     progress_bar: bool = False
 
@@ -187,6 +201,28 @@ class TrainConfig:
             name: getattr(self if record is None else getattr(self, record), attribute)
             for name, (record, attribute) in FIELDS.items()
         }
+
+
+def execution_conflict(
+    steps_per_execution: int, log_every: int, checkpoint_every: int, timeline_every: int
+) -> str | None:
+    """Why these settings cannot run together, or None: the launcher logs, checkpoints and
+    times only at the end of an execution of ``steps_per_execution`` steps, so each period
+    must be a multiple of it."""
+    periods = {
+        "log_every": log_every,
+        "checkpoint_every": checkpoint_every,
+        "timeline_every": timeline_every,
+    }
+    off = {name: every for name, every in periods.items() if every % steps_per_execution}
+    if not off:
+        return None
+    shown = ", ".join(f"--{name}={every}" for name, every in off.items())
+    return (
+        f"--steps_per_execution={steps_per_execution} runs that many steps per call and logs, "
+        f"checkpoints and times only after a call; {shown} is not a multiple of it: give "
+        f"multiples of {steps_per_execution}, or a --steps_per_execution that divides them"
+    )
 
 
 def _table() -> dict[str, tuple[str | None, str]]:

@@ -37,7 +37,7 @@ from hybrid.run.callbacks import NonFiniteLossError, StepCallback, Steps
 from hybrid.run.checkpoint import Checkpointer
 from hybrid.run.data_sources import is_function_spec
 from hybrid.run.output_paths import check_output_paths, missing_extras
-from hybrid.run.train_config import TrainConfig
+from hybrid.run.train_config import TrainConfig, execution_conflict
 from hybrid.run.user_model import call_user, model_for, optimizer_for
 
 __all__ = [
@@ -54,7 +54,8 @@ class TrainResult:
     """The losses of the steps this call ran, where it started, and the trained pipeline.
 
     Attributes:
-      losses: loss of each step run by this call (steps ``start_step + 1`` …).
+      losses: loss of each step run by this call (steps ``start_step + 1`` …); with
+        ``steps_per_execution`` N > 1, of each execution's last step.
       start_step: the step restored from a checkpoint (0 for a fresh run).
       examples_per_second: throughput after the first (compiling) step of this call.
       pipeline: the trained pipeline.
@@ -103,7 +104,11 @@ def pipeline_for(
         boundary_dtype=config.boundary_dtype,
     )
     pipe.compile(
-        optimizer=optimizer_for(config), loss=loss, metrics=metrics, jit_compile=config.jit_compile
+        optimizer=optimizer_for(config),
+        loss=loss,
+        metrics=metrics,
+        jit_compile=config.jit_compile,
+        steps_per_execution=config.steps_per_execution,
     )
     pipe.build(_with_batch(shape, config.data.global_batch_size), dtype)
     pipe.timeline_every = config.timeline_every
@@ -154,6 +159,14 @@ def train(
     missing = missing_extras(config.timeline_every, config.outputs.model_dir)
     if missing:
         raise ValueError(missing)
+    conflict = execution_conflict(
+        config.steps_per_execution,
+        config.log_every,
+        config.outputs.checkpoint_every,
+        config.timeline_every,
+    )
+    if conflict:
+        raise ValueError(conflict)
     with resume.lock(config, log):
         resume.start_afresh(config, log)
         return _train(config, log, step_callback, devices, checkpoint_io_device, strategy, stop)
@@ -198,6 +211,8 @@ def _train(
     steps = Steps(config, pipe, start, saver, writer, log, step_callback, stop)
     steps.last_checkpoint = restored.path if restored else None
     if config.train_steps > start:
+        if config.steps_per_execution > 1:  # a last execution of fewer steps, not past the end
+            batches = batches.take(config.train_steps - start)
         try:
             pipe.fit(
                 batches,
