@@ -33,14 +33,14 @@ __all__ = ["check_steps_per_execution", "groups", "run_loop"]
 
 
 def check_steps_per_execution(steps: Any) -> int:
-    """``compile``'s ``steps_per_execution`` as an int.
+    """``steps_per_execution`` (``compile``'s, or set on the pipeline) as an int.
 
     Raises:
       ValueError: not an integer ≥ 1.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(
-            f"compile(steps_per_execution={steps!r}): give the number of steps each call "
+            f"steps_per_execution={steps!r}: give the number of steps each call "
             "of the traced step runs, an integer >= 1 (callbacks and logs then come every "
             "that many steps, as in Keras)"
         )

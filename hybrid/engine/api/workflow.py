@@ -32,7 +32,7 @@ import numpy as np
 
 from hybrid.core.config import RunConfig
 from hybrid.engine import keras_private
-from hybrid.engine.api import batches, export, feed, weights_file
+from hybrid.engine.api import batches, executions, export, feed, weights_file
 from hybrid.engine.api.logical_optimizer import LogicalOptimizer
 from hybrid.engine.api.metrics import StepMetrics
 from hybrid.engine.model.graph import Graph, TensorSpec
@@ -103,7 +103,7 @@ class Workflow(abc.ABC):
         self._logical_optimizer: LogicalOptimizer | None = None
         # The epoch a callback restored (Keras's BackupAndRestore sets it): fit starts there.
         self._initial_epoch: int | None = None
-        self.steps_per_execution = 1  # compile's: steps per call of a traced step
+        self._steps_per_execution = 1
 
     @property
     def timeline_every(self) -> int:
@@ -115,6 +115,16 @@ class Workflow(abc.ABC):
         if every:
             self._refuse("timeline_every")
         self._timeline_every = every
+
+    @property
+    def steps_per_execution(self) -> int:
+        """The steps ``fit`` and ``evaluate`` run per call (``compile``'s; settable, as on a
+        Keras model)."""
+        return self._steps_per_execution
+
+    @steps_per_execution.setter
+    def steps_per_execution(self, steps: int) -> None:
+        self._steps_per_execution = executions.check_steps_per_execution(steps)
 
     def _refuse(self, what: str) -> None:
         """Raises ValueError with the reason when this step cannot do ``what`` yet."""
