@@ -163,7 +163,7 @@ def measure(stages: int, replicas: int, micro_batches: int) -> dict[str, Any]:
         warm = 2 * executions
         start = time.perf_counter()
         fit_seconds_per_step(pipe, x[: batch * warm], y[: batch * warm], batch, warm)
-        row[f"warm_N{executions}_s"] = time.perf_counter() - start  # traces the loop once
+        row[f"warm_N{executions}_s"] = time.perf_counter() - start  # traces the execution once
         row[f"step_N{executions}_ms"] = 1e3 * fit_seconds_per_step(pipe, x, y, batch, FLAGS.steps)
     return row
 
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> None:
             print(
                 f"  {row['mesh']:>4s} M={micro_batches:2d} actions {row['actions']:5d}  "
                 f"build {row['build_s']:6.2f} s  step N=1 {row['step_N1_ms']:8.2f} ms  "
-                f"N={n} {row[f'step_N{n}_ms']:8.2f} ms  (loop traced in "
+                f"N={n} {row[f'step_N{n}_ms']:8.2f} ms  (its execution traced in "
                 f"{row[f'warm_N{n}_s']:.1f} s)"
             )
     keras_ms = {k: 1e3 * v for k, v in keras_reference(FLAGS.rows).items()}
@@ -275,10 +275,11 @@ def main(argv: list[str]) -> None:
     )
     common.write_csv("host_overhead", rows)
     print(f"  wrote {path}, {plot(rows, lines)}")
+    keras_n = keras_ms[f"keras_fit_N{n}"]
     print(
         f"SUMMARY host_overhead fixed_N1_ms={fixed1:.3f} fixed_N{n}_ms={fixed_n:.3f} "
         f"per_action_us={per_action_n:.1f} keras_train_on_batch_ms="
-        f"{keras_ms['keras_train_on_batch']:.3f} keras_fit_N{n}_ms={keras_ms[f'keras_fit_N{n}']:.3f}"
+        f"{keras_ms['keras_train_on_batch']:.3f} keras_fit_N{n}_ms={keras_n:.3f}"
     )
 
 

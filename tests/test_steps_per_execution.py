@@ -5,7 +5,8 @@ The reference is plain Keras on one device compiled with the same ``steps_per_ex
 index of the execution's last step), ``evaluate``, ``predict`` and its callbacks' outputs,
 the weights and Adam's moments. The data (100 examples in batches of 16: 7 batches, the
 last of 4 padded to the mesh's R·M) ends inside an execution, and the padded batch cannot
-stack with the full ones: an execution of 4 is then a loop of 3 and a single step.
+run in one function with the full ones: an execution of 4 is then 3 steps in one call and
+a single step.
 """
 
 import os
@@ -114,23 +115,23 @@ def pair(stages, replicas, micro_batches, **pipeline_args):
 
 
 @pytest.mark.parametrize(
-    "stages,replicas,micro_batches,steps,prefetch,loops",
-    # loops: the numbers of batches stacked. 7 batches, the last padded; the pipeline's
+    "stages,replicas,micro_batches,steps,prefetch,traces",
+    # traces: the numbers of batches run in one call. 7 batches, the last padded; the pipeline's
     # first step runs alone. N=4: 1 + 3, 2 + 1 | 4, 2 + 1.  N=3: 1 + 2, 3, 1 | 3, 3, 1.
     [(2, 2, 2, 4, 2, 3), (2, 1, 4, 3, 0, 2)],
 )
-def test_fit_evaluate_predict_match_keras(stages, replicas, micro_batches, steps, prefetch, loops):
+def test_fit_evaluate_predict_match_keras(stages, replicas, micro_batches, steps, prefetch, traces):
     keras_model, pipe = pair(stages, replicas, micro_batches, prefetch=prefetch)
     want = workflow(keras_model, steps)
     got = workflow(pipe, steps)
     assert_same_as_keras(pipe, keras_model, got, want)
     assert int(pipe.step_counter.numpy()) == 14  # 7 batches, 2 epochs
     # one trace per number of batches stacked, however many executions ran
-    assert pipe._steps.train_loop.experimental_get_tracing_count() == loops
+    assert pipe._steps.train_many.experimental_get_tracing_count() == traces
 
 
-def test_a_loop_is_bit_identical_to_single_steps():
-    """N steps in one loop compute exactly what N calls of the single step compute."""
+def test_an_execution_is_bit_identical_to_single_steps():
+    """N steps in one call compute exactly what N calls of the single step compute."""
     x, y = data(128)
     pipes = []
     for steps in (1, 4):
@@ -138,7 +139,7 @@ def test_a_loop_is_bit_identical_to_single_steps():
         pipe.compile(**compile_args(steps))
         pipe.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         pipes.append(pipe)
-    assert pipes[1]._steps.train_loop.experimental_get_tracing_count() == 2  # 1 + 3, 4
+    assert pipes[1]._steps.train_many.experimental_get_tracing_count() == 2  # 1 + 3, 4
     for ours, theirs in zip(pipes[0].get_weights(), pipes[1].get_weights(), strict=True):
         np.testing.assert_array_equal(ours, theirs)
 

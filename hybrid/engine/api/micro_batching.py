@@ -79,8 +79,8 @@ class Steps:
       inference, inference_order: the forward-only schedule and its order.
       train, timed, gradients, evaluate, predict: the traced step functions (one trace per
         input signature; a traced step has M in its graph).
-      train_loop, evaluate_loop: ``train`` and ``evaluate`` over a list of batches, one
-        loop (``compile(steps_per_execution=N)``; one trace per number of batches).
+      train_many, evaluate_many: ``train`` and ``evaluate`` on each of a list of batches,
+        one function (``compile(steps_per_execution=N)``; one trace per number of batches).
       first_train, first_gradients, first_evaluate, first_predict: the same steps with the
         replicas' programs run replica by replica (``MeshStep.gradients(ordered=True)``,
         ``MeshStep.forward(ordered=True)``), for the first call of each with a persistent
@@ -99,8 +99,8 @@ class Steps:
     gradients: Any
     evaluate: Any
     predict: Any
-    train_loop: Any
-    evaluate_loop: Any
+    train_many: Any
+    evaluate_many: Any
     first_train: Any = None
     first_gradients: Any = None
     first_evaluate: Any = None
@@ -127,14 +127,14 @@ def steps_for(
     gradients: Callable[..., Any],
     evaluate: Callable[..., Any],
     predict: Callable[..., Any],
-    train_loop: Callable[..., Any],
-    evaluate_loop: Callable[..., Any],
+    train_many: Callable[..., Any],
+    evaluate_many: Callable[..., Any],
 ) -> Steps:
     """The :class:`Steps` of ``config`` at M = ``micro_batches``: the validated config, the
     training and forward-only schedules and their execution orders, and fresh traced
     functions of the step callables (``train(parts, record=False, ordered=False)``,
     ``gradients(parts, ordered=False)``, ``evaluate(parts, ordered=False)``, ...,
-    ``train_loop(batches)``, ``evaluate_loop(batches)``).
+    ``train_many(batches)``, ``evaluate_many(batches)``).
 
     Raises:
       ConfigError: a schedule that does not run ``micro_batches``.
@@ -156,8 +156,8 @@ def steps_for(
         gradients=traced(gradients),
         evaluate=traced(evaluate),
         predict=traced(predict),
-        train_loop=traced(train_loop),
-        evaluate_loop=traced(evaluate_loop),
+        train_many=traced(train_many),
+        evaluate_many=traced(evaluate_many),
         first_train=traced(functools.partial(train, ordered=True)),
         first_gradients=traced(functools.partial(gradients, ordered=True)),
         first_evaluate=traced(functools.partial(evaluate, ordered=True)),

@@ -239,7 +239,7 @@ class Pipeline(Workflow):
           run_eagerly: must be False: the pipelined step is always a traced function
             (debug the model with plain Keras on one device).
           steps_per_execution: the steps ``fit`` and ``evaluate`` run per call of their
-            traced function (one loop: ``executions.py``), as Keras's: callbacks and logs
+            traced function (``executions.py``), as Keras's: callbacks and logs
             every that many steps; ``predict`` hands its callbacks that many batches'
             outputs at once.
           jit_compile: "auto" or True compiles the stage programs with XLA (a stage that
@@ -285,8 +285,8 @@ class Pipeline(Workflow):
             gradients=functools.partial(step_bodies.gradients, self),
             evaluate=functools.partial(step_bodies.evaluate, self),
             predict=functools.partial(step_bodies.predict, self),
-            train_loop=functools.partial(step_bodies.train_loop, self),
-            evaluate_loop=functools.partial(step_bodies.evaluate_loop, self),
+            train_many=functools.partial(step_bodies.train_many, self),
+            evaluate_many=functools.partial(step_bodies.evaluate_many, self),
         )
 
     def _use(self, micro_batches: int) -> None:
@@ -474,9 +474,9 @@ class Pipeline(Workflow):
         self._run_many("evaluate", many)
 
     def _run_many(self, kind: str, many: list[Shards]) -> None:
-        """``kind`` ("train" or "evaluate") on each batch in turn: every run of batches that
-        stack (``executions.groups``) in one call of the ``<kind>_loop`` step; the pipeline's
-        first step of the kind, and a lone batch, in one call of the single step."""
+        """``kind`` ("train" or "evaluate") on each batch in turn: every run of batches of
+        one signature (``executions.groups``) in one call of the ``<kind>_many`` step; the
+        pipeline's first step of the kind, and a lone batch, in a call of the single step."""
         training = kind == "train"
         single = self._train_batch if training else self._test_batch
         if not self._first.ran(self._steps, kind):
@@ -489,7 +489,7 @@ class Pipeline(Workflow):
             for parts in group:
                 batches.warn_padding(parts, [row[0] for row in self._stages], training)
             with out_of_memory.said(self):
-                getattr(self._steps, f"{kind}_loop")(group)
+                getattr(self._steps, f"{kind}_many")(group)
 
     def _run_first(self, kind: str, parts: Shards) -> Any:
         """The traced ``kind`` step on ``parts``, its first call in turn where it should."""

@@ -6,8 +6,8 @@ function of the pipeline (``micro_batching.steps_for`` traces them, one per kind
     gradients  the batch's loss and replica 0's gradients, in the model's variable order
     evaluate   the forwards, the loss as Keras reduces it (penalties added) and the metrics
     predict    the forwards' outputs, the padding cut off
-    train_loop, evaluate_loop
-               ``train``, ``evaluate`` on each of several batches, one loop
+    train_many, evaluate_many
+               ``train``, ``evaluate`` on each of several batches, in one function
                (``executions.py``: ``compile(steps_per_execution=N)``)
 """
 
@@ -28,12 +28,12 @@ from hybrid.engine.step import lowering, reduction, sharding, update
 __all__ = [
     "apply",
     "evaluate",
-    "evaluate_loop",
+    "evaluate_many",
     "gradients",
     "mesh_step",
     "predict",
     "train",
-    "train_loop",
+    "train_many",
 ]
 
 
@@ -50,11 +50,9 @@ def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False)
     return [[start, end] for _, _, start, end in step.events]
 
 
-def train_loop(pipe: Any, many: list[Shards]) -> None:
-    """:func:`train` on each of ``many`` batches in turn, in one loop; each iteration after
-    the previous one's step counter update."""
-    train_step = functools.partial(train, pipe)
-    executions.run_loop(train_step, many, pipe._shard_devices(), pipe._step.read_value)
+def train_many(pipe: Any, many: list[Shards]) -> None:
+    """:func:`train` on each of ``many`` batches in turn (``executions.run_steps``)."""
+    executions.run_steps(functools.partial(train, pipe), many)
 
 
 def apply(pipe: Any, grads: list[list[list[Any]]], stats: list[Any], ordered: bool) -> None:
@@ -110,13 +108,9 @@ def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> None:
     pipe._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
 
 
-def evaluate_loop(pipe: Any, many: list[Shards]) -> None:
-    """:func:`evaluate` on each of ``many`` batches in turn, in one loop; each iteration after
-    the previous one's metrics update (its last loss written)."""
-    evaluate_step = functools.partial(evaluate, pipe)
-    executions.run_loop(
-        evaluate_step, many, pipe._shard_devices(), pipe._metrics.last_loss.read_value
-    )
+def evaluate_many(pipe: Any, many: list[Shards]) -> None:
+    """:func:`evaluate` on each of ``many`` batches in turn (``executions.run_steps``)."""
+    executions.run_steps(functools.partial(evaluate, pipe), many)
 
 
 def predict(pipe: Any, parts: Shards, ordered: bool = False) -> Flat:

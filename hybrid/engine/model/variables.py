@@ -28,7 +28,7 @@ import tensorflow as tf
 from hybrid.engine import keras_private
 from hybrid.engine.model.sparse import concat
 
-__all__ = ["Placement", "TracedReads", "device_copy", "sum_tied"]
+__all__ = ["Placement", "TracedReads", "device_copy", "next_step_reads", "sum_tied"]
 
 Location = tuple[int, int]  # (model stage, index in that stage's variables or trainables)
 
@@ -144,25 +144,38 @@ def device_copy(template: Any) -> keras.Variable:
     return copy
 
 
+_steps_traced = 0  # bumped between the steps of one traced function (next_step_reads)
+
+
+def next_step_reads() -> None:
+    """Makes every :class:`TracedReads` read afresh in the function being traced: the next
+    step traced into it reads what the previous one wrote (several steps in one function,
+    ``compile(steps_per_execution=N)``)."""
+    global _steps_traced
+    _steps_traced += 1
+
+
 class TracedReads:
-    """The values of ``variables``, read once per traced function and shared by every
-    caller in it (eager callers read afresh).
+    """The values of ``variables``, read once per step traced into a function and shared by
+    every caller in that step (eager callers read afresh).
 
     Every action of a training step reads a stage's weights before the step updates them,
     so the M forwards and backwards of a traced step can share one read of each variable
-    instead of a read each: fewer ops to trace, order and run, the same values.
+    instead of a read each: fewer ops to trace, order and run, the same values. A function
+    of several steps calls :func:`next_step_reads` between them.
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:
         self.variables = list(variables)
         self._graph: Any = None  # a weak reference to the graph the reads were made in
+        self._step = -1  # the _steps_traced they were made at
         self._values: list[tf.Tensor] = []
 
     def __call__(self) -> list[tf.Tensor]:
         if tf.executing_eagerly():
             return [tf.convert_to_tensor(v) for v in self.variables]
         graph = tf.compat.v1.get_default_graph()
-        if self._graph is None or self._graph() is not graph:
-            self._graph = weakref.ref(graph)
+        if self._graph is None or self._graph() is not graph or self._step != _steps_traced:
+            self._graph, self._step = weakref.ref(graph), _steps_traced
             self._values = [tf.convert_to_tensor(v) for v in self.variables]
         return list(self._values)
