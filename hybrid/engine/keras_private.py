@@ -260,8 +260,14 @@ class _TensorEpochIterator(EpochIterator):  # type: ignore[misc]
     feed: Callable[[Any], Any] | None = None
     ran_out = 0  # epochs ended by the data running out (not by reaching their step count)
 
+    _dataset: Any = None
+
     def _get_iterator(self) -> Any:
-        batches = iter(self.data_adapter.get_tf_dataset())
+        # the dataset built once (as Keras's TensorFlow iterator does): building it costs
+        # tens of milliseconds, and Keras asks for an iterator once per epoch and once more
+        if self._dataset is None:
+            self._dataset = self.data_adapter.get_tf_dataset()
+        batches = iter(self._dataset)
         return batches if self.feed is None else self.feed(batches)
 
     def __next__(self) -> tuple[int, int, list[Any]]:

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private
 from hybrid.engine.api.batches import structured
+from hybrid.engine.api.micro_batching import Step
 
 __all__ = ["StepMetrics"]
 
@@ -64,6 +65,8 @@ class StepMetrics:
             else None
         )
         self._names = dict_names
+        self._results: Any = None  # the traced result() (traced again once compiled is built)
+        self._results_built = False
 
     @property
     def needs_predictions(self) -> bool:
@@ -113,11 +116,20 @@ class StepMetrics:
         self.compiled.update_state(real(y_true), real(y_pred), weights)
 
     def result(self) -> dict[str, float]:
-        """The logs ``fit`` reports: ``loss`` first, then each compiled metric by name."""
-        logs = {"loss": float(self.loss.result())}
-        logs.update({m.name: float(m.result()) for m in self.output_losses})
+        """The logs ``fit`` reports: ``loss`` first, then each compiled metric by name (read
+        by one traced function: Keras's eager ``result()`` of each metric costs as much as a
+        small step)."""
+        built = self.compiled is not None and self.compiled.built
+        if self._results is None or self._results_built != built:
+            self._results = Step(self._tensors)
+            self._results_built = built
+        return {name: float(value) for name, value in self._results().items()}
+
+    def _tensors(self) -> dict[str, tf.Tensor]:
+        logs = {"loss": self.loss.result()}
+        logs.update({m.name: m.result() for m in self.output_losses})
         if self.compiled is not None and self.compiled.built:
-            logs.update({name: float(value) for name, value in self.compiled.result().items()})
+            logs.update(self.compiled.result())
         return logs
 
     def reset(self) -> None:
