@@ -1,27 +1,30 @@
 """What the host costs per step: a model so small that a step is nearly all host work, on
-meshes up to 8 × 4 = 32 simulated devices and M up to 32, fitted as
+meshes up to 8 × 4 = 32 simulated devices and M up to 32, ``fit``'s step time fitted, per
+mesh over its M, as
 
-    seconds per step = fixed + per_action × actions + per_copy × S·R
+    ms per step = fixed + per_action × actions
 
     (actions = 2·S·R·M: every stage program's forward and backward on every micro-batch of
-    every replica; S·R stage copies: each one's update, all-reduce and share of the graph)
+    every replica; ``fixed``: the mesh's cost per step whatever M, which grows with its S·R
+    stage copies: each one's update, all-reduce and share of the graph)
 
-for ``fit`` with ``steps_per_execution`` N = 1 and N = --executions (Keras's meaning: N steps
-per call). Beside it, in the same process, what a user would run instead: the same model in
-plain Keras on one device (``compile(jit_compile=True)``), its ``train_on_batch`` and its
-``fit`` at the same two N. Also reported per mesh: build time (``Pipeline`` + ``compile`` +
-the first step, which traces the step and compiles its stage programs) against the number of
-stage copies S·R and of distinct stage programs (S: the replicas and micro-batches of a stage
-run one program).
+for ``steps_per_execution`` N = 1 and N = --executions (Keras's meaning: N steps per call).
+Also per mesh: build time (``Pipeline`` + ``compile`` + the first step, which traces the step
+and compiles its stage programs) and the time to trace an execution of N steps, against the
+number of stage copies S·R.
+
+Beside it, what a user would run instead, timed side by side in alternation (--rounds,
+medians): the one-stage model in plain Keras on one device (``compile(jit_compile=True)``):
+``train_on_batch``, ``fit`` at N = 1 and at N = --executions; and the same model as a 1 × 1,
+M = 1 pipeline, the same calls.
 
 The model: --layers_per_stage × Dense(--width) per stage + Dense(1), mse, SGD, GPipe,
 ``remat="never"``, XLA, --rows examples per micro-batch: an action runs one small layer (plus
 the head on the last stage), so what it costs is the engine's and the runtime's, not the
-model's. Keras runs the one-stage model. Step times are ``fit``'s own, between the end of its first
-execution and the end of its last (a callback's clock): the loop, the feed, the callbacks,
-the step. Issue 44's goals (printed with the figures): per action ≤ 30 µs; the whole 1 × 1,
-M = 1 step (host cost only, the fitted fixed term being an extrapolation) at N = 1 ≤ Keras's
-``train_on_batch``, and at N = 8 ≤ Keras's ``fit`` at N = 8.
+model's. Step times are ``fit``'s own, between the end of its first execution and the end of
+its last (a callback's clock): the loop, the feed, the callbacks, the step. Issue 44's goals
+(printed): the median over meshes of µs per action ≤ 30; the pipeline's ``fit`` at N = 1 ≤
+Keras's ``train_on_batch``, and at N = 8 ≤ Keras's ``fit`` at N = 8.
 
     python benchmarks/host_overhead.py [--meshes=1x1,2x1,...] [--micro_batches=1,8,32]
 
@@ -48,6 +51,7 @@ flags.DEFINE_integer("steps", 48, "Timed steps per fit (a multiple of --executio
 flags.DEFINE_integer("layers_per_stage", 1, "Dense layers per pipeline stage.")
 flags.DEFINE_integer("width", 8, "Dense width.")
 flags.DEFINE_integer("rows", 2, "Examples per micro-batch.")
+flags.DEFINE_integer("rounds", 5, "Rounds of the side-by-side comparison (medians).")
 FLAGS = flags.FLAGS
 
 DEVICES = 32
@@ -107,29 +111,41 @@ def call_seconds(call: Callable[[], Any], repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def keras_reference(batch: int) -> dict[str, float]:
-    """Plain Keras on one device, the one-stage model: train_on_batch, fit at N = 1 and
-    N = --executions."""
+def side_by_side(batch: int) -> dict[str, float]:
+    """The one-stage model's step, in alternation over --rounds (medians, ms): plain Keras on
+    one device (``train_on_batch``, ``fit`` at N = 1 and N = --executions) and the 1 × 1,
+    M = 1 pipeline (``train_on_batch``, ``fit`` at both N)."""
     import keras
+
+    import hybrid
 
     steps, n = FLAGS.steps, FLAGS.executions
     x, y = data(batch, steps)
-    out = {}
-    for executions in (1, n):
-        m = model(1)
-        m.compile(
-            optimizer=keras.optimizers.SGD(1e-3),
-            loss="mse",
-            jit_compile=True,
-            steps_per_execution=executions,
-        )
-        fit_seconds_per_step(m, x[: batch * n * 2], y[: batch * n * 2], batch, 2 * n)  # warm
-        out[f"keras_fit_N{executions}"] = fit_seconds_per_step(m, x, y, batch, steps)
-        if executions == 1:
-            out["keras_train_on_batch"] = call_seconds(
-                lambda m=m: m.train_on_batch(x[:batch], y[:batch]), steps
+    candidates: dict[str, Callable[[], float]] = {}
+    for who in ("keras", "pipeline"):
+        for executions in (1, n):
+            m = model(1)
+            if who == "pipeline":
+                m = hybrid.Pipeline(m, hybrid.DeviceMesh.create(1, 1), micro_batches=1)
+            m.compile(
+                optimizer=keras.optimizers.SGD(1e-3),
+                loss="mse",
+                jit_compile=True,
+                steps_per_execution=executions,
             )
-    return out
+            fit_seconds_per_step(m, x[: batch * 2 * n], y[: batch * 2 * n], batch, 2 * n)
+            candidates[f"{who}_fit_N{executions}"] = lambda m=m: fit_seconds_per_step(
+                m, x, y, batch, steps
+            )
+            if executions == 1:
+                candidates[f"{who}_train_on_batch"] = lambda m=m: call_seconds(
+                    lambda: m.train_on_batch(x[:batch], y[:batch]), steps
+                )
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(FLAGS.rounds):
+        for name, run in candidates.items():
+            samples[name].append(run())
+    return {name: 1e3 * common.median(values) for name, values in samples.items()}
 
 
 def measure(stages: int, replicas: int, micro_batches: int) -> dict[str, Any]:
@@ -170,54 +186,58 @@ def measure(stages: int, replicas: int, micro_batches: int) -> dict[str, Any]:
     return row
 
 
-def fit_line(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
-    """Least squares of ``key`` (ms per step) against actions and stage copies: fixed ms,
-    µs per action, µs per stage copy, and the largest relative error over the rows."""
+def fit_lines(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
+    """Per mesh, least squares of ``key`` (ms per step) against actions over its M: the
+    fixed ms of a step on that mesh, µs per action, and the worst relative error."""
     import numpy as np
 
-    terms = np.array([[1.0, r["actions"], r["stage_copies"]] for r in rows])
-    ms = np.array([r[key] for r in rows])
-    (fixed, per_action, per_copy), *_ = np.linalg.lstsq(terms, ms, rcond=None)
-    error = float(np.max(np.abs(terms @ [fixed, per_action, per_copy] - ms) / ms))
-    return {
-        "fixed_ms": float(fixed),
-        "per_action_us": float(1e3 * per_action),
-        "per_copy_us": float(1e3 * per_copy),
-        "worst_error": error,
-    }
+    lines = {}
+    for mesh in dict.fromkeys(r["mesh"] for r in rows):
+        mine = [r for r in rows if r["mesh"] == mesh]
+        if len(mine) < 2:
+            continue
+        actions = np.array([r["actions"] for r in mine], dtype=float)
+        ms = np.array([r[key] for r in mine])
+        per_action, fixed = np.polyfit(actions, ms, 1)
+        error = float(np.max(np.abs(fixed + per_action * actions - ms) / ms))
+        lines[mesh] = {
+            "fixed_ms": float(fixed),
+            "per_action_us": float(1e3 * per_action),
+            "worst_error": error,
+            "stage_copies": mine[0]["stage_copies"],
+        }
+    return lines
 
 
-def plot(rows: list[dict[str, Any]], lines: dict[str, dict[str, float]]) -> str:
+def plot(rows: list[dict[str, Any]], lines: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Left: ms per step against actions, each mesh's fitted line, N = 1 and N = 8. Right:
+    build time against stage copies."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for n, color in ((1, "#4c72b0"), (FLAGS.executions, "#dd8452")):
-        key, line = f"step_N{n}_ms", lines[f"step_N{n}_ms"]
-        actions = [r["actions"] for r in rows]
-        left.scatter(actions, [r[key] for r in rows], color=color, label=f"fit, N={n}")
-        fitted = [
-            line["fixed_ms"]
-            + 1e-3 * line["per_action_us"] * r["actions"]
-            + 1e-3 * line["per_copy_us"] * r["stage_copies"]
-            for r in rows
-        ]
+        key = f"step_N{n}_ms"
         left.scatter(
-            actions,
-            fitted,
-            color=color,
-            marker="_",
-            s=120,
-            label=f"{line['fixed_ms']:.2f} ms + {line['per_action_us']:.1f} µs/action + "
-            f"{line['per_copy_us']:.0f} µs/copy",
-        )
-    left.set_xscale("symlog", linthresh=10)
+            [r["actions"] for r in rows], [r[key] for r in rows], color=color, s=14,
+            label=f"fit, steps_per_execution={n}",
+        )  # fmt: skip
+        for mesh, line in lines[key].items():
+            top = max(r["actions"] for r in rows if r["mesh"] == mesh)
+            low = min(r["actions"] for r in rows if r["mesh"] == mesh)
+            left.plot(
+                [low, top],
+                [line["fixed_ms"] + 1e-3 * line["per_action_us"] * a for a in (low, top)],
+                color=color,
+                linewidth=0.8,
+            )
+    left.set_xscale("log")
     left.set_yscale("log")
     left.set_xlabel("actions per step (2·S·R·M)")
     left.set_ylabel("ms per step")
-    left.set_title("fit's step on a tiny model")
+    left.set_title("fit's step on a tiny model (lines: each mesh over M)")
     left.legend(fontsize=8)
     for m in sorted({r["micro_batches"] for r in rows}):
         mine = sorted((r for r in rows if r["micro_batches"] == m), key=lambda r: r["stage_copies"])
@@ -253,50 +273,53 @@ def main(argv: list[str]) -> None:
                 f"N={n} {row[f'step_N{n}_ms']:8.2f} ms  (its execution traced in "
                 f"{row[f'warm_N{n}_s']:.1f} s)"
             )
-    keras_ms = {k: 1e3 * v for k, v in keras_reference(FLAGS.rows).items()}
-    lines = {key: fit_line(rows, key) for key in ("step_N1_ms", f"step_N{n}_ms")}
-    fixed1, fixed_n = lines["step_N1_ms"]["fixed_ms"], lines[f"step_N{n}_ms"]["fixed_ms"]
-    per_action_n = lines[f"step_N{n}_ms"]["per_action_us"]
-    print(f"  Keras, one device, batch {FLAGS.rows}: " + "  ".join(
-        f"{k} {v:.3f} ms" for k, v in keras_ms.items()
-    ))  # fmt: skip
-    for key, line in lines.items():
-        print(
-            f"  {key}: {line['fixed_ms']:.3f} ms fixed + {line['per_action_us']:.1f} µs/action "
-            f"+ {line['per_copy_us']:.0f} µs/stage copy (worst point off the fit "
-            f"{100 * line['worst_error']:.0f} %)"
-        )
-    # the whole step of the one-stage model on one device (1×1, M=1: all of it host cost,
-    # nothing subtracted) against Keras's step of the same model
-    (smallest,) = [r for r in rows if r["stage_copies"] == 1 and r["micro_batches"] == 1] or [
-        min(rows, key=lambda r: r["actions"])
-    ]
-    print(
-        f"  1x1 M=1 fit step: N=1 {smallest['step_N1_ms']:.3f} ms, N={n} "
-        f"{smallest[f'step_N{n}_ms']:.3f} ms"
-    )
-    goals = {
-        "per_action_us<=30": per_action_n <= 30.0,
-        "step_1x1_N1<=keras_train_on_batch": smallest["step_N1_ms"]
-        <= keras_ms["keras_train_on_batch"],
-        f"step_1x1_N{n}<=keras_fit_N{n}": smallest[f"step_N{n}_ms"] <= keras_ms[f"keras_fit_N{n}"],
+    lines = {key: fit_lines(rows, key) for key in ("step_N1_ms", f"step_N{n}_ms")}
+    for key, per_mesh in lines.items():
+        print(f"  {key}, per mesh over M: fixed ms + µs per action (worst point off its line)")
+        for mesh, line in per_mesh.items():
+            print(
+                f"    {mesh:>4s}: {line['fixed_ms']:7.3f} ms + {line['per_action_us']:5.1f} µs"
+                f"  ({100 * line['worst_error']:.0f} %)"
+            )
+    per_action = {
+        key: common.median([line["per_action_us"] for line in per_mesh.values()])
+        for key, per_mesh in lines.items()
     }
+    side = side_by_side(FLAGS.rows)
+    print(f"  the one-stage model side by side (medians of {FLAGS.rounds} rounds):")
+    for name, value in side.items():
+        print(f"    {name:26s} {value:7.3f} ms/step")
+    goals = {
+        "median_per_action_us<=30": per_action[f"step_N{n}_ms"] <= 30.0,
+        "pipeline_fit_N1<=keras_train_on_batch": side["pipeline_fit_N1"]
+        <= side["keras_train_on_batch"],
+        f"pipeline_fit_N{n}<=keras_fit_N{n}": side[f"pipeline_fit_N{n}"] <= side[f"keras_fit_N{n}"],
+    }
+    print(
+        "  median µs per action: "
+        + ", ".join(f"{key} {value:.1f}" for key, value in per_action.items())
+    )
     for goal, met in goals.items():
         print(f"  goal {goal}: {'met' if met else 'NOT met'}")
-    results = {"fits": lines, "keras_ms": keras_ms, "goals": goals}
+    results = {"fits": lines, "per_action_us": per_action, "side_by_side_ms": side, "goals": goals}
     config = common.flag_values(
-        "meshes", "micro_batches", "executions", "steps", "layers_per_stage", "width", "rows"
+        "meshes",
+        "micro_batches",
+        "executions",
+        "steps",
+        "layers_per_stage",
+        "width",
+        "rows",
+        "rounds",
     )
     path = common.write_json(
         "host_overhead", {"environment": env, "config": config, "rows": rows, **results}
     )
     common.write_csv("host_overhead", rows)
     print(f"  wrote {path}, {plot(rows, lines)}")
-    keras_n = keras_ms[f"keras_fit_N{n}"]
     print(
-        f"SUMMARY host_overhead fixed_N1_ms={fixed1:.3f} fixed_N{n}_ms={fixed_n:.3f} "
-        f"per_action_us={per_action_n:.1f} keras_train_on_batch_ms="
-        f"{keras_ms['keras_train_on_batch']:.3f} keras_fit_N{n}_ms={keras_n:.3f}"
+        f"SUMMARY host_overhead per_action_us={per_action[f'step_N{n}_ms']:.1f} "
+        + " ".join(f"{name}_ms={value:.3f}" for name, value in side.items())
     )
 
 

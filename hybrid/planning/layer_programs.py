@@ -11,9 +11,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hybrid.engine.api.micro_batching import traced
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.step.stage import StageReplica, TensorSpec
+from hybrid.engine.traced import traced
 
 __all__ = [
     "PROGRAMS",

@@ -9,7 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hybrid.engine.api.micro_batching import traced
+from hybrid.engine.traced import traced
 from hybrid.planning.stopwatch import net_seconds
 
 __all__ = ["measure_all_reduce", "measure_transfer"]

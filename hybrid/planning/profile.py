@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from hybrid.engine.api.micro_batching import traced
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import optimizer_copies
 from hybrid.engine.step.stage import StageReplica, TensorSpec
+from hybrid.engine.traced import traced
 from hybrid.planning.layer_programs import (
     PROGRAMS,
     Probe,

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private
 from hybrid.engine.api.batches import structured
-from hybrid.engine.api.micro_batching import Step
+from hybrid.engine.traced import Traced
 
 __all__ = ["StepMetrics"]
 
@@ -121,7 +121,7 @@ class StepMetrics:
         small step)."""
         built = self.compiled is not None and self.compiled.built
         if self._results is None or self._results_built != built:
-            self._results = Step(self._tensors)
+            self._results = Traced(self._tensors)
             self._results_built = built
         return {name: float(value) for name, value in self._results().items()}
 

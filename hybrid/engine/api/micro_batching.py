@@ -20,37 +20,33 @@ stream of dropout, which is drawn per micro-batch).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
 from absl import logging
 
 from hybrid.core import schedule as schedule_lib
 from hybrid.core.config import ConfigError, RunConfig, least_micro_batches, validate_run
+from hybrid.engine.traced import Traced
 
 __all__ = [
     "AUTO",
     "MAX_AUTO",
     "REPEATS",
-    "Step",
     "Steps",
     "best_of",
     "candidates",
     "choose_micro_batches",
     "initial_micro_batches",
     "steps_for",
-    "traced",
 ]
 
 AUTO = "auto"
 MAX_AUTO = 16  # the most micro-batches "auto" tries
 REPEATS = 3  # timed gradient steps per candidate, after its compiling one
-RETRACING_WINDOW = 10  # a Step warns when half of its last this many calls traced it
 
 
 def initial_micro_batches(micro_batches: int | str, schedule: str, stages: int) -> int:
@@ -114,72 +110,6 @@ class Steps:
         return self.config.micro_batches
 
 
-def traced(fn: Callable[..., Any]) -> Any:
-    """``fn`` as a graph function (no autograph) of its own. Through a partial: TensorFlow's
-    retracing warning counts the traces of one Python code object across every
-    ``tf.function`` made of it (every pipeline, every M, every layer the planner profiles):
-    each is counted on its own, so the warning means a function that retraces."""
-    return tf.function(functools.partial(fn), autograph=False)
-
-
-def _signature(value: Any, tensors: list[tf.Tensor]) -> Any:
-    """The structure of ``value`` (lists, tuples, None and tensors) with each tensor's shape
-    and dtype, its tensors appended to ``tensors`` in ``tf.nest`` order; None where a value
-    is anything else."""
-    if value is None:
-        return ()
-    if isinstance(value, tf.Tensor):
-        tensors.append(value)
-        return tuple(value.shape.as_list()), value.dtype
-    if type(value) in (list, tuple) or isinstance(value, tuple) and hasattr(value, "_fields"):
-        inner = [_signature(item, tensors) for item in value]
-        return None if None in inner else (type(value), tuple(inner))
-    return None
-
-
-class Step:
-    """A step function traced once per input signature, and called as that trace.
-
-    A ``tf.function`` call canonicalizes its arguments against every trace before it runs
-    one (about 0.5 ms a call here, as much as a tiny step's whole graph); the step's
-    arguments are the batch's shards (lists and named tuples of tensors), whose signature
-    — structure, shapes, dtypes — is cheap to read: this keeps one concrete function per
-    signature and calls it with the flat tensors. Anything else is passed to the
-    ``tf.function`` as it is. Like ``tf.function``, it warns of a step that keeps
-    retracing: when half of its last :data:`RETRACING_WINDOW` calls traced it.
-    """
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.function = traced(fn)
-        self._concrete: dict[Any, Any] = {}
-        self._traced: collections.deque[bool] = collections.deque(maxlen=RETRACING_WINDOW)
-
-    def __call__(self, *args: Any) -> Any:
-        tensors: list[tf.Tensor] = []
-        key = _signature(args, tensors)
-        if key is None:
-            return self.function(*args)
-        concrete = self._concrete.get(key)
-        self._traced.append(concrete is None)
-        if concrete is None:
-            concrete = self._concrete[key] = self.function.get_concrete_function(*args)
-            if sum(self._traced) * 2 >= RETRACING_WINDOW:  # where TensorFlow's warning goes
-                tf.get_logger().warning(
-                    "%d of the last %d calls of a pipeline step triggered tf.function "
-                    "retracing: each new input signature (batch shape, dtype, structure) "
-                    "traces the step again; keep the batch shape fixed",
-                    sum(self._traced),
-                    len(self._traced),
-                )
-        return concrete._call_flat(tensors, concrete.captured_inputs)
-
-    def get_concrete_function(self, *args: Any) -> Any:
-        return self.function.get_concrete_function(*args)
-
-    def experimental_get_tracing_count(self) -> int:
-        return int(self.function.experimental_get_tracing_count())
-
-
 def steps_for(
     config: RunConfig,
     micro_batches: int,
@@ -212,17 +142,17 @@ def steps_for(
         fused=schedule_lib.pairs_to_fuse(schedule),
         inference=inference,
         inference_order=schedule_lib.execution_order(inference),
-        train=Step(train),
-        timed=Step(functools.partial(train, record=True)),
-        gradients=Step(gradients),
-        evaluate=Step(evaluate),
-        predict=Step(predict),
-        train_many=Step(train_many),
-        evaluate_many=Step(evaluate_many),
-        first_train=Step(functools.partial(train, ordered=True)),
-        first_gradients=Step(functools.partial(gradients, ordered=True)),
-        first_evaluate=Step(functools.partial(evaluate, ordered=True)),
-        first_predict=Step(functools.partial(predict, ordered=True)),
+        train=Traced(train),
+        timed=Traced(functools.partial(train, record=True)),
+        gradients=Traced(gradients),
+        evaluate=Traced(evaluate),
+        predict=Traced(predict),
+        train_many=Traced(train_many),
+        evaluate_many=Traced(evaluate_many),
+        first_train=Traced(functools.partial(train, ordered=True)),
+        first_gradients=Traced(functools.partial(gradients, ordered=True)),
+        first_evaluate=Traced(functools.partial(evaluate, ordered=True)),
+        first_predict=Traced(functools.partial(predict, ordered=True)),
     )
 
 

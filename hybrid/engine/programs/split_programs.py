@@ -38,6 +38,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 from hybrid.engine.programs.shape_values import SHAPE_OPS
+from hybrid.engine.traced import Traced
 
 __all__ = ["Part", "SplitPrograms", "descendants", "flatten", "pure", "signature", "split"]
 
@@ -285,7 +286,7 @@ def split(
             given.update(arguments(b_names, b_args))
             return _import(part_def, mapping, returns, given)
 
-        return tf.function(run, jit_compile=jit_compile, autograph=False), about
+        return Traced(run, jit_compile), about
 
     b_returns = [t.name for t in b_outputs]
     backward, weights = part(b_program, b_returns)
@@ -300,7 +301,7 @@ def split(
         rest, weights = part(in_rest, b_returns[first:], carried)
         parts = (part(in_first, b_returns[:first] + carried)[0], rest, first)
     return SplitPrograms(
-        tf.function(forward, jit_compile=jit_compile, autograph=False),
+        Traced(forward, jit_compile),
         backward,
         counts[0],
         parts,

@@ -61,6 +61,7 @@ from hybrid.engine.programs import (
 )
 from hybrid.engine.step.synced_norm import Member, bound, with_backward
 from hybrid.engine.step.update import Update
+from hybrid.engine.traced import Traced
 
 __all__ = ["Labels", "Saved", "StageReplica", "TensorSpec"]
 
@@ -177,7 +178,7 @@ class StageReplica:
         self.deferral: Any = None
 
         def program(fn: Callable[..., Any], jit: bool = jit_compile) -> Any:
-            return fn if inline else tf.function(fn, jit_compile=jit, autograph=False)
+            return fn if inline else Traced(fn, jit)
 
         # The traced programs take everything of this copy as arguments (weights, state,
         # activity seed): the copies of one stage can share them (share_programs).
