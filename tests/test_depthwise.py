@@ -198,7 +198,7 @@ def test_a_depthwise_cnn_on_the_mesh_trains_as_keras_with_xla(remat):
             if isinstance(program, split_programs.SplitPrograms):
                 found |= {op.type for op in program.weights.graph.get_operations()}
             else:
-                for concrete in program._list_all_concrete_functions():
+                for concrete in program.concrete_functions():
                     found |= {op.type for op in concrete.graph.get_operations()}
     assert {"DepthwiseConv2dNative", "Conv2D"} <= found
     assert BACKPROP_FILTER not in found

@@ -87,5 +87,9 @@ class Traced:
     def get_concrete_function(self, *args: Any) -> Any:
         return self.function.get_concrete_function(*args)
 
+    def concrete_functions(self) -> list[Any]:
+        """Every trace made so far (by either way of calling)."""
+        return list(self.function._list_all_concrete_functions())
+
     def experimental_get_tracing_count(self) -> int:
         return int(self.function.experimental_get_tracing_count())
