@@ -12,7 +12,8 @@ hidden unless the user asked for them; warnings and errors always shown.
     features it was built for, absl's log initialization) -> dropped (``quiet_start``),
     unless TF_CPP_MIN_LOG_LEVEL=0 asks for everything; every other line passes
     the persistent XLA cache's loader lines (an ``E`` line per program loaded: TensorFlow
-    tries the file as text before reading it as binary) -> dropped by a filter process
+    tries the file as text before reading it as binary), the out-of-memory and lost-worker
+    reports the engine says in one line of its own -> dropped by a filter process
     on file descriptor 2 (``hide_known_noise``, the launcher), unless TF_CPP_MIN_LOG_LEVEL=0
 
 No TensorFlow here: this runs before TensorFlow is imported, which is when the C++ level is read.
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 __all__ = [
     "CACHE_LOAD_NOISE",
     "LIBRARY_INFO_FILTER",
+    "LOST_WORKER_NOISE",
     "hide_known_noise",
     "hide_library_info",
     "import_tensorflow",
@@ -118,7 +120,12 @@ OUT_OF_MEMORY_NOISE = (
     r"|context\.cc:\d+\] Failed to (register|remove) function remotely due to Unable to parse"
     r"|remote_tensor_handle_data\.cc:\d+\] Unable to destroy remote tensor handles"
 )
-NOISE = f"{CACHE_LOAD_NOISE}|{OUT_OF_MEMORY_NOISE}"
+# What the client's eager runtime logs when a worker it was receiving a tensor from is lost,
+# before the step's error says which worker (``cluster.py``): "Ignoring an error encountered
+# when setting remote shape ..." with the status, then "This should never happen. Please
+# file an issue with the TensorFlow Team." (it happens whenever a worker dies mid-step).
+LOST_WORKER_NOISE = r"\] Ignoring an error encountered when setting remote shape"
+NOISE = f"{CACHE_LOAD_NOISE}|{OUT_OF_MEMORY_NOISE}|{LOST_WORKER_NOISE}"
 
 # The filter process: stdin (the pipe that is now this process's fd 2) to stdout (the fd 2
 # it had), every line but the noise and the lines that continue a noisy message (indented,
@@ -130,7 +137,9 @@ import os, re, signal, sys
 for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 noise = re.compile(sys.argv[1].encode())
-goes_on = re.compile(rb"^(\\s|Hint:|Additional GRPC|:UNKNOWN:|This could happen|\\r?$)")
+goes_on = re.compile(
+    rb"^(\\s|Hint:|Additional GRPC|:UNKNOWN:|This could happen|This should never happen|\\r?$)"
+)
 out = sys.stdout.buffer
 skipping = False
 for line in sys.stdin.buffer:
@@ -145,9 +154,10 @@ _FILTERING = False  # whether this process's fd 2 goes through the filter alread
 
 
 def hide_known_noise() -> None:
-    """Drops the persistent XLA cache's loader lines (:data:`CACHE_LOAD_NOISE`) and the
-    out-of-memory report the engine says itself (:data:`OUT_OF_MEMORY_NOISE`, with the
-    lines its message goes on over) from everything this process (and the processes it
+    """Drops the persistent XLA cache's loader lines (:data:`CACHE_LOAD_NOISE`), the
+    out-of-memory report the engine says itself (:data:`OUT_OF_MEMORY_NOISE`) and the lost
+    worker's the launcher says (:data:`LOST_WORKER_NOISE`), each with the lines its message
+    goes on over, from everything this process (and the processes it
     starts) writes to file descriptor 2: fd 2 becomes a pipe to a small filter process that
     passes every other line on to the stderr there was, and ends when the last writer
     closes the pipe, so nothing written before an exit, a crash or a kill is lost. Unless
