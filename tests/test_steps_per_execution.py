@@ -54,18 +54,21 @@ class Seen(keras.callbacks.Callback):
         self.seen.append(("predict", batch, logs["outputs"].shape))
 
 
-def compile_args(steps):
+def compile_args(steps, jit_compile=False):
+    """XLA (for the pipeline's stage programs and Keras's step alike) where a test says so:
+    compiling is most of these tests' time."""
     return dict(
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         steps_per_execution=steps,
+        jit_compile=jit_compile,
     )
 
 
-def workflow(m, steps, **fit_args):
+def workflow(m, steps, jit_compile=False, **fit_args):
     """fit (with validation), evaluate and predict, as a user would call them."""
-    m.compile(**compile_args(steps))
+    m.compile(**compile_args(steps, jit_compile))
     seen = Seen()
     x, y = data()
     history = m.fit(
@@ -136,7 +139,7 @@ def test_an_execution_is_bit_identical_to_single_steps():
     pipes = []
     for steps in (1, 4):
         _, pipe = pair(2, 2, 2)
-        pipe.compile(**compile_args(steps))
+        pipe.compile(**compile_args(steps, jit_compile=True))
         pipe.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         pipes.append(pipe)
     assert pipes[1]._steps.train_many.experimental_get_tracing_count() == 2  # 1 + 3, 4
@@ -147,8 +150,8 @@ def test_an_execution_is_bit_identical_to_single_steps():
 def test_timed_steps_run_alone_inside_an_execution():
     keras_model, pipe = pair(2, 1, 2)
     pipe.timeline_every = 3
-    want = workflow(keras_model, 2)
-    got = workflow(pipe, 2)
+    want = workflow(keras_model, 2, jit_compile=True)  # timed steps run XLA programs
+    got = workflow(pipe, 2, jit_compile=True)
     assert_same_as_keras(pipe, keras_model, got, want)
     assert pipe.last_timeline is not None  # step 12, timed, inside the execution 11-12
 
