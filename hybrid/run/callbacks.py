@@ -141,11 +141,17 @@ class Steps(keras.callbacks.Callback):
         loss = self.pipe.last_loss
         timed = self.pipe.timed(step)
         first = self.first_step == self.start + 1
+        traced = self.pipe.execution_traced and not first  # a new number of steps per call
         self.progress.add(
             time.perf_counter() - self.began,
-            left_out=first or timed,
+            left_out=first or timed or traced,
             steps=step - self.first_step + 1,
         )
+        if traced:
+            self.log(
+                f"traced the execution of steps {self.first_step}-{step} "
+                f"({time.perf_counter() - self.began:.1f} s, left out of examples/s and the ETA)"
+            )
         if timed and not self.timed_seen:
             self.timed_seen = True
             self.log(f"compiled and ran the timed step {step} in {self.progress.last:.1f} s")

@@ -468,7 +468,9 @@ class Pipeline(Workflow):
             self._run_first("train", parts)
 
     def _train_many(self, many: list[Shards]) -> None:
+        traces = self._steps.train_many.experimental_get_tracing_count()
         self._run_many("train", many)
+        self.execution_traced = self._steps.train_many.experimental_get_tracing_count() > traces
 
     def _test_many(self, many: list[Shards]) -> None:
         self._run_many("evaluate", many)

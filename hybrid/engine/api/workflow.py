@@ -104,6 +104,8 @@ class Workflow(abc.ABC):
         # The epoch a callback restored (Keras's BackupAndRestore sets it): fit starts there.
         self._initial_epoch: int | None = None
         self._steps_per_execution = 1
+        # Whether the last training execution traced its function (a new number of steps).
+        self.execution_traced = False
 
     @property
     def timeline_every(self) -> int:
@@ -200,7 +202,8 @@ class Workflow(abc.ABC):
     def _train_execution(self, data: list[Any]) -> None:
         """The training steps of one execution (the batches Keras's epoch iterator hands
         over together): one by one when there is one or one of them is timed, else in as
-        few calls as the pipeline can."""
+        few calls as the pipeline can (``execution_traced`` says whether that traced)."""
+        self.execution_traced = False
         if len(data) > 1 and self.timeline_every:
             step = int(self.step_counter.numpy())
             if any(self.timed(step + k) for k in range(1, len(data) + 1)):
