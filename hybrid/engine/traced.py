@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["RETRACING_WINDOW", "Traced", "traced"]
+__all__ = ["RETRACING_WINDOW", "Traced", "signature", "traced"]
 
 RETRACING_WINDOW = 10  # a Traced warns when half of its last this many calls traced it
 
@@ -41,6 +41,12 @@ def _signature(value: Any, tensors: list[tf.Tensor]) -> Any:
         inner = [_signature(item, tensors) for item in value]
         return None if None in inner else (type(value), tuple(inner))
     return None
+
+
+def signature(value: Any) -> Any:
+    """What a trace of ``value`` depends on (:func:`_signature`: structure, each tensor's
+    shape and dtype, each Python constant), hashable; None for a value it cannot read."""
+    return _signature(value, [])
 
 
 class Traced:

@@ -136,21 +136,18 @@ class Steps(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         # an execution's last step (Keras's index assumes a whole one; the last may be short)
-        config = self.config
+        config, seconds = self.config, time.perf_counter() - self.began
         step = min(self.start + batch + 1, config.train_steps)
         loss = self.pipe.last_loss
         timed = self.pipe.timed(step)
         first = self.first_step == self.start + 1
         traced = self.pipe.execution_traced and not first  # a new number of steps per call
-        self.progress.add(
-            time.perf_counter() - self.began,
-            left_out=first or timed or traced,
-            steps=step - self.first_step + 1,
-        )
+        steps = step - self.first_step + 1
+        self.progress.add(seconds, left_out=first or timed or traced, steps=steps)
         if traced:
             self.log(
                 f"traced the execution of steps {self.first_step}-{step} "
-                f"({time.perf_counter() - self.began:.1f} s, left out of examples/s and the ETA)"
+                f"({seconds:.1f} s, left out of examples/s and the ETA)"
             )
         if timed and not self.timed_seen:
             self.timed_seen = True
@@ -161,9 +158,9 @@ class Steps(keras.callbacks.Callback):
         self.losses.append(loss)
         metrics = _metrics(logs)
         if first:
-            self.compile_seconds = seconds = time.perf_counter() - self.began
-            steps = f"step {step}" if step == self.first_step else f"steps {self.first_step}-{step}"
-            self.log(f"compiled and ran {steps} in {seconds:.1f} s")
+            self.compile_seconds = seconds
+            ran = f"step {step}" if steps == 1 else f"steps {self.first_step}-{step}"
+            self.log(f"compiled and ran {ran} in {seconds:.1f} s")
             if config.progress_bar:
                 self.bar = keras.utils.Progbar(
                     config.train_steps - self.start, stateful_metrics=["loss", *metrics]

@@ -24,10 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import tensorflow as tf
-
 from hybrid.engine.api.batches import Shards
 from hybrid.engine.model.variables import next_step_reads
+from hybrid.engine.traced import signature
 
 __all__ = ["check_steps_per_execution", "groups", "run_steps"]
 
@@ -47,25 +46,12 @@ def check_steps_per_execution(steps: Any) -> int:
     return steps
 
 
-def _signature(parts: Shards) -> Any:
-    """What must agree for batches to run as one traced function: every tensor's place,
-    shape and dtype."""
-
-    def of(tensors: Sequence[tf.Tensor] | None) -> Any:
-        return None if tensors is None else tuple((tuple(t.shape), t.dtype) for t in tensors)
-
-    return tuple(
-        (of(p.xs), of(p.ys), of(p.ws), None if p.valid is None else tuple(p.valid.shape))
-        for p in parts
-    )
-
-
 def groups(executions: Sequence[Shards]) -> list[list[Shards]]:
-    """The batches of an execution split into runs of consecutive batches of one
-    :func:`_signature`, in order (each run: one trace per length)."""
+    """The batches of an execution split into runs of consecutive batches of one trace
+    signature (``traced.signature``), in order (each run: one trace per length)."""
     found: list[list[Shards]] = []
     for parts in executions:
-        if found and _signature(found[-1][0]) == _signature(parts):
+        if found and signature(found[-1][0]) == signature(parts):
             found[-1].append(parts)
         else:
             found.append([parts])

@@ -65,8 +65,7 @@ class StepMetrics:
             else None
         )
         self._names = dict_names
-        self._results: Any = None  # the traced result() (traced again once compiled is built)
-        self._results_built = False
+        self._results = Traced(self._tensors)  # one trace before compiled is built, one after
 
     @property
     def needs_predictions(self) -> bool:
@@ -120,15 +119,13 @@ class StepMetrics:
         by one traced function: Keras's eager ``result()`` of each metric costs as much as a
         small step)."""
         built = self.compiled is not None and self.compiled.built
-        if self._results is None or self._results_built != built:
-            self._results = Traced(self._tensors)
-            self._results_built = built
-        return {name: float(value) for name, value in self._results().items()}
+        return {name: float(value) for name, value in self._results(built).items()}
 
-    def _tensors(self) -> dict[str, tf.Tensor]:
+    def _tensors(self, built: bool) -> dict[str, tf.Tensor]:
+        """The logs as tensors; ``built``: whether the compiled metrics have state yet."""
         logs = {"loss": self.loss.result()}
         logs.update({m.name: m.result() for m in self.output_losses})
-        if self.compiled is not None and self.compiled.built:
+        if built and self.compiled is not None:
             logs.update(self.compiled.result())
         return logs
 
