@@ -4,7 +4,7 @@
     process = subprocess.Popen([... "-m", "hybrid.launch.train", ...], env=env)
     pause.wait_until_paused(d, 5, process)    # step 5 and its checkpoint are written
     ...inject the fault (kill a worker, SIGKILL the run)...
-    pause.release(d)                          # the run continues (or is already dead)
+    pause.release(d, 5)                       # the run continues (or is already dead)
 
 ``hybrid.launch.train`` implements the other side (``PAUSE_ENV``). The timeout is a bound against a
 hang, never what decides whether a healthy run passes.
@@ -23,10 +23,13 @@ PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
 HANG_BOUND_S = 600.0
 
 
-def env(step: int, directory: str | os.PathLike) -> dict[str, str]:
-    """The environment entry that makes a launcher run pause after ``step``."""
+def env(step: int | tuple[int, ...], directory: str | os.PathLike) -> dict[str, str]:
+    """The environment entry that makes a launcher run pause after ``step`` (or each of
+    several steps); a run that passes a step again (resumed) pauses there again unless
+    that step was released."""
     os.makedirs(directory, exist_ok=True)
-    return {PAUSE_ENV: f"{step}:{directory}"}
+    steps = step if isinstance(step, tuple) else (step,)
+    return {PAUSE_ENV: f"{','.join(map(str, steps))}:{directory}"}
 
 
 def wait_until_paused(
@@ -52,6 +55,6 @@ def wait_until_paused(
         time.sleep(0.05)
 
 
-def release(directory: str | os.PathLike) -> None:
-    """Lets a paused run continue."""
-    open(os.path.join(directory, "resume"), "w").close()
+def release(directory: str | os.PathLike, step: int) -> None:
+    """Lets a run paused after ``step`` continue."""
+    open(os.path.join(directory, f"resume-{step}"), "w").close()

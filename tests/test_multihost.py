@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -211,52 +212,89 @@ def run_launcher(model_dir: str, steps: int, *flags: str) -> str:
     return run.stdout
 
 
-def test_launcher_job_survives_a_lost_worker_and_moves_between_hosts(tmp_path):
-    """One host → 2 tasks → a worker dies → restarted job resumes → back on one host.
+def wait_for_line(log, text: str, process: subprocess.Popen, after: int = 0) -> int:
+    """Blocks until ``text`` appears in the file ``log`` past offset ``after`` (an event the
+    process writes), failing if the process ends first or a hang bound passes; returns the
+    offset just past it."""
+    deadline = time.monotonic() + pause.HANG_BOUND_S
+    while True:
+        found = log.read_text().find(text, after)
+        if found >= 0:
+            return found + len(text)
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"no {text!r} in the run's output:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
 
-    The lost worker fails the step with exit 3 and an error naming it; every leg resumes
-    from the newest checkpoint in the same --model_dir, and the end equals an uninterrupted
-    one-host run.
+
+def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_path):
+    """One host → 2 tasks under ``--max_restarts`` → a worker SIGKILLed (the client exits 3,
+    the supervisor starts a new client, which waits for the restarted worker) → a worker
+    SIGSTOPped (the step outlives ``--step_deadline``: the client names the frozen task and
+    its devices, exits 4, and is restarted too) → back on one host.
+
+    Each fault lands while the run is paused after a step; every leg resumes from the newest
+    checkpoint in the same --model_dir, and the end equals an uninterrupted one-host run.
     """
     run_dir, whole = str(tmp_path / "run"), str(tmp_path / "whole")
     assert "done:" in run_launcher(run_dir, 2)  # one host writes ckpt-2
 
-    first = Job(str(tmp_path / "job1"), make_dir=True)
-    events = tmp_path / "events"
+    job = Job(str(tmp_path / "job"), make_dir=True)
+    events, log = tmp_path / "events", tmp_path / "client.log"
     try:
-        log = tmp_path / "client1.log"
         with open(log, "w") as out:
             client = subprocess.Popen(
-                launcher(run_dir, 8, f"--cluster={first.spec}"),
-                cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1", **pause.env(5, events)},
+                launcher(
+                    run_dir, 8, f"--cluster={job.spec}", "--max_restarts=3",
+                    "--step_deadline=8", "--cluster_timeout=300",
+                ),
+                cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1", **pause.env((5, 7), events)},
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        # The client waits after step 5 (ckpt-4 is the newest) while the worker dies.
-        pause.wait_until_paused(events, 5, client, lambda: log.read_text()[-3000:])
+        describe = lambda: log.read_text()[-3000:]  # noqa: E731
+        # Killed: the client waits after step 5 (ckpt-4 is the newest) while worker 1 dies.
+        pause.wait_until_paused(events, 5, client, describe)
         assert tf.train.latest_checkpoint(run_dir).endswith("ckpt-4")
-        first.workers[1].kill()
-        first.workers[1].wait(pause.HANG_BOUND_S)
-        pause.release(events)
+        job.workers[1].kill()
+        job.workers[1].wait(pause.HANG_BOUND_S)
+        pause.release(events, 5)
+        seen = wait_for_line(log, "restart 1 of at most 3", client)
+        job.workers[1] = job._start_worker(1)  # the same address; the new client waits for it
+        # Frozen: the new client waits after step 7 (ckpt-6) while worker 1 stops.
+        pause.wait_until_paused(events, 7, client, describe)
+        job.workers[1].send_signal(signal.SIGSTOP)
+        pause.release(events, 7)
+        seen = wait_for_line(log, "restart 2 of at most 3", client, seen)
+        job.workers[1].kill()  # a frozen process dies of SIGKILL too
+        job.workers[1].wait(pause.HANG_BOUND_S)
+        job.workers[1] = job._start_worker(1)
         code = client.wait(pause.HANG_BOUND_S)
         text = log.read_text()
-        assert code == 3, text[-3000:]
+        assert code == 0, text[-4000:]
         assert "ckpt-2: resuming at step 3" in text  # one host's checkpoint on two tasks
-        # The step's error (guard) or the watcher, whichever sees the lost task first, names it.
-        named = f"lost worker task 1 ({first.addresses[1]})" in text
-        named = named and "restart that worker" in text
-        watched = f"worker task 1 ({first.addresses[1]}) stopped answering" in text
-        assert named or watched, text[-3000:]
+        killed = f"lost worker task 1 ({job.addresses[1]})" in text
+        assert killed or f"worker task 1 ({job.addresses[1]}) stopped answering" in text, text
+        assert "after a lost worker (exit 3)" in text
+        assert "ckpt-4: resuming at step 5" in text
+        frozen = re.search(
+            r"error: hung: step 8 has not finished \d+ s after step 7 \(--step_deadline=8\): "
+            rf"worker task 1 \({job.addresses[1]}\): its server does not answer; it holds .*",
+            text,
+        )
+        assert frozen, text[-4000:]
+        hung = frozen.group(0)
+        for replica in range(2):  # the frozen task holds stage 1's replica group
+            assert f"stage 1 replica {replica} (/job:worker/replica:0/task:1/device:CPU:" in hung
+        assert f"; worker task 0 ({job.addresses[0]}) answers;" in hung
+        assert "taking over the lock" not in text  # the hung client released it
+        assert f"the newest checkpoint is ckpt-6 in {run_dir}" in hung
+        assert "after a hung step (exit 4)" in text
+        assert "ckpt-6: resuming at step 7" in text
         assert "This should never happen" not in text  # TensorFlow's report, filtered
     finally:
-        first.close()
-
-    second = Job(str(tmp_path / "job2"), make_dir=True)  # new processes, new ports
-    try:
-        resumed = run_launcher(run_dir, 8, f"--cluster={second.spec}")
-        assert "ckpt-4: resuming at step 5" in resumed
-        assert "/job:worker/replica:0/task:1/device:CPU:1" in resumed
-    finally:
-        assert second.close() == [0, 0]
+        if client.poll() is None:
+            client.kill()
+        job.close()
 
     back = run_launcher(run_dir, 10)  # the two tasks' checkpoint on one host
     assert "ckpt-8: resuming at step 9" in back

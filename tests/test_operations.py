@@ -393,7 +393,7 @@ def interrupted(tmp_path, signals, also=None):
         before = acknowledged(process, signals[0])
         for number in signals[1:]:
             process.send_signal(number)
-        pause.release(events)
+        pause.release(events, 2)
         code, out, err = finish(process)
         return code, out, before + err, extra
     finally:

@@ -24,11 +24,12 @@ from hybrid.core.quiet import quiet_cpp_info
 
 quiet_cpp_info()  # before TensorFlow loads: its C++ INFO lines unless TF_CPP_MIN_LOG_LEVEL is set
 
-from hybrid.launch import cloud_tpu, run_app, show_in_help, use_xla_cache  # noqa: E402
+from hybrid.launch import cloud_tpu, restarts, run_app, show_in_help, use_xla_cache  # noqa: E402
 from hybrid.launch.interrupts import Interrupts, exit_code  # noqa: E402
 from hybrid.launch.train_flags import (  # noqa: E402
     define_flags,
     parse_balance,
+    parse_deadline,
     parse_memory,
     parse_micro_batches,
     parse_profile_steps,
@@ -36,10 +37,10 @@ from hybrid.launch.train_flags import (  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-# Test hook: "STEP:DIR" makes the run stop after step STEP (its checkpoint, if any, written
-# before), create DIR/paused-STEP, and wait until DIR/resume exists. Tests that kill a
-# process or a worker do it while the run is paused, so what the run has written when the
-# fault lands is decided by the step, not by the machine's speed.
+# Test hook: "STEP[,STEP...]:DIR" makes the run stop after each STEP (its checkpoint, if any,
+# written before), create DIR/paused-STEP, and wait until DIR/resume-STEP exists. Tests that
+# kill a process or a worker do it while the run is paused, so what the run has written when
+# the fault lands is decided by the step, not by the machine's speed.
 PAUSE_ENV = "HYBRID_PAUSE_AFTER_STEP"
 
 
@@ -50,7 +51,8 @@ def _run_on_cluster(
     devices and trains from the client; what the engine does not place on a device stays
     in this process (once connected, TensorFlow's default device is the first worker's).
 
-    Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost.
+    Raises SystemExit(3) with the task's name when a worker cannot be reached or is lost;
+    a step that outlives ``--step_deadline`` ends the process with exit 4 (``_exit_hung``).
     """
     import tensorflow as tf
 
@@ -58,9 +60,13 @@ def _run_on_cluster(
     from hybrid.engine.devices import client_cpu
     from hybrid.launch.worker import flag_terms  # the cluster library's words -> flags
     from hybrid.platforms import cluster as cluster_lib
+    from hybrid.platforms import slurm
+    from hybrid.platforms.step_deadline import StepDeadline
     from hybrid.run.trainer import train
 
-    if spec is None:
+    if spec is None and slurm.is_slurm(FLAGS.cluster):
+        spec = slurm.spec(FLAGS.cluster)
+    elif spec is None:
         spec = None if FLAGS.cluster == "TF_CONFIG" else FLAGS.cluster
     stages, replicas = parse_spec(config.mesh)
     try:
@@ -71,17 +77,65 @@ def _run_on_cluster(
             )
         except ValueError as err:  # main() prints it (exit 1), in flag terms
             raise ValueError(flag_terms(str(err))) from err
-        with job.guard(), tf.device(client_cpu()):
-            return train(
-                config,
-                devices=[d for row in mesh.devices for d in row],
-                checkpoint_io_device=f"/job:{job.client_job}/replica:0/task:0/device:CPU:0",
-                step_callback=step_callback,
-                stop=stop,
-            )
+        deadline = StepDeadline(
+            job.workers,
+            _exit_hung,
+            parse_deadline(FLAGS.step_deadline),
+            mesh_devices=mesh.devices,
+        )
+        try:
+            with job.guard(), tf.device(client_cpu()):
+                return train(
+                    config,
+                    devices=[d for row in mesh.devices for d in row],
+                    checkpoint_io_device=f"/job:{job.client_job}/replica:0/task:0/device:CPU:0",
+                    step_callback=_watched(step_callback, deadline),
+                    stop=stop,
+                )
+        finally:
+            deadline.close()  # what follows the last step (exports) is not a step
     except cluster_lib.ClusterError as err:
         print(f"error: {flag_terms(str(err))}", file=sys.stderr)
-        sys.exit(3)
+        sys.exit(restarts.LOST_WORKER)
+
+
+def _watched(step_callback: Any, deadline: Any) -> Any:
+    """The step callback that reports each step to ``deadline`` (a ``StepDeadline``), then
+    calls ``step_callback`` (if any) with the deadline held: its time is not the step's."""
+
+    def after_step(step: int, loss: float) -> None:
+        deadline.progressed(step)
+        if step_callback is not None:
+            with deadline.held():
+                step_callback(step, loss)
+
+    return after_step
+
+
+def _exit_hung(hang: Any) -> None:
+    """``StepDeadline``'s report: one line (the silent tasks and devices, the newest
+    checkpoint), then exit :data:`restarts.HUNG` at once (the step still blocks the main
+    thread, and TensorFlow cannot cancel it)."""
+    from hybrid.launch.worker import flag_terms
+    from hybrid.run import run_lock
+    from hybrid.run.checkpoint import latest_step
+
+    step = latest_step(FLAGS.model_dir) if FLAGS.model_dir else None
+    kept = (
+        f"the newest checkpoint is ckpt-{step} in {FLAGS.model_dir}"
+        if step is not None
+        else "no checkpoint was saved"
+    )
+    said = hang.line(deadline=f"--step_deadline={FLAGS.step_deadline}")
+    print(
+        f"error: hung: {flag_terms(said)}; {kept}; exiting {restarts.HUNG} (--max_restarts "
+        "starts a new client)",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    run_lock.release_all()  # the next client's, not a stale one to take over
+    os._exit(restarts.HUNG)
 
 
 def _planned(config: Any, devices: int) -> tuple[Any, Any]:
@@ -157,14 +211,14 @@ def pause_hook(value: str | None = None) -> Any:
     value = os.environ.get(PAUSE_ENV) if value is None else value
     if not value:
         return None
-    step_text, _, directory = value.partition(":")
-    if not step_text.isdigit() or not directory:
-        raise app.UsageError(f"{PAUSE_ENV}={value!r} must be 'STEP:DIR'")
-    pause_at = int(step_text)
+    steps_text, _, directory = value.partition(":")
+    if not directory or not all(t.isdigit() for t in steps_text.split(",")):
+        raise app.UsageError(f"{PAUSE_ENV}={value!r} must be 'STEP[,STEP...]:DIR'")
+    pause_at = {int(t) for t in steps_text.split(",")}
 
     def pause(step: int, loss: float) -> None:
         del loss
-        if step != pause_at:
+        if step not in pause_at:
             return
         import time
 
@@ -172,7 +226,7 @@ def pause_hook(value: str | None = None) -> Any:
         with open(marker + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(marker + ".tmp", marker)  # appears whole, never half-written
-        resume = os.path.join(directory, "resume")
+        resume = os.path.join(directory, f"resume-{step}")
         while not os.path.exists(resume):
             time.sleep(0.02)
 
@@ -444,6 +498,8 @@ def _loads_with(model: str) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.max_restarts and not FLAGS.dry_run:  # a supervisor: no TensorFlow here
+        sys.exit(restarts.supervise(sys.argv[1:], FLAGS.max_restarts))
     import logging
 
     from hybrid.core.quiet import import_tensorflow

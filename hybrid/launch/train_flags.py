@@ -12,6 +12,7 @@ from typing import Any
 from absl import flags
 
 from hybrid.launch import cloud_tpu, define_xla_cache_flag, model_flags
+from hybrid.platforms import slurm
 from hybrid.run.data_sources import is_function_spec
 
 FLAGS = flags.FLAGS
@@ -185,10 +186,26 @@ def _define_cluster_flags() -> None:
         "cluster",
         None,
         'Multi-host: the cluster spec as JSON (\'{"worker": ["host0:2222", ...]}\') or '
-        "'TF_CONFIG' to read that variable; start each task with `python -m hybrid.launch.worker`.",
+        "'TF_CONFIG' to read that variable, or 'SLURM' ('SLURM:PORT') for one task per SLURM "
+        "task of this job; start each task with `python -m hybrid.launch.worker`.",
     )
     flags.DEFINE_float(
         "cluster_timeout", 60.0, "Multi-host: seconds to wait for every task.", lower_bound=1.0
+    )
+    flags.DEFINE_string(
+        "step_deadline",
+        "auto",
+        "Multi-host: seconds a step may take after the previous one; past it every task is "
+        "probed and the client exits 4 naming the silent tasks and their devices. 'auto': 10x "
+        "the longest step so far, at least 60 s (armed by the first step, which compiles).",
+    )
+    flags.DEFINE_integer(
+        "max_restarts",
+        0,
+        "Multi-host: after a lost worker (exit 3) or a hung step (exit 4), start a new client "
+        "up to N times; each waits --cluster_timeout for the workers and resumes from the "
+        "newest checkpoint in --model_dir.",
+        lower_bound=0,
     )
     flags.DEFINE_enum(
         "mesh_order",
@@ -223,6 +240,10 @@ def _register_validators() -> None:
     flags.register_multi_flags_validator(
         ["steps_per_execution", "log_every", "checkpoint_every", "timeline_every"],
         _check_executions,
+    )
+    flags.register_multi_flags_validator(
+        ["step_deadline", "max_restarts", "cluster", "model_dir", "memory_per_device"],
+        _check_restarts,
     )
     flags.register_multi_flags_validator(
         [
@@ -482,12 +503,63 @@ def _check_platform(values: dict[str, Any]) -> bool:
     return True
 
 
+def parse_deadline(text: str) -> float | None:
+    """``--step_deadline``: seconds, or None for 'auto'.
+
+    Raises:
+      flags.ValidationError: neither 'auto' nor positive seconds.
+    """
+    if text == "auto":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise flags.ValidationError(
+            f"--step_deadline={text} must be positive seconds (e.g. 600) or 'auto'"
+        )
+    return seconds
+
+
+def _check_restarts(values: dict[str, Any]) -> bool:
+    deadline = parse_deadline(values["step_deadline"])
+    on_cluster = values["cluster"] is not None or values["memory_per_device"] is not None
+    if deadline is not None and not on_cluster:
+        raise flags.ValidationError(
+            f"--step_deadline={values['step_deadline']} watches a cluster job's workers; it "
+            "applies with --cluster (or --memory_per_device's local workers)"
+        )
+    if values["max_restarts"] and values["cluster"] is None:
+        raise flags.ValidationError(
+            f"--max_restarts={values['max_restarts']} restarts a --cluster job's client after "
+            "a lost or hung worker; give --cluster (a one-host run has no workers to lose)"
+        )
+    if values["max_restarts"] and not values["model_dir"]:
+        raise flags.ValidationError(
+            f"--max_restarts={values['max_restarts']} needs --model_dir: a restarted client "
+            "resumes from the newest checkpoint there (with none it would start over)"
+        )
+    return True
+
+
 def _check_cluster_spec(text: str) -> None:
     import json
 
     if text == "TF_CONFIG":
         if not os.environ.get("TF_CONFIG"):
             raise flags.ValidationError("--cluster=TF_CONFIG but the TF_CONFIG variable is unset")
+        return
+    if slurm.is_slurm(text):
+        try:
+            slurm.port_of(text)
+        except ValueError as err:
+            raise flags.ValidationError(str(err)) from None
+        if not os.environ.get("SLURM_JOB_NODELIST"):
+            raise flags.ValidationError(
+                f"--cluster={text} reads SLURM's environment, but SLURM_JOB_NODELIST is not "
+                "set: run inside a SLURM job (sbatch or salloc), or give --cluster as JSON"
+            )
         return
     try:
         spec = json.loads(text)

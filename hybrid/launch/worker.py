@@ -5,7 +5,8 @@ Start one per task (host), then the client with the same cluster spec:
     hybrid-worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=0
     hybrid-worker --cluster='{"worker": ["host0:2222", "host1:2222"]}' --task_index=1
 
-or with TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' and no flags.
+or with TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' and no flags,
+or under ``srun`` with ``--cluster=SLURM`` (``hybrid.platforms.slurm``).
 On a CPU host, ``--simulated_devices=N`` splits the CPU into N logical devices. The worker
 serves until SIGTERM or SIGINT (exit code 0) or until ``--lifetime_s`` has passed (exit code
 3, so a forgotten worker does not live forever); a server that cannot start (a bad spec, a
@@ -81,7 +82,8 @@ def define_flags() -> None:
         "cluster",
         None,
         'Cluster spec as JSON, e.g. {"worker": ["host0:2222", "host1:2222"]} (or a TF_CONFIG '
-        "shaped object); default: the TF_CONFIG environment variable.",
+        "shaped object); SLURM (or SLURM:PORT): one task per SLURM task of this job, the task "
+        "index from SLURM's environment; default: the TF_CONFIG environment variable.",
     )
     flags.DEFINE_string("job_name", None, "This task's job (default: TF_CONFIG's, else worker).")
     flags.DEFINE_integer(
@@ -134,6 +136,8 @@ def _resolve_task() -> tuple[str, int, str | None]:
     task = _task_of(text)
     job = FLAGS.job_name or task.get("type") or "worker"
     index = FLAGS.task_index if FLAGS.task_index is not None else task.get("index")
+    if index is None and text is not None and text.startswith("SLURM"):
+        return job, -1, text  # SLURM's environment says, once TensorFlow has loaded
     if index is None:
         raise app.UsageError(
             "which task is this? pass --task_index (or set TF_CONFIG's task.index)"
@@ -158,10 +162,14 @@ def main(argv: list[str]) -> int:
         print(f"worker: --memory_per_device={FLAGS.memory_per_device}: {err}", file=sys.stderr)
         return 2
     # After the flag checks: TensorFlow takes seconds to import.
-    from hybrid.platforms import cluster
+    from hybrid.platforms import cluster, slurm
 
     try:
-        spec = cluster.cluster_spec(text)
+        if text is not None and slurm.is_slurm(text):
+            spec = slurm.spec(text)
+            index = slurm.task_index(spec, text) if index < 0 else index
+        else:
+            spec = cluster.cluster_spec(text)
         server = cluster.start_server(spec, job, index, FLAGS.simulated_devices)
     except (ValueError, cluster.ClusterError) as err:
         print(f"worker: {flag_terms(str(err))}", file=sys.stderr, flush=True)

@@ -25,9 +25,17 @@ import socket
 from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["LOCK_FILE", "RunLock", "RunLockError"]
+__all__ = ["LOCK_FILE", "RunLock", "RunLockError", "release_all"]
 
 LOCK_FILE = "LOCK"
+_HELD: set[RunLock] = set()  # the locks this process holds now
+
+
+def release_all() -> None:
+    """Releases every lock this process holds: for a process that must end at once
+    (``os._exit`` from another thread, which skips the locks' ``with`` blocks)."""
+    for lock in list(_HELD):
+        lock.release()
 
 
 class RunLockError(RuntimeError):
@@ -86,6 +94,7 @@ class RunLock:
                 continue
             self._fd = fd
             self._claim(self._read())
+            _HELD.add(self)
         return self
 
     def _read(self) -> dict[str, object]:
@@ -134,6 +143,7 @@ class RunLock:
             pass
         os.close(self._fd)  # closing the last descriptor releases the flock
         self._fd = None
+        _HELD.discard(self)
 
     def __exit__(
         self,
