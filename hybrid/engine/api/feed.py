@@ -139,12 +139,19 @@ class Feed:
     to the prepared batches (``prepare``), ``depth`` of them ahead of the loop (0: each one
     prepared when the loop asks for it). A context manager: leaving it stops the threads."""
 
-    def __init__(self, prepare: Callable[[Any], Any], depth: int) -> None:
+    def __init__(
+        self,
+        prepare: Callable[[Any], Any],
+        depth: int,
+        source: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
+    ) -> None:
         self.prepare, self.depth = prepare, check_depth(depth)
+        self.source = source  # an epoch's iterator -> what ``prepare`` takes (None: itself)
         self._running: list[Prefetcher[Any]] = []
 
     def __call__(self, batches: Iterable[Any]) -> Iterator[Any]:
-        prepared = map(self.prepare, batches)
+        items = self.source(iter(batches)) if self.source is not None else batches
+        prepared = map(self.prepare, items)
         if not self.depth:
             return prepared
         prefetcher = Prefetcher(prepared, self.depth)

@@ -63,6 +63,7 @@ from hybrid.engine.api.micro_batching import (
     initial_micro_batches,
     steps_for,
 )
+from hybrid.engine.api.per_host import UNDER_STRATEGY, PerHostDataset
 from hybrid.engine.api.strategy_step import StrategyExecutor
 from hybrid.engine.api.workflow import Workflow
 from hybrid.engine.devices import client_cpu
@@ -340,6 +341,15 @@ class Pipeline(Workflow):
     def stages(self) -> list[list[StageReplica]]:
         """``stages[k][r]``: the copy of model stage k on replica r's device."""
         return self._stages
+
+    def distribute_datasets_from_function(self, dataset_fn: Any) -> PerHostDataset:
+        """``tf.distribute.Strategy.distribute_datasets_from_function`` for the mesh: a
+        dataset of per-replica batches made on every input host, for ``fit``'s and
+        ``evaluate``'s ``x``; the client sends no examples (``per_host.py``)."""
+        if self.strategy is not None:
+            raise ValueError(UNDER_STRATEGY)
+        firsts = [self.mesh.device(0, r) for r in range(self.mesh.num_replicas)]
+        return PerHostDataset(dataset_fn, firsts, self._graph)
 
     def build(self, input_shape: Any, dtype: Any = "float32") -> None:
         """Builds the layers, chooses the balance and places a stage copy on every device.

@@ -35,6 +35,7 @@ from hybrid.engine import keras_private
 from hybrid.engine.api import batches, executions, export, feed, weights_file
 from hybrid.engine.api.logical_optimizer import LogicalOptimizer
 from hybrid.engine.api.metrics import StepMetrics
+from hybrid.engine.api.per_host import PerHostDataset, steps_of
 from hybrid.engine.model.graph import Graph, TensorSpec
 from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.variables import Placement
@@ -393,19 +394,32 @@ class Workflow(abc.ABC):
             model=self,
         )
 
-    def _feed(self, iterator: Any, labelled: bool = True) -> feed.Feed:
+    def _feed(
+        self, iterator: Any, labelled: bool = True, per_host: PerHostDataset | None = None
+    ) -> feed.Feed:
         """Builds the pipeline (and its metrics) from the data's first batch, as Keras's
         symbolic build does before the callbacks start; then feeds the iterator's batches
         to the loop prepared (padded to the call's first batch, cut into the replicas'
         shards) and, with ``prefetch``, on their devices ahead of the step (``feed.py``).
-        ``labelled``: the step takes labels and sample weights (``predict``'s does not)."""
+        ``labelled``: the step takes labels and sample weights (``predict``'s does not).
+        ``per_host``: the iterator counts steps, the shards come from the hosts' datasets
+        (``per_host.py``), already cut."""
         if not self.built:
             for _, _, data in iterator:
-                self._batch(*keras_private.unpack_x_y_sample_weight(data[0]))
+                first = per_host.zeros() if per_host is not None else data[0]
+                self._batch(*keras_private.unpack_x_y_sample_weight(first))
                 break
         iterator.reset()
         padding = _Padding(self.config)
         depth = feed.check_depth(self.prefetch)
+        if per_host is not None:
+            per_host.check(self.config.micro_batches)
+
+            def place(parts: Any) -> Any:
+                return feed.on_devices(parts, *self._shard_devices()) if depth else parts
+
+            iterator.feed = feeding = feed.Feed(place, depth, source=per_host.batches)
+            return feeding
 
         def prepare(data: Any) -> Any:
             x, y, w = keras_private.unpack_x_y_sample_weight(data)
@@ -440,6 +454,8 @@ class Workflow(abc.ABC):
         progress bar and returned ``History``), one pipelined step per batch,
         ``steps_per_execution`` of them per call (``executions.py``)."""
         self._require_compiled("fit")
+        x, per_host = steps_of(x, y, sample_weight, "fit")
+        shuffle = shuffle and per_host is None  # the hosts' datasets shuffle themselves
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = keras_private.train_validation_split(
                 (x, y, sample_weight), validation_split
@@ -454,7 +470,7 @@ class Workflow(abc.ABC):
             class_weight=class_weight,
             steps_per_execution=self.steps_per_execution,
         )
-        with self._feed(iterator):
+        with self._feed(iterator, per_host=per_host):
             callbacks = self._callbacks(callbacks, verbose, epochs, iterator.num_batches)
             self.stop_training = False
             callbacks.on_train_begin()
@@ -477,7 +493,11 @@ class Workflow(abc.ABC):
                     _warn_ran_out(int(self.step_counter.numpy()))
                 epoch_logs = self._metrics.result() if ran else {}
                 if validation_data is not None and _should_eval(epoch, validation_freq):
-                    val_x, val_y, val_w = keras_private.unpack_x_y_sample_weight(validation_data)
+                    val_x, val_y, val_w = (
+                        (validation_data, None, None)
+                        if isinstance(validation_data, PerHostDataset)
+                        else keras_private.unpack_x_y_sample_weight(validation_data)
+                    )
                     val_logs = self.evaluate(
                         val_x,
                         val_y,
@@ -511,6 +531,7 @@ class Workflow(abc.ABC):
         """The loss and metrics over the data in inference mode, as ``keras.Model.evaluate``
         computes them (the loss: the batch-size weighted mean of the batches' losses)."""
         self._require_compiled("evaluate")
+        x, per_host = steps_of(x, y, sample_weight, "evaluate")
         iterator = keras_private.epoch_iterator(
             x=x,
             y=y,
@@ -519,7 +540,7 @@ class Workflow(abc.ABC):
             steps_per_epoch=steps,
             steps_per_execution=self.steps_per_execution,
         )
-        with self._feed(iterator):
+        with self._feed(iterator, per_host=per_host):
             callbacks = self._callbacks(callbacks, verbose, 1, iterator.num_batches)
             self._metrics.reset()
             callbacks.on_test_begin()
@@ -544,6 +565,11 @@ class Workflow(abc.ABC):
         """The model's outputs for every example of ``x``, in order, structured as the
         model returns them (``keras.Model.predict``)."""
         self._require_compiled("predict")
+        if isinstance(x, PerHostDataset):
+            raise ValueError(
+                "predict reads its inputs on the client and returns every output there; give "
+                "it arrays or a tf.data.Dataset (per-host datasets feed fit and evaluate)"
+            )
         iterator = keras_private.epoch_iterator(
             x=x,
             batch_size=batch_size,
