@@ -13,6 +13,7 @@ import sys
 import threading
 
 import pytest
+import tensorflow as tf
 from absl import flags
 
 from hybrid.launch import restarts
@@ -169,6 +170,25 @@ def test_the_supervisor_restarts_lost_and_hung_clients_only(capfd):
     assert restarts.supervise([], 5, said.append, command=child(1)) == 1  # a user's error
     assert restarts.supervise([], 5, said.append, command=child(0)) == 0
     assert said == []
+
+
+def test_a_collective_refused_after_a_restart_says_every_worker_must_restart():
+    from hybrid.platforms.cluster_tasks import restarted_error
+
+    tasks = [Task("worker", 0, "h0:1"), Task("worker", 1, "h1:1")]
+    message = (
+        "Collective ops is aborted by: /job:worker/replica:0/task:1/device:CPU:1exists in "
+        "cache with a different incarnation. This usually means the remote worker has restarted"
+    )
+    error = restarted_error(tasks, tf.errors.FailedPreconditionError(None, None, message))
+    assert error.tasks == (tasks[1],)
+    assert str(error).startswith(
+        "worker task 1 (h1:1) restarted, but the other workers kept the previous client's "
+        "collective state (TensorFlow: its devices' incarnation changed)"
+    )
+    assert str(error).endswith(
+        "Restart all the workers, then the client (from its last checkpoint)"
+    )
 
 
 SLURM_JOB = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_TASKS_PER_NODE": "2,1"}

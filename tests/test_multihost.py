@@ -108,6 +108,15 @@ class Job:
     def close(self) -> list[int]:
         return [stop(w) for w in self.workers]
 
+    def restart(self) -> None:
+        """Every worker killed and started again at its address, as a job's supervisor
+        does: with replica groups that span tasks, the survivors of a lost worker keep the
+        old client's collective state, so all of them restart."""
+        for worker in self.workers:
+            worker.kill()
+            worker.wait(DEADLINE_S)
+        self.workers = [self._start_worker(i) for i in range(len(self.workers))]
+
 
 @pytest.fixture
 def job(tmp_path) -> Iterator[Job]:
@@ -182,18 +191,19 @@ def test_two_tasks_train_like_one_process(job, tmp_path):
     ref.assert_weights_close(pipe.get_weights(), weights, rtol=0, atol=0)
 
 
+# Your model and per-host data (tests/user_model.py): on the cluster each replica's pipeline
+# is one task (--mesh_order=pipelines_in_host), which reads that replica's batches itself.
 LAUNCH_FLAGS = [
-    "--model=mlp",
-    "--data=synthetic",
+    "--model=user_model:model",
+    "--data=user_model:per_host_data",
     "--mesh=stage:2;replica:2",
     "--micro_batches=2",
     "--global_batch_size=16",
-    "--width=16",
-    "--depth=2",
     "--checkpoint_every=2",
     "--log_every=1",
     "--nojit_compile",
 ]
+USER_ENV = {**ENV, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 
 
 def launcher(model_dir: str, steps: int, *flags: str) -> list[str]:
@@ -206,7 +216,7 @@ def launcher(model_dir: str, steps: int, *flags: str) -> list[str]:
 def run_launcher(model_dir: str, steps: int, *flags: str) -> str:
     run = subprocess.run(
         launcher(model_dir, steps, *flags),
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=DEADLINE_S,
+        cwd=ROOT, env=USER_ENV, capture_output=True, text=True, timeout=DEADLINE_S,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
@@ -229,12 +239,16 @@ def wait_for_line(log, text: str, process: subprocess.Popen, after: int = 0) -> 
 
 def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_path):
     """One host → 2 tasks under ``--max_restarts`` → a worker SIGKILLed (the client exits 3,
-    the supervisor starts a new client, which waits for the restarted worker) → a worker
+    the supervisor starts a new client, which waits for the restarted workers) → a worker
     SIGSTOPped (the step outlives ``--step_deadline``: the client names the frozen task and
-    its devices, exits 4, and is restarted too) → back on one host.
+    its devices, exits 4, and is restarted too) → back on one host. Each replica's pipeline
+    is one task, so the gradient all-reduce spans tasks: after a fault every worker
+    restarts (``Job.restart``), as TensorFlow's collectives require.
 
     Each fault lands while the run is paused after a step; every leg resumes from the newest
     checkpoint in the same --model_dir, and the end equals an uninterrupted one-host run.
+    The data is read per host (each task makes its replica's batches, one host makes both),
+    so every resumed leg also takes its data up where the checkpoint left it.
     """
     run_dir, whole = str(tmp_path / "run"), str(tmp_path / "whole")
     assert "done:" in run_launcher(run_dir, 2)  # one host writes ckpt-2
@@ -246,9 +260,10 @@ def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_pat
             client = subprocess.Popen(
                 launcher(
                     run_dir, 8, f"--cluster={job.spec}", "--max_restarts=3",
-                    "--step_deadline=8", "--cluster_timeout=300",
+                    "--step_deadline=8", "--cluster_timeout=300", "--mesh_order=pipelines_in_host",
                 ),
-                cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1", **pause.env((5, 7), events)},
+                cwd=ROOT,
+                env={**USER_ENV, "PYTHONUNBUFFERED": "1", **pause.env((5, 7), events)},
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         describe = lambda: log.read_text()[-3000:]  # noqa: E731
@@ -259,19 +274,18 @@ def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_pat
         job.workers[1].wait(pause.HANG_BOUND_S)
         pause.release(events, 5)
         seen = wait_for_line(log, "restart 1 of at most 3", client)
-        job.workers[1] = job._start_worker(1)  # the same address; the new client waits for it
+        job.restart()  # the new client waits for the workers at their addresses
         # Frozen: the new client waits after step 7 (ckpt-6) while worker 1 stops.
         pause.wait_until_paused(events, 7, client, describe)
         job.workers[1].send_signal(signal.SIGSTOP)
         pause.release(events, 7)
         seen = wait_for_line(log, "restart 2 of at most 3", client, seen)
-        job.workers[1].kill()  # a frozen process dies of SIGKILL too
-        job.workers[1].wait(pause.HANG_BOUND_S)
-        job.workers[1] = job._start_worker(1)
+        job.restart()  # a frozen process dies of SIGKILL too
         code = client.wait(pause.HANG_BOUND_S)
         text = log.read_text()
         assert code == 0, text[-4000:]
         assert "ckpt-2: resuming at step 3" in text  # one host's checkpoint on two tasks
+        assert "data read per host, 2 input host(s): /job:worker/replica:0/task:0" in text
         killed = f"lost worker task 1 ({job.addresses[1]})" in text
         assert killed or f"worker task 1 ({job.addresses[1]}) stopped answering" in text, text
         assert "after a lost worker (exit 3)" in text
@@ -283,14 +297,15 @@ def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_pat
         )
         assert frozen, text[-4000:]
         hung = frozen.group(0)
-        for replica in range(2):  # the frozen task holds stage 1's replica group
-            assert f"stage 1 replica {replica} (/job:worker/replica:0/task:1/device:CPU:" in hung
+        for stage in range(2):  # the frozen task holds replica 1's pipeline
+            assert f"stage {stage} replica 1 (/job:worker/replica:0/task:1/device:CPU:" in hung
         assert f"; worker task 0 ({job.addresses[0]}) answers;" in hung
         assert "taking over the lock" not in text  # the hung client released it
         assert f"the newest checkpoint is ckpt-6 in {run_dir}" in hung
         assert "after a hung step (exit 4)" in text
         assert "ckpt-6: resuming at step 7" in text
         assert "This should never happen" not in text  # TensorFlow's report, filtered
+        assert "Exception ignored in" not in text  # a lost worker's executors, collected
     finally:
         if client.poll() is None:
             client.kill()
@@ -298,6 +313,7 @@ def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_pat
 
     back = run_launcher(run_dir, 10)  # the two tasks' checkpoint on one host
     assert "ckpt-8: resuming at step 9" in back
+    assert "data read per host, 1 input host(s)" in back
     run_launcher(whole, 10)
     final = tf.train.load_checkpoint(os.path.join(run_dir, "ckpt-10"))
     expected = tf.train.load_checkpoint(os.path.join(whole, "ckpt-10"))

@@ -35,3 +35,25 @@ def data(global_batch_size):
     x = np.random.default_rng(0).normal(size=(1024, FEATURES)).astype("float32")
     y = np.argmax(x[:, :3], axis=1)
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch_size)
+
+
+def per_host_data(global_batch_size, input_context):
+    """The same task read per host (``--data`` with an ``input_context`` parameter): input
+    pipeline p makes the per-replica batches of its replicas (assumed contiguous: p·k ...
+    p·k + k - 1, k = replicas / pipelines), each example generated from its index alone,
+    so the joined global batch of step s is examples s·B ... s·B + B - 1 on any number of
+    hosts."""
+    rows = input_context.get_per_replica_batch_size(global_batch_size)
+    k = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+
+    def element(e):
+        replica = input_context.input_pipeline_id * k + e % k
+        first = (e // k) * global_batch_size + replica * rows
+        x = tf.map_fn(
+            lambda i: tf.random.stateless_normal([FEATURES], tf.stack([i, 7])),
+            first + tf.range(rows, dtype=tf.int64),
+            fn_output_signature=tf.float32,
+        )
+        return x, tf.argmax(x[:, :3], axis=1)
+
+    return tf.data.Dataset.range(1 << 40).map(element)

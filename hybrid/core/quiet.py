@@ -29,11 +29,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "CACHE_LOAD_NOISE",
     "LIBRARY_INFO_FILTER",
     "LOST_WORKER_NOISE",
+    "drop_lost_worker_unraisables",
     "hide_known_noise",
     "hide_library_info",
     "import_tensorflow",
@@ -151,6 +153,23 @@ for line in sys.stdin.buffer:
 
 
 _FILTERING = False  # whether this process's fd 2 goes through the filter already
+
+
+def drop_lost_worker_unraisables() -> None:
+    """Keeps TensorFlow's eager executors from printing "Exception ignored in: ...
+    Executor.__del__ ... UnavailableError: Socket closed" (with a traceback) when a lost
+    worker's executor is collected: the cluster's guard names the lost worker itself.
+    Other unraisable exceptions reach the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        where = getattr(unraisable.object, "__qualname__", "")
+        error = type(unraisable.exc_value)
+        if where == "Executor.__del__" and error.__module__.startswith("tensorflow"):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def hide_known_noise() -> None:

@@ -57,6 +57,7 @@ def _run_on_cluster(
     import tensorflow as tf
 
     from hybrid.core.mesh import parse_spec
+    from hybrid.core.quiet import drop_lost_worker_unraisables
     from hybrid.engine.devices import client_cpu
     from hybrid.launch.worker import flag_terms  # the cluster library's words -> flags
     from hybrid.platforms import cluster as cluster_lib
@@ -64,6 +65,7 @@ def _run_on_cluster(
     from hybrid.platforms.step_deadline import StepDeadline
     from hybrid.run.trainer import train
 
+    drop_lost_worker_unraisables()  # the guard names a lost worker; its executors need not
     if spec is None and slurm.is_slurm(FLAGS.cluster):
         spec = slurm.spec(FLAGS.cluster)
     elif spec is None:

@@ -44,6 +44,7 @@ from hybrid.platforms.cluster_tasks import (
     dropped_error,
     job_tasks,
     lost_error,
+    restarted_error,
     spec_from,
     task_devices,
     tasks_named_in,
@@ -169,13 +170,19 @@ class Cluster:
         tasks that no longer answer are reported in an :class:`UnreachableTaskError`
         chained to the original error. An UNAVAILABLE error while every task answers (a
         task that restarted, a dropped connection) is reported with the tasks its message
-        names. Other errors, and a task's out-of-memory error (a task that died of one
-        included: the engine says it so), pass through unchanged.
+        names, as is a collective refused because a task restarted while the others
+        kept the previous client's state (every worker must restart then). Other errors,
+        and a task's out-of-memory error (a task that died of one included: the engine
+        says it so), pass through unchanged.
         """
         try:
             yield
         except tf.errors.ResourceExhaustedError:
             raise
+        except tf.errors.FailedPreconditionError as err:
+            if "incarnation" not in err.message:
+                raise
+            raise restarted_error(self.tasks, err) from err
         except tf.errors.OpError as err:
             down = self.unreachable(probe_timeout_s)
             if down:

@@ -30,6 +30,7 @@ __all__ = [
     "dropped_error",
     "job_tasks",
     "lost_error",
+    "restarted_error",
     "spec_from",
     "start_call",
     "task_devices",
@@ -215,6 +216,28 @@ def dropped_error(named: Sequence[Task], err: tf.errors.OpError) -> UnreachableT
         "and lost its state. Restart the client (from its last checkpoint)",
         named,
     )
+
+
+def restarted_error(tasks: Sequence[Task], err: tf.errors.OpError) -> UnreachableTaskError:
+    """The error for a collective that ``err`` refused because some of ``tasks`` restarted
+    while the others kept their state of the previous client's collectives (TensorFlow's
+    group leader and device caches keep each device's incarnation for the life of the
+    process): every worker must restart."""
+    named = [t for t in tasks if any(t.name == n for n in _RESTARTED.findall(err.message))]
+    who = ", ".join(map(str, named)) or "a task"
+    return UnreachableTaskError(
+        f"{who} restarted, but the other workers kept the previous client's collective "
+        "state (TensorFlow: its devices' incarnation changed): a replica group that spans "
+        "tasks needs every worker restarted after one is lost. Restart all the workers, "
+        "then the client (from its last checkpoint)",
+        named,
+    )
+
+
+# A device whose incarnation no longer matches a collective's record of it.
+_RESTARTED = re.compile(
+    r"(/job:[^/\s]+/replica:\d+/task:\d+)/device:\S*?\s*(?:current incarnation|exists in cache)"
+)
 
 
 def _what(err: tf.errors.OpError) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from hybrid.core.mesh import DeviceMesh, parse_spec
+from hybrid.engine.api.per_host import PerHostDataset, input_hosts
 from hybrid.engine.api.pipeline import Pipeline
 from hybrid.run import data, event_files, resume
 from hybrid.run.callbacks import NonFiniteLossError, StepCallback, Steps
@@ -38,7 +39,7 @@ from hybrid.run.checkpoint import Checkpointer
 from hybrid.run.data_sources import is_function_spec
 from hybrid.run.output_paths import check_output_paths, missing_extras
 from hybrid.run.train_config import TrainConfig, execution_conflict
-from hybrid.run.user_model import call_user, model_for, optimizer_for
+from hybrid.run.user_model import call_user, model_for, optimizer_for, takes_input_context
 
 __all__ = [
     "NonFiniteLossError",
@@ -196,9 +197,12 @@ def _train(
     restored = resume.resume(config, pipe, saver, summary, log)
     start = restored.step if restored else 0
     position = restored.data_position if restored else 0
-    batches = _batches(config, config.data.source, config.seed, position, input_shape)
+    batches = _batches(config, pipe, config.data.source, config.seed, position, input_shape)
+    if isinstance(batches, PerHostDataset):
+        hosts = ", ".join(f"{cpu} (replicas {replicas})" for cpu, replicas in batches.hosts)
+        log(f"data read per host, {len(batches.hosts)} input host(s): {hosts}")
     validation = (
-        _batches(config, config.data.validation_data, config.seed + 1, 0, input_shape)
+        _batches(config, pipe, config.data.validation_data, config.seed + 1, 0, input_shape)
         if config.data.validation_data
         else None
     )
@@ -212,7 +216,7 @@ def _train(
     steps.last_checkpoint = restored.path if restored else None
     if config.train_steps > start:
         if config.steps_per_execution > 1:  # a last execution of fewer steps, not past the end
-            batches = batches.take(config.train_steps - start)
+            batches = batches.take(config.train_steps - start)  # (a per-host one's steps)
         try:
             pipe.fit(
                 batches,
@@ -242,9 +246,21 @@ def _train(
 
 
 def _batches(
-    config: TrainConfig, spec: str, seed: int, position: int, input_shape: Any
-) -> tf.data.Dataset:
-    """The global batches ``spec`` names (``--data``'s grammar), from batch ``position`` on."""
+    config: TrainConfig, pipe: Pipeline, spec: str, seed: int, position: int, input_shape: Any
+) -> Any:
+    """The global batches ``spec`` names (``--data``'s grammar), from batch ``position`` on:
+    a ``tf.data.Dataset``, or for your function with an ``input_context`` parameter the
+    per-host dataset it makes on every input host (each skipping the elements its replicas
+    took before ``position``)."""
+    if is_function_spec(spec) and takes_input_context(spec):
+        firsts = [pipe.mesh.device(0, r) for r in range(pipe.mesh.num_replicas)]
+        fed = [len(replicas) for _, replicas in input_hosts(firsts)]
+
+        def per_host(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            made = call_user("data", spec, config.data.global_batch_size, input_context=context)
+            return made.skip(position * fed[context.input_pipeline_id])
+
+        return pipe.distribute_datasets_from_function(per_host)
     if is_function_spec(spec):  # yours: the batches after the ones already taken
         return call_user("data", spec, config.data.global_batch_size).skip(position)
     if spec.startswith("tfrecord:"):

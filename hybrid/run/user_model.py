@@ -88,12 +88,19 @@ def load_function(spec: str) -> Callable[..., Any]:
     return function
 
 
-def call_user(option: str, spec: str, *args: Any) -> Any:
-    """``spec``'s function called with ``args``; what it raises becomes a one-line
-    :class:`UserFunctionError` naming the option, the function and its own message."""
+def takes_input_context(spec: str) -> bool:
+    """Whether ``spec``'s data function has a parameter ``input_context``: then it is
+    built on every input host (``Pipeline.distribute_datasets_from_function``)."""
+    return "input_context" in inspect.signature(load_function(spec)).parameters
+
+
+def call_user(option: str, spec: str, *args: Any, **kwargs: Any) -> Any:
+    """``spec``'s function called with ``args`` and ``kwargs``; what it raises becomes a
+    one-line :class:`UserFunctionError` naming the option, the function and its own
+    message."""
     function = load_function(spec)
     try:
-        return function(*args)
+        return function(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - the user's code: any error is theirs
         raise UserFunctionError(
             f"--{option}={spec}: your function {function.__name__}() raised "
@@ -103,7 +110,9 @@ def call_user(option: str, spec: str, *args: Any) -> Any:
 
 def _user_model(config: TrainConfig) -> tuple[keras.Model, Any, Any]:
     """Your model, loss and metrics from ``config.model.name`` (``package.module:fn``): fn()
-    returns a dict ``{"model", "loss", "metrics"}`` or a model compiled with its loss."""
+    returns a dict ``{"model", "loss", "metrics"}`` or a model compiled with its loss. Keras's
+    seeds are set from ``--seed`` first, so its initial weights are the same in every run."""
+    keras.utils.set_random_seed(config.seed)
     made = call_user("model", config.model.name)
     if isinstance(made, dict):
         model, loss, metrics = made.get("model"), made.get("loss"), made.get("metrics")

@@ -26,6 +26,7 @@ remote host.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -79,6 +80,7 @@ class PerHostDataset:
     ) -> None:
         self.hosts = input_hosts(firsts)
         self.replicas, self.graph = len(firsts), graph
+        self.limit: int | None = None  # steps, from take()
         self.datasets = []
         for index, (cpu, _) in enumerate(self.hosts):
             context = tf.distribute.InputContext(len(self.hosts), index, self.replicas)
@@ -126,13 +128,24 @@ class PerHostDataset:
         """Examples per step: the per-replica batch times R."""
         return self.per_replica_batch * self.replicas
 
+    def take(self, steps: int) -> PerHostDataset:
+        """This dataset ending after ``steps`` steps (``tf.data.Dataset.take``'s meaning)."""
+        taken = copy.copy(self)
+        taken.limit = steps if self.limit is None else min(steps, self.limit)
+        return taken
+
     def steps(self) -> tf.data.Dataset:
         """What Keras's epoch loop iterates: one element per step (a step index), as many
         as the datasets' cardinality allows (infinite, or unknown: endless, and the data's
-        end, when it comes, ends the epoch)."""
+        end, when it comes, ends the epoch), at most :meth:`take`'s."""
+        driver = self._steps()
+        return driver if self.limit is None else driver.take(self.limit)
+
+    def _steps(self) -> tf.data.Dataset:
         counts = []
-        for dataset, (_, fed) in zip(self.datasets, self.hosts, strict=True):
-            cardinality = int(dataset.cardinality())
+        for dataset, (cpu, fed) in zip(self.datasets, self.hosts, strict=True):
+            with tf.device(cpu):  # where the dataset is
+                cardinality = int(dataset.cardinality())
             if cardinality < 0:  # infinite or unknown
                 return tf.data.Dataset.range(1).repeat()
             counts.append(cardinality // len(fed))
