@@ -61,6 +61,7 @@ MIN_BLOCKS = {
 # Exactly these blocks are only parsed: (file, marker).
 ILLUSTRATIONS = [
     ("docs/guide/multihost.md", "<!-- illustration: needs running workers -->"),
+    ("docs/guide/multihost.md", "<!-- illustration: needs running workers -->"),
     ("docs/guide/tpu.md", "<!-- illustration: needs a Cloud TPU node -->"),
     (
         "docs/guide/tpu.md",
