@@ -493,3 +493,42 @@ def _reference_layers_and_batch(
     else:
         raise ValueError(f"unknown model {model!r}; choose transformer, mlp or resnet")
     return layers, shape, dtype, x, y
+
+
+def client_bytes_sent() -> int:
+    """Bytes this process's TCP sockets have sent (the kernel's per-socket counters, read
+    with ``ss -tin``; the client's sockets picked by pid)."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    lines, total = out.splitlines(), 0
+    for i, line in enumerate(lines):
+        if f"pid={os.getpid()}," in line and i + 1 < len(lines):
+            found = re.search(r"bytes_sent:(\d+)", lines[i + 1])
+            total += int(found.group(1)) if found else 0
+    return total
+
+
+def time_fits(
+    runs: Mapping[str, tuple[Any, Any]], rounds: int, steps: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """``fit`` of each ``(pipeline, data)`` for 2 steps (compiling, the first iterators),
+    then ``rounds`` alternating rounds of ``steps`` steps each: per run, the median seconds
+    per step and the median bytes this process sent per step (:func:`client_bytes_sent`)."""
+    import time
+
+    seconds: dict[str, list[float]] = {k: [] for k in runs}
+    sent: dict[str, list[float]] = {k: [] for k in runs}
+    for pipe, data in runs.values():
+        pipe.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+    for _ in range(rounds):
+        for name, (pipe, data) in runs.items():
+            before, start = client_bytes_sent(), time.perf_counter()
+            pipe.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+            seconds[name].append((time.perf_counter() - start) / steps)
+            sent[name].append((client_bytes_sent() - before) / steps)
+    return (
+        {k: median(v) for k, v in seconds.items()},
+        {k: median(v) for k, v in sent.items()},
+    )

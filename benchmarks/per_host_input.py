@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import time
 
 from absl import app, flags
 
@@ -41,17 +38,6 @@ flags.DEFINE_integer("batch", 256, "Global batch.")
 flags.DEFINE_integer("micro_batches", 2, "Micro-batches per replica.")
 flags.DEFINE_string("client_of", None, "Internal: run as the client of this cluster spec.")
 FLAGS = flags.FLAGS
-
-
-def client_bytes_sent() -> int:
-    """Bytes this process's TCP sockets have sent (the kernel's per-socket counters)."""
-    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
-    lines, total = out.splitlines(), 0
-    for i, line in enumerate(lines):
-        if f"pid={os.getpid()}," in line and i + 1 < len(lines):
-            found = re.search(r"bytes_sent:(\d+)", lines[i + 1])
-            total += int(found.group(1)) if found else 0
-    return total
 
 
 def run(spec: str) -> None:
@@ -81,25 +67,16 @@ def run(spec: str) -> None:
             lambda s: examples(s, rows, c.input_pipeline_id)
         )
     )
-    kinds = {"client_fed": client_fed, "per_host": per_host}
-    seconds: dict[str, list[float]] = {k: [] for k in kinds}
-    sent: dict[str, list[float]] = {k: [] for k in kinds}
+    kinds = {"client_fed": (pipe, client_fed), "per_host": (pipe, per_host)}
     with job.guard():
-        for data in kinds.values():  # compile, and the first epoch's iterators
-            pipe.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
-        for _ in range(FLAGS.rounds):
-            for kind, data in kinds.items():
-                before, start = client_bytes_sent(), time.perf_counter()
-                pipe.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0)
-                seconds[kind].append((time.perf_counter() - start) / FLAGS.steps)
-                sent[kind].append((client_bytes_sent() - before) / FLAGS.steps)
+        seconds, sent = common.time_fits(kinds, FLAGS.rounds, FLAGS.steps)
     result = {
         "tasks": tasks,
         "mesh": [list(row) for row in mesh.devices],
         "input_hosts": len(per_host.hosts),
         "batch_bytes": FLAGS.batch * (width * 4 + 4),
-        **{f"{k}_ms": 1e3 * common.median(v) for k, v in seconds.items()},
-        **{f"{k}_client_bytes_per_step": common.median(v) for k, v in sent.items()},
+        **{f"{k}_ms": 1e3 * v for k, v in seconds.items()},
+        **{f"{k}_client_bytes_per_step": v for k, v in sent.items()},
     }
     print("RESULT " + json.dumps(result), flush=True)
 
