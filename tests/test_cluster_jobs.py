@@ -40,6 +40,7 @@ def watch(deadline_s: float | None = None, **kwargs):
         event.set()
 
     kwargs.setdefault("tasks", [LOCAL, GONE])
+    kwargs.setdefault("probe_timeout_s", 1.0)
     return StepDeadline(on_hang=on_hang, deadline_s=deadline_s, **kwargs), found, event
 
 
@@ -83,15 +84,19 @@ def test_when_every_task_answers_the_step_gets_one_more_deadline():
 
 
 def test_progress_and_held_callbacks_keep_the_deadline_away():
-    deadline, found, event = watch(0.3)
+    now = [0.0]  # the deadline's clock, moved by hand: a stalled test cannot fire it
+    deadline, found, event = watch(0.3, clock=lambda: now[0])
     deadline.progressed(1)
-    with deadline.held():  # a callback that waits longer than the deadline
+    with deadline.held():  # a callback that waits far longer than the deadline
+        now[0] += 100.0
         assert not event.wait(1.0)
     for step in range(2, 8):  # steps that keep coming within it
+        now[0] += 0.1
         deadline.progressed(step)
-        assert not event.wait(0.05)
+    assert not event.wait(1.0)
+    now[0] += 1.0  # then none: it fires, by the clock it was given
+    assert event.wait(60) and found[0].step == 7
     deadline.close()
-    assert not event.wait(1.0) and found == []
 
 
 def test_the_automatic_deadline_follows_the_longest_step():

@@ -260,7 +260,7 @@ def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_pat
             client = subprocess.Popen(
                 launcher(
                     run_dir, 8, f"--cluster={job.spec}", "--max_restarts=3",
-                    "--step_deadline=8", "--cluster_timeout=300", "--mesh_order=pipelines_in_host",
+                    "--step_deadline=15", "--cluster_timeout=300", "--mesh_order=pipelines_in_host",
                 ),
                 cwd=ROOT,
                 env={**USER_ENV, "PYTHONUNBUFFERED": "1", **pause.env((5, 7), events)},
@@ -291,7 +291,7 @@ def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_pat
         assert "after a lost worker (exit 3)" in text
         assert "ckpt-4: resuming at step 5" in text
         frozen = re.search(
-            r"error: hung: step 8 has not finished \d+ s after step 7 \(--step_deadline=8\): "
+            r"error: hung: step 8 has not finished \d+ s after step 7 \(--step_deadline=15\): "
             rf"worker task 1 \({job.addresses[1]}\): its server does not answer; it holds .*",
             text,
         )
