@@ -7,13 +7,11 @@ feeding its own replicas on its own CPU.
 
 import sys
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_fit import adam_moments, assert_history_equal, compiled, model
+from test_fit import adam_moments, assert_history_equal, pair
 
-import hybrid
 from hybrid.engine.api.per_host import input_hosts
 
 import reference as ref
@@ -39,21 +37,6 @@ def dataset_fn(context: tf.distribute.InputContext, n=96, weighted=True, seed=0)
     return data.batch(context.get_per_replica_batch_size(GLOBAL), drop_remainder=True)
 
 
-def pair(stages, micro_batches, prefetch):
-    keras_model = model()
-    keras_model.compile(**compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)))
-    template = model(seed=1)
-    template.set_weights(keras_model.get_weights())
-    pipe = hybrid.Pipeline(
-        template,
-        mesh=hybrid.DeviceMesh.create(stages, R),
-        micro_batches=micro_batches,
-        prefetch=prefetch,
-    )
-    pipe.compile(jit_compile=False, **compiled(keras.optimizers.Adam(0.01, epsilon=1e-3)))
-    return keras_model, pipe
-
-
 def joined(context_fn, n=96, weighted=True, seed=0):
     """The global batches a one-host mesh trains on, stacked: ``[steps, R × rows, ...]``
     per tensor (R consecutive elements joined)."""
@@ -69,7 +52,7 @@ def joined(context_fn, n=96, weighted=True, seed=0):
 
 @pytest.mark.parametrize("stages,micro_batches,prefetch", [(2, 2, 2), (1, 4, 0)])
 def test_fit_and_evaluate_on_per_host_datasets_match_keras(stages, micro_batches, prefetch):
-    keras_model, pipe = pair(stages, micro_batches, prefetch)
+    keras_model, pipe = pair(stages, R, micro_batches, prefetch=prefetch)
     train = pipe.distribute_datasets_from_function(dataset_fn)
     assert train.global_batch == GLOBAL and len(train.hosts) == 1  # one process: one host
     validation = pipe.distribute_datasets_from_function(
@@ -95,7 +78,7 @@ def test_fit_and_evaluate_on_per_host_datasets_match_keras(stages, micro_batches
 
 
 def test_an_endless_dataset_runs_steps_per_epoch_and_keeps_its_place():
-    keras_model, pipe = pair(2, 2, 1)
+    keras_model, pipe = pair(2, R, 2, prefetch=1)
     train = pipe.distribute_datasets_from_function(lambda c: dataset_fn(c).repeat())
     pipe.fit(train, epochs=3, steps_per_epoch=4, verbose=0)  # 12 steps: 2 passes over 6
     xs, ys, ws = joined(dataset_fn)
@@ -105,7 +88,7 @@ def test_an_endless_dataset_runs_steps_per_epoch_and_keeps_its_place():
 
 
 def test_bad_datasets_and_arguments_are_refused():
-    _, pipe = pair(2, 2, 0)
+    _, pipe = pair(2, R, 2, prefetch=0)
     with pytest.raises(ValueError, match="dataset_fn returned list for input pipeline 0"):
         pipe.distribute_datasets_from_function(lambda c: [1, 2])
     with pytest.raises(ValueError, match=r"batch dimensions are \['None'\].*drop_remainder=True"):
@@ -122,6 +105,13 @@ def test_bad_datasets_and_arguments_are_refused():
     )
     with pytest.raises(ValueError, match="batch of 3 rows does not split into micro_batches=2"):
         pipe.fit(odd, verbose=0)
+    wide = pipe.distribute_datasets_from_function(  # built by the first fit for 8 features
+        lambda c: tf.data.Dataset.from_tensor_slices(
+            (np.zeros((16, 5), "float32"), np.zeros((16, 1), "float32"))
+        ).batch(4, drop_remainder=True)
+    )
+    with pytest.raises(ValueError, match=r"built for inputs .* \[\(\(8,\), 'float32'\)\]; the "):
+        pipe.fit(wide, verbose=0)
 
 
 def test_input_hosts_are_the_tasks_of_the_first_stages_in_replica_order():

@@ -112,9 +112,18 @@ class PerHostDataset:
         assert size is not None
         return size
 
-    def check(self, micro_batches: int) -> None:
-        """Raises ValueError unless each replica's batch splits into ``micro_batches``
-        (a per-host batch is not padded: its rows are all real examples)."""
+    def check(self, micro_batches: int, specs: Sequence[Any]) -> None:
+        """Raises ValueError unless the elements' inputs have the shapes and dtypes the
+        pipeline was built for (``specs``) and each replica's batch splits into
+        ``micro_batches`` (a per-host batch is not padded: its rows are all real examples)."""
+        xs, _, _ = flat_batch(self.graph, *keras_private.unpack_x_y_sample_weight(self.zeros()))
+        got = [(tuple(x.shape[1:]), x.dtype.name) for x in xs]
+        built = [(tuple(s.shape), tf.as_dtype(s.dtype).name) for s in specs]
+        if got != built:
+            raise ValueError(
+                f"distribute_datasets_from_function: the pipeline was built for inputs "
+                f"(shape without the batch, dtype) {built}; the datasets yield {got}"
+            )
         if self.per_replica_batch % micro_batches:
             raise ValueError(
                 f"distribute_datasets_from_function: each replica's batch of "

@@ -413,7 +413,7 @@ class Workflow(abc.ABC):
         padding = _Padding(self.config)
         depth = feed.check_depth(self.prefetch)
         if per_host is not None:
-            per_host.check(self.config.micro_batches)
+            per_host.check(self.config.micro_batches, self._specs)
 
             def place(parts: Any) -> Any:
                 return feed.on_devices(parts, *self._shard_devices()) if depth else parts
