@@ -201,8 +201,9 @@ def lost_error(down: Sequence[Task], err: tf.errors.OpError) -> UnreachableTaskE
     names = "; ".join(f"{t} [{t.name}]" for t in down)
     return UnreachableTaskError(
         f"lost {names} during the job {_what(err)}. This process cannot reconnect: restart "
-        f"that worker (`{start_call(down[0])}` in a new process on its host), then restart "
-        "the client (from its last checkpoint)",
+        f"that worker (`{start_call(down[0])}` in a new process on its host; every worker "
+        "when a stage's replica group spans tasks), then restart the client (from its last "
+        "checkpoint)",
         down,
     )
 
