@@ -230,6 +230,8 @@ def test_a_slurm_job_is_a_worker_per_task_for_the_client_and_the_workers(no_slur
 def test_slurm_outside_a_job_or_with_a_bad_port_is_refused(no_slurm):
     with pytest.raises(ValueError, match="SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are not"):
         slurm.spec("SLURM")
+    with pytest.raises(ValueError, match="SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are not"):
+        slurm.check_environment()  # what the launchers' flag check asks
     with pytest.raises(ValueError, match="--cluster=SLURM:http: 'http' is not a port"):
         slurm.port_of("SLURM:http")
 

@@ -553,13 +553,9 @@ def _check_cluster_spec(text: str) -> None:
     if slurm.is_slurm(text):
         try:
             slurm.port_of(text)
+            slurm.check_environment()
         except ValueError as err:
             raise flags.ValidationError(str(err)) from None
-        if not os.environ.get("SLURM_JOB_NODELIST"):
-            raise flags.ValidationError(
-                f"--cluster={text} reads SLURM's environment, but SLURM_JOB_NODELIST is not "
-                "set: run inside a SLURM job (sbatch or salloc), or give --cluster as JSON"
-            )
         return
     try:
         spec = json.loads(text)

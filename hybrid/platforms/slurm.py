@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import tensorflow as tf
 
-__all__ = ["DEFAULT_PORT", "is_slurm", "port_of", "spec", "task_index"]
+__all__ = ["DEFAULT_PORT", "check_environment", "is_slurm", "port_of", "spec", "task_index"]
 
 DEFAULT_PORT = 8888  # SlurmClusterResolver's port_base
 
@@ -63,6 +63,16 @@ def _var(*names: str) -> str:
     )
 
 
+_NODES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")  # a step's hosts, else the job's
+_TASKS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def check_environment() -> None:
+    """Raises ValueError unless this process is inside a SLURM job (its hosts are set);
+    no TensorFlow, for the launchers' flag checks."""
+    _var(*_NODES)
+
+
 def spec(text: str = "SLURM") -> tf.train.ClusterSpec:
     """The cluster of this SLURM job: a ``worker`` job of one task per SLURM task.
 
@@ -79,8 +89,8 @@ def spec(text: str = "SLURM") -> tf.train.ClusterSpec:
     )
 
     port = port_of(text)
-    hosts = expand_hostlist(_var("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
-    counts = expand_tasks_per_node(_var("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    hosts = expand_hostlist(_var(*_NODES))
+    counts = expand_tasks_per_node(_var(*_TASKS))
     per_host = dict(zip(hosts, counts, strict=True))
     most = max(per_host.values())
     os.environ.setdefault("SLURM_PROCID", "0")  # the batch script is the job's task 0

@@ -412,12 +412,12 @@ class Workflow(abc.ABC):
         iterator.reset()
         padding = _Padding(self.config)
         depth = feed.check_depth(self.prefetch)
+
+        def place(parts: Any) -> Any:
+            return feed.on_devices(parts, *self._shard_devices()) if depth else parts
+
         if per_host is not None:
             per_host.check(self.config.micro_batches, self._specs)
-
-            def place(parts: Any) -> Any:
-                return feed.on_devices(parts, *self._shard_devices()) if depth else parts
-
             iterator.feed = feeding = feed.Feed(place, depth, source=per_host.batches)
             return feeding
 
@@ -425,8 +425,7 @@ class Workflow(abc.ABC):
             x, y, w = keras_private.unpack_x_y_sample_weight(data)
             if not labelled:
                 y = w = None
-            parts = self._batch(x, y, w, padding(x))
-            return feed.on_devices(parts, *self._shard_devices()) if depth else parts
+            return place(self._batch(x, y, w, padding(x)))
 
         iterator.feed = feeding = feed.Feed(prepare, depth)
         return feeding
