@@ -89,6 +89,7 @@ def profile_child(spec: dict) -> None:
     import tensorflow as tf
 
     from hybrid.planning import profile
+    from hybrid.planning.model_calls import model_calls
 
     tf.get_logger().setLevel("ERROR")
     data = common.reference_model(**spec["model"])
@@ -99,9 +100,7 @@ def profile_child(spec: dict) -> None:
     )
     start = time.perf_counter()
     measurement = profile.measure_layers(
-        data["layers"],
-        data["input_shape"],
-        data["input_dtype"],
+        model_calls(data["layers"], data["input_shape"], data["input_dtype"]),
         spec["batches"],
         "/device:CPU:0",
         loss=data["loss"],

@@ -357,20 +357,23 @@ def test_bad_flags_fail_before_training(flags, message):
     assert "step " not in run.stdout
 
 
-def test_mesh_auto_on_your_model_with_a_skip_names_the_call_that_branches():
+def test_mesh_auto_plans_your_model_with_a_skip():
+    """--mesh=auto --dry_run on a --model=module:function graph (a skip and a merge): its
+    layer calls profiled, the plan's layout shown, the plan's prediction printed."""
     run = launch(
-        "--model=user_model:model", "--data=user_model:data", "--mesh=auto",
-        "--simulated_devices=2", "--train_steps=1",
+        "--model=user_model:model", "--data=user_model:data", "--mesh=auto", "--dry_run",
+        "--simulated_devices=2", "--global_batch_size=8", "--micro_batches=2",
+        "--schedule=1f1b", "--remat=never",
         env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
     )  # fmt: skip
-    assert run.returncode == 1, run.stdout[-2000:]
-    assert run.stderr.strip().splitlines() == [
-        "error: --model=user_model:model: plan() profiles a model whose layer calls form a "
-        "chain (each takes the previous one's output); 'functional' does not: call 2 (add) "
-        "reads 2 tensor(s), not only the previous call's output (a skip or a merge). Plan it "
-        "from a CostProfile (hybrid.planning.CostProfile, e.g. measured per layer by hand), or "
-        "choose the mesh yourself and compare with pipe.summary()"
-    ], run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    (planned,) = [line for line in lines if line.startswith("planned: ")]
+    assert "--micro_batches=2 --schedule=1f1b --remat=never" in planned, planned
+    balance = planned.split("--balance=")[1].split(" ")[0]
+    assert sum(map(int, balance.split(","))) == 4, planned  # dense, dense, add, dense
+    assert any(line.startswith("predicted (the plan's): ") for line in lines), lines[-5:]
+    assert lines[-1] == "dry run: nothing trained (drop --dry_run to train)"
 
 
 def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):

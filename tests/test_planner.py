@@ -8,6 +8,7 @@ import os
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 import hybrid
@@ -17,6 +18,7 @@ from hybrid.core.config import ConfigError, RunConfig, validate_run
 from hybrid.core.schedule import generators
 from hybrid.core.schedule.actions import Action, Op
 from hybrid.planning import CostProfile, Hardware, LayerCost, Link, search
+from hybrid.planning.model_calls import model_calls
 from hybrid.planning.stage_costs import StageCost, action_costs, deferred_schedule
 
 import runner
@@ -700,55 +702,130 @@ def test_a_profile_is_measured_once_per_host_and_model(monkeypatch, tmp_path):
     embedding = keras.layers.Embedding(16, 8)
     embedding.build((None,))
     tied = [keras.layers.Dense(8), TiedHead(embedding)]
-    assert profile_cache.fingerprint(tied, (8,), "float32", [2], device="CPU:0") is None
+    assert profile_cache.fingerprint(model_calls(tied, (8,)), [2], device="CPU:0") is None
     profile(layers=tied)
     profile(layers=tied)
     assert len(measured) == 6 and len(os.listdir(profile_cache.directory())) == 4
 
 
-def chain_model(dtype="float32"):
+def graph_model():
+    """Two named inputs, a nested functional block, a skip over it, a merge, a Dense called
+    twice (tied), and a non-tensor argument (``Dropout(training=False)``)."""
     keras.utils.set_random_seed(0)
-    inner = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8)])
-    x_in = keras.Input((6,), dtype=dtype)
-    return keras.Model(x_in, keras.layers.Dense(3)(inner(keras.layers.Dense(8)(x_in))))
+    inner_in = keras.Input((8,))
+    inner = keras.Model(inner_in, keras.layers.Dense(8, activation="relu", name="inner")(inner_in))
+    a, b = keras.Input((6,), name="a"), keras.Input((2,), name="b")
+    h = keras.layers.Dense(8, name="first")(keras.layers.Concatenate(name="cat")([a, b]))
+    shared = keras.layers.Dense(8, name="shared")
+    deep = shared(keras.layers.Dropout(0.5, name="drop")(inner(h), training=False))
+    joined = keras.layers.Add(name="join")([shared(h), deep])
+    return keras.Model({"a": a, "b": b}, keras.layers.Dense(3, name="head")(joined), name="g")
 
 
-def test_a_chain_model_is_planned_from_its_layer_calls(monkeypatch):
-    """A functional model whose calls form a chain (a nested Sequential flattened in place)
-    is profiled as the list of its layer calls, at its own input shape and dtype."""
-    from hybrid.planning import chains
+def test_any_model_the_pipeline_takes_is_planned_from_its_layer_calls():
+    """The planner's rows are the Pipeline's layer calls, each measured on what the graph
+    passes it; a cut's bytes count every tensor crossing it (the skip too); the plan's
+    layout builds and trains."""
+    model = graph_model()
+    calls = model_calls(model)
+    assert calls.names == ["cat", "first", "inner", "drop", "shared", "shared", "join", "head"]
+    assert calls.wiring() == [[0, 1], [2], [3], [4], [3], [5], [6, 7], [8]]
+    assert [s.shape for s in calls.input_specs] == [(6,), (2,)]
+    assert calls.boundary_bytes(1) == calls.boundary_bytes(6) == 8 * 4
+    assert [calls.boundary_bytes(i) for i in (2, 3, 4, 5)] == [2 * 8 * 4] * 4  # h passes over
+    assert calls.arguments(3) != calls.arguments(2)  # training=False is what the call is given
+    segment = calls.segment(4, 6)  # both calls of `shared`, on h and on the deep branch
+    assert len(segment.inputs) == 2 and len(segment.outputs) == 2
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    found = planner.plan(
+        model, devices=2, global_batch=8, loss=loss, hardware=Hardware(), stages=[2],
+        micro_batches=[2], schedules=["1f1b"], remats=["never"], deferrals=[False], verbose=0,
+    )  # fmt: skip
+    best = found.best.config
+    assert sum(best.balance) == 8 and best.stages == 2, best
+    pipe = hybrid.Pipeline(model, hybrid.DeviceMesh.create(2, 1), config=best)
+    pipe.compile(optimizer="sgd", loss=loss)
+    x = {"a": np.ones((8, 6), "float32"), "b": np.ones((8, 2), "float32")}
+    assert np.isfinite(pipe.train_on_batch(x, np.zeros(8, "int32")))
 
-    model = chain_model()
-    layers, shape, dtype = chains.chain_of(model)
-    assert [type(layer).__name__ for layer in layers] == ["Dense"] * 4
-    assert layers[1] is model.layers[2].layers[0] and (shape, dtype) == ((6,), "float32")
+
+def test_a_run_of_calls_is_measured_as_one_stage_and_shared_by_estimated_work():
+    """Past ``max_runs`` calls, runs of calls are measured whole; each call keeps its own
+    weights and boundary bytes, and gets the run's time in proportion to its work."""
+    from hybrid.planning import profile as profile_lib
+
+    calls = model_calls(graph_model())
+    runs = calls.groups(3)
+    assert len(runs) == 3 and runs[0][0] == 0 and runs[-1][1] == 8
+    assert all(a[1] == b[0] for a, b in zip(runs[:-1], runs[1:], strict=True))
+    m = profile_lib.measure_layers(calls, [2], "/CPU:0", repeats=1, chain=1, max_runs=3)
+    assert [r.name for r in m.layers] == calls.names
+    assert [r.param_bytes for r in m.layers] == [0, 288, 288, 0, 288, 288, 0, 27 * 4]
+    assert [r.timings[0].output_bytes for r in m.layers] == [
+        2 * calls.boundary_bytes(i) for i in range(8)
+    ]
+    work = calls.work()
+    for start, stop in runs:
+        forward = [m.layers[i].timings[0].forward for i in range(start, stop)]
+        total = sum(work[start:stop])
+        if sum(forward) and total:
+            expected = [sum(forward) * w / total for w in work[start:stop]]
+            assert forward == pytest.approx(expected)
+    assert calls.groups(8) == [(i, i + 1) for i in range(8)]
+
+
+def test_a_model_the_planner_cannot_profile_is_refused_with_what_to_do():
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="subclassed Keras model"):
+        planner.plan(Subclassed(), devices=2, global_batch=8, verbose=0)
+    x_in = keras.Input((6,))
+    outputs = [keras.layers.Dense(2)(x_in), keras.layers.Dense(3)(x_in)]
+    two = keras.Model(x_in, outputs, name="two")
+    with pytest.raises(
+        ValueError, match="plan\\(\\) profiles models with one output; 'two' returns 2"
+    ):
+        planner.plan(two, devices=2, global_batch=8, verbose=0)
+    tokens = keras.Input((None,), dtype="int32")
+    open_length = keras.Model(tokens, keras.layers.Embedding(8, 4)(tokens), name="open")
+    with pytest.raises(ValueError, match=r"'open' leaves an input dimension open \(None,\): the"):
+        planner.plan(open_length, devices=2, global_batch=8, verbose=0)
+    with pytest.raises(ValueError, match="input_shape describes one input; 'g' takes 2"):
+        planner.plan(graph_model(), devices=2, global_batch=8, input_shape=(6,), verbose=0)
+    with pytest.raises(ValueError, match="x holds 1 arrays; 'g' takes 2 inputs"):
+        planner.plan(graph_model(), devices=2, global_batch=8, x=np.ones((2, 6)), verbose=0)
+
+
+def test_an_open_sequence_length_is_fixed_by_a_sample_batch(monkeypatch):
+    """A KerasHub task model (its backbone nested, token ids and a padding mask of open
+    length, the token embedding called again with ``reverse=True``) is planned from a
+    sample batch ``x``, one row per call the Pipeline cuts."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=8, dropout=0.0,
+    )  # fmt: skip
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    x = {"padding_mask": np.ones((4, 8), "int32"), "token_ids": np.ones((4, 8), "int32")}
+    calls = model_calls(lm, x=x)
+    assert calls.names[0] == calls.names[-1] == "token_embedding"
+    assert calls.arguments(0) != calls.arguments(len(calls.calls) - 1)  # reverse=True
+    assert [s.shape for s in calls.input_specs] == [(8,), (8,)]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     profiled = []
 
-    def profile(layers, input_shape, input_dtype, sizes, **kwargs):
-        profiled.append((list(layers), tuple(input_shape), input_dtype))
-        return uniform(len(layers))
+    def profile(calls, *args, **kwargs):
+        profiled.append(calls)
+        return uniform(len(calls.calls))
 
     monkeypatch.setattr(search, "profile_model", profile)
-    monkeypatch.setattr(search, "_host_hardware", lambda devices, verbose: Hardware())
-    found = planner.plan(model, devices=2, global_batch=8, verbose=0)
-    assert profiled == [(layers, (6,), "float32")]
-    assert sum(found.best.config.balance) == 4
-    unbuilt = keras.Sequential(layers)  # no Input: the shape and dtype given are used
-    planner.plan(unbuilt, devices=2, global_batch=8, input_shape=(6,), input_dtype="float16",
-                 verbose=0)  # fmt: skip
-    assert profiled[1] == (layers, (6,), "float16")
-
-
-def test_a_model_that_is_not_a_chain_is_refused_naming_the_call():
-    x_in = keras.Input((6,))
-    h = keras.layers.Dense(6, name="first")(x_in)
-    skip = keras.layers.Add(name="join")([h, x_in])
-    with pytest.raises(ValueError, match=r"call 1 \(join\) reads 2 tensor\(s\), not only"):
-        planner.plan(keras.Model(x_in, skip), devices=2, global_batch=8, verbose=0)
-    tokens = keras.Input((None,), dtype="int32")
-    open_length = keras.Model(tokens, keras.layers.Embedding(8, 4)(tokens))
-    with pytest.raises(ValueError, match=r"leaves an input dimension open \(None,\): the plan"):
-        planner.plan(open_length, devices=2, global_batch=8, verbose=0)
+    found = planner.plan(lm, devices=2, global_batch=8, x=x, loss=loss, hardware=Hardware(),
+                         verbose=0)  # fmt: skip
+    assert profiled[0].names == calls.names and sum(found.best.config.balance) == len(calls.calls)
 
 
 def test_the_optimizers_state_is_counted_on_the_optimizer_given():
@@ -770,16 +847,16 @@ def test_the_optimizers_state_is_counted_on_the_optimizer_given():
     assert search.slots_of(lambda: keras.optimizers.Adam(use_ema=True)) == 3
 
 
-def test_the_launcher_profiles_your_chain_model_with_its_loss():
-    """--mesh=auto and --dry_run profile a --model=module:function model that is a chain: its
-    layer calls, its input, the loss it was compiled with."""
+def test_the_launcher_profiles_your_model_with_its_loss():
+    """--mesh=auto and --dry_run profile a --model=module:function model itself (its
+    keras.Input gives the input), with the loss it was compiled with."""
     from hybrid.run.train_config import TrainConfig
     from hybrid.run.user_model import profiled_layers
 
     config = TrainConfig.of(model="user_model:chain", data="user_model:data", mesh="auto")
-    layers, shape, dtype, loss = profiled_layers(config)
-    assert [type(layer).__name__ for layer in layers] == ["Dense", "Dense"]
-    assert (shape, dtype) == ((12,), "float32")
+    model, shape, dtype, loss = profiled_layers(config)
+    assert isinstance(model, keras.Sequential) and shape is None
+    assert [s.shape for s in model_calls(model).input_specs] == [(12,)]
     assert isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
 
 

@@ -249,11 +249,12 @@ def uniform_profile(
 
 
 def profile_model(
-    layers: Sequence[Any],
-    input_shape: Sequence[int],
+    model: Any,
+    input_shape: Sequence[int] | None,
     input_dtype: str,
     batch_sizes: Sequence[int],
     *,
+    x: Any = None,
     loss: Any = None,
     target_shape: Sequence[int] | None = None,
     optimizer: Callable[[], Any] | None = None,
@@ -262,40 +263,48 @@ def profile_model(
     verbose: int = 0,
     cache: bool = True,
 ) -> CostProfile:
-    """Measures ``layers`` on one device (:func:`hybrid.planning.profile.measure_layers`) at the
-    given micro-batch sizes and returns their :class:`CostProfile` (``verbose=1``: a progress
-    bar while measuring).
+    """Measures ``model``'s layer calls on one device
+    (:func:`hybrid.planning.profile.measure_layers`) at the given micro-batch sizes and
+    returns their :class:`CostProfile`, one row per call the Pipeline cuts (``verbose=1``: a
+    progress bar while measuring).
 
+    ``model``: a Keras model (functional or Sequential, with skips, merges, several inputs,
+    nested models, tied layers) or a list of layers applied in order; its input from ``x``
+    (a sample batch), else ``input_shape`` and ``input_dtype``, else the model's
+    ``keras.Input`` (:func:`hybrid.planning.model_calls.model_calls`).
     ``device`` defaults to the first local device (the first GPU, else the first CPU).
     ``cache``: read a profile of the same model and arguments measured earlier on this host,
     and file a new one (:mod:`hybrid.planning.profile_cache`); False measures, files nothing.
-    """
-    import tensorflow as tf  # only profiling needs TensorFlow
 
+    Raises:
+      ValueError: a model the planner cannot profile (named, with what to do instead).
+    """
     from hybrid.core.mesh import local_devices
     from hybrid.planning import profile as profile_lib
     from hybrid.planning import profile_cache
+    from hybrid.planning.model_calls import ModelCalls, model_calls
 
+    calls = model if isinstance(model, ModelCalls) else model_calls(
+        model, input_shape, input_dtype, x
+    )  # fmt: skip
     where = device or local_devices()[0]
     key = None
     if cache:
         key = profile_cache.fingerprint(
-            layers, input_shape, input_dtype, batch_sizes, device=where, loss=loss,
-            target_shape=target_shape, optimizer=optimizer, repeats=repeats,
+            calls, batch_sizes, device=where, loss=loss, target_shape=target_shape,
+            optimizer=optimizer, repeats=repeats,
         )  # fmt: skip
-        stored = profile_cache.read(key, layers) if key else None
+        stored = profile_cache.read(key, calls.names) if key else None
         if stored is not None:
             if verbose:
                 print(
-                    f"read the cost profile of {len(layers)} layers at micro-batch sizes "
-                    f"{list(batch_sizes)} measured earlier on this host "
+                    f"read the cost profile of {len(calls.names)} layer calls at micro-batch "
+                    f"sizes {list(batch_sizes)} measured earlier on this host "
                     f"({profile_cache.directory()})"
                 )
             return stored
     measurement = profile_lib.measure_layers(
-        layers,
-        input_shape,
-        input_dtype,
+        calls,
         batch_sizes,
         where,
         loss=loss,
@@ -304,17 +313,22 @@ def profile_model(
         repeats=repeats,
         verbose=verbose,
     )
-    profile = CostProfile.from_measurement(
-        measurement, input_is_float=tf.as_dtype(input_dtype).is_floating
-    )
-    unique = {id(v): v for layer in layers for v in layer.weights}.values()
-    model_bytes = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in unique)
+    profile = CostProfile.from_measurement(measurement, input_is_float=calls.input_is_float)
+    layers = calls.layers()
+    unique = calls.graph.variables()
+    model_bytes = sum(math.prod(v.shape) * _itemsize(v.dtype) for v in unique)
     profile = dataclasses.replace(
         profile, batch_norm=_batch_norm_kind(layers), model_bytes=float(model_bytes)
     )
     if key:
         profile_cache.write(key, profile)
     return profile
+
+
+def _itemsize(dtype: Any) -> int:
+    import tensorflow as tf  # only profiling needs TensorFlow
+
+    return int(tf.as_dtype(getattr(dtype, "name", dtype)).size)
 
 
 def _batch_norm_kind(layers: Sequence[Any]) -> str:

@@ -14,6 +14,7 @@ import tensorflow as tf
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.engine.traced import traced
+from hybrid.planning.model_calls import ModelCalls
 
 __all__ = [
     "PROGRAMS",
@@ -27,6 +28,9 @@ __all__ = [
 
 # The programs of :class:`StagePrograms` the profiler times, by attribute name.
 PROGRAMS = ("forward", "stored", "fused", "input_only")
+
+Tensors = list[tf.Tensor]
+Grads = list[tf.Tensor | None]  # an output gradient per output (None: not a float)
 
 
 def prod(shape: Sequence[int | None]) -> int:
@@ -69,33 +73,33 @@ class StagePrograms:
         self.stage, self._seed = stage, seed
         self.labels = labels = ([labels], None, None) if labels is not None else None
 
-        def forward(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            return stage.forward([x], labels, seed, True, False).output
+        def forward(xs: Tensors, dys: Grads) -> Tensors:
+            return stage.forward(xs, labels, seed, True, False).output
 
-        def stored(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward([x], labels, seed, False, False, need_dx)
-            dx, dw = stage.backward(saved, [dy], need_dx=need_dx, need_dw=True)
+        def stored(xs: Tensors, dys: Grads) -> Tensors:
+            saved = stage.forward(xs, labels, seed, False, False, need_dx)
+            dx, dw = stage.backward(saved, list(dys), need_dx=need_dx, need_dw=True)
             return saved.output + _present(dx) + dw
 
-        def fused(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            y, dx, dw, _, _ = stage.forward_backward([x], labels, seed, [dy], need_dx)
+        def fused(xs: Tensors, dys: Grads) -> Tensors:
+            y, dx, dw, _, _ = stage.forward_backward(xs, labels, seed, list(dys), need_dx)
             return y + _present(dx) + dw
 
-        def input_only(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-            saved = stage.forward([x], labels, seed, False, True)
-            dx, _ = stage.backward(saved, [dy], need_dx=True, need_dw=False)
+        def input_only(xs: Tensors, dys: Grads) -> Tensors:
+            saved = stage.forward(xs, labels, seed, False, True)
+            dx, _ = stage.backward(saved, list(dys), need_dx=True, need_dw=False)
             return saved.output + _present(dx)
 
-        def chained(body: Callable[[tf.Tensor, tf.Tensor], list[tf.Tensor]]) -> Any:
-            def run(x: tf.Tensor, dy: tf.Tensor) -> list[tf.Tensor]:
-                outputs = body(x, dy)
+        def chained(body: Callable[[Tensors, Grads], Tensors]) -> Any:
+            def run(xs: Tensors, dys: Grads) -> Tensors:
+                outputs = body(xs, dys)
                 for _ in range(chain - 1):
-                    # The next repetition's input is x plus a zero computed from every output
-                    # of this one: the repetitions run one after another, none is a
+                    # The next repetition's inputs are xs plus a zero computed from every
+                    # output of this one: the repetitions run one after another, none is a
                     # duplicate of another, and every output is consumed.
                     firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs]
                     zero = tf.math.multiply_no_nan(tf.add_n(firsts), 0.0)
-                    outputs = body(x + tf.cast(zero, x.dtype), dy)
+                    outputs = body([x + tf.cast(zero, x.dtype) for x in xs], dys)
                 return outputs
 
             return traced(run)
@@ -106,9 +110,9 @@ class StagePrograms:
         self.input_only = chained(input_only)
         self.fused_once = traced(fused)
 
-    def kept_forward(self, x: tf.Tensor) -> Any:
+    def kept_forward(self, xs: list[tf.Tensor]) -> Any:
         """Eagerly: the record a stored-activation forward keeps (its residuals)."""
-        return self.stage.forward([x], self.labels, self._seed, False, False)
+        return self.stage.forward(xs, self.labels, self._seed, False, False)
 
 
 def _present(grads: list[tf.Tensor | None] | None) -> list[tf.Tensor]:
@@ -128,29 +132,30 @@ def identity_programs(device: str, chain: int, jit_compile: bool) -> StageProgra
 
 
 def measure_memory(
-    device: str, programs: StagePrograms, x: tf.Tensor, dy: tf.Tensor
+    device: str, programs: StagePrograms, xs: list[tf.Tensor], dys: list[tf.Tensor | None]
 ) -> tuple[int | None, int | None]:
     """(bytes a kept forward holds, peak bytes while the fused forward+backward runs)."""
     if not _allocator_stats(device):
         return None, None
     where = _memory_device(device)
-    block(programs.fused_once(x, dy))  # traced and compiled before anything is counted
+    block(programs.fused_once(xs, dys))  # traced and compiled before anything is counted
     before = tf.config.experimental.get_memory_info(where)["current"]
-    saved = programs.kept_forward(x)
+    saved = programs.kept_forward(xs)
     block(saved.output)
     stored = tf.config.experimental.get_memory_info(where)["current"] - before
     del saved
     tf.config.experimental.reset_memory_stats(where)
     before = tf.config.experimental.get_memory_info(where)["current"]
-    block(programs.fused_once(x, dy))
+    block(programs.fused_once(xs, dys))
     working = tf.config.experimental.get_memory_info(where)["peak"] - before
     return max(0, stored), max(0, working)
 
 
-def signature(layer: keras.layers.Layer, spec: TensorSpec, last: bool) -> str:
-    """Layers with equal signatures cost the same: same class and configuration (names and
-    seeds aside), same input, same position (last or not). A layer without a configuration
-    (a user's layer with no ``get_config``) is its own signature: measured alone."""
+def signature(calls: ModelCalls, i: int, last: bool) -> str:
+    """Calls with equal signatures cost the same: the same layer class and configuration
+    (names and seeds aside), the same inputs and non-tensor arguments, the same position
+    (last or not). A layer without a configuration (a user's layer with no
+    ``get_config``) is its own signature: measured alone."""
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
@@ -159,41 +164,58 @@ def signature(layer: keras.layers.Layer, spec: TensorSpec, last: bool) -> str:
             return [strip(v) for v in value]
         return value
 
+    call = calls.calls[i]
     try:
-        config = strip(layer.get_config())
+        config = strip(call.layer.get_config())
     except NotImplementedError:
-        config = f"id {id(layer)}"
-    return repr((type(layer).__qualname__, config, spec, last))
+        config = f"id {id(call.layer)}"
+    inputs = [calls.specs[k] for k in call.inputs]
+    arguments = calls.arguments(i)
+    return repr((type(call.layer).__qualname__, config, inputs, arguments, last))
 
 
 class Probe:
-    """One distinct layer at one batch size: its programs, inputs and collected times."""
+    """One distinct layer call at one batch size: its programs, inputs and collected times.
+
+    ``boundary_bytes``: bytes per example crossing the cut after the call (what a stage
+    boundary there sends)."""
 
     def __init__(
         self,
         stage: StageReplica,
-        spec: TensorSpec,
-        out_spec: TensorSpec,
+        out_specs: list[TensorSpec],
+        boundary_bytes: float,
         batch: int,
         labels_shape: tuple[int, ...] | None,
         labels_dtype: str,
         chain: int,
     ) -> None:
         self.batch = batch
-        self.need_dx = tf.as_dtype(spec.dtype).is_floating
-        out_shape = (batch,) + tuple(int(d or 1) for d in out_spec.shape)
-        self.output_bytes = prod(out_shape) * tf.as_dtype(out_spec.dtype).size
+        in_specs = stage.input_specs
+        self.need_dx = any(tf.as_dtype(spec.dtype).is_floating for spec in in_specs)
+        self.output_bytes = int(boundary_bytes * batch)
         with tf.device(stage.device):
-            self.x = tf.constant(spec.zeros(batch))
+            self.xs = [tf.constant(spec.zeros(batch)) for spec in in_specs]
             labels = None
+            self.dys: list[tf.Tensor | None]
             if labels_shape is not None:
                 labels = tf.zeros((batch,) + labels_shape, labels_dtype)
                 # The last stage outputs its loss's [[numerator, denominator]]; the
                 # engine's backward starts from d(numerator) = 1 / divisor.
-                self.dy = tf.constant([[1.0 / batch, 0.0]])
+                self.dys = [tf.constant([[1.0 / batch, 0.0]])]
             else:
-                self.dy = tf.ones(out_shape, out_spec.dtype)
+                self.dys = [
+                    tf.ones((batch,) + tuple(int(d or 1) for d in spec.shape), spec.dtype)
+                    if tf.as_dtype(spec.dtype).is_floating
+                    else None
+                    for spec in out_specs
+                ]
         self.programs = StagePrograms(stage, labels, self.need_dx, chain)
         self.names = PROGRAMS if self.need_dx else PROGRAMS[:3]
         self.times: dict[str, list[float]] = {name: [] for name in self.names}
         self.memory: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def args(self) -> tuple[list[tf.Tensor], list[tf.Tensor | None]]:
+        """What each of its programs is called with."""
+        return self.xs, self.dys

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -15,7 +16,7 @@ import tensorflow as tf
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import optimizer_copies
-from hybrid.engine.step.stage import StageReplica, TensorSpec
+from hybrid.engine.step.stage import StageReplica
 from hybrid.engine.traced import traced
 from hybrid.planning.layer_programs import (
     PROGRAMS,
@@ -27,6 +28,7 @@ from hybrid.planning.layer_programs import (
     signature,
 )
 from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
+from hybrid.planning.model_calls import ModelCalls
 from hybrid.planning.stopwatch import median_seconds, run_seconds
 
 __all__ = [
@@ -114,6 +116,10 @@ class ModelMeasurement:
     device: str
 
 
+# A model of more layer calls than this is measured in this many runs of calls.
+MAX_RUNS = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setup:
     """How :func:`measure_layers` measures: its arguments every step needs."""
@@ -129,9 +135,7 @@ class _Setup:
 
 
 def measure_layers(
-    layers: Sequence[keras.layers.Layer],
-    input_shape: Sequence[int | None],
-    input_dtype: str,
+    calls: ModelCalls,
     batch_sizes: Sequence[int],
     device: str,
     loss: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None,
@@ -142,11 +146,12 @@ def measure_layers(
     chain: int = 8,
     jit_compile: bool = True,
     verbose: int = 0,
+    max_runs: int = MAX_RUNS,
 ) -> ModelMeasurement:
-    """Times and sizes every layer of a model as its own one-layer stage on ``device``.
+    """Times and sizes every layer call of a model as its own one-call stage on ``device``.
 
-    Conceptually, for each layer l and each batch size b, with ``x`` a sample input of
-    layer l holding b examples (zeros; token ids 0)::
+    Conceptually, for each call l and each batch size b, with ``x`` the tensors the model
+    passes call l, holding b examples (zeros; token ids 0)::
 
         F      = t(stage_l.forward(x))                          - t(same on identity)
         B      = t(stage_l.forward(x, kept) + its backward)      - t(same on identity) - F
@@ -160,27 +165,29 @@ def measure_layers(
     (:class:`hybrid.engine.step.stage.StageReplica`), and
     "identity" is a one-weight layer whose programs do next to no work: the difference is
     compute only. Every program is compiled first; then ``repeats`` rounds time every
-    program of every layer once, each beside its identity twin, and each figure is the
-    median over the rounds (so a busy spell on a shared machine hits all layers alike).
-    Layers with the same class, configuration (names and seeds aside) and input are
-    measured once. Memory needs TensorFlow's BFC allocator on CPU
+    program of every call once, each beside its identity twin, and each figure is the
+    median over the rounds (so a busy spell on a shared machine hits all calls alike).
+    Calls with the same layer class, configuration (names and seeds aside), inputs and
+    arguments are measured once. Memory needs TensorFlow's BFC allocator on CPU
     (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts); without it the byte
     fields are None.
 
     Args:
-      layers: the model's layers in order (built here if they are not).
-      input_shape: the model input shape without the batch dimension.
-      input_dtype: its dtype, e.g. "float32", or "int32" for token ids.
+      calls: the model's layer calls and tensor specs
+        (:func:`hybrid.planning.model_calls.model_calls`).
       batch_sizes: micro-batch sizes to measure at.
       device: where to measure (one device of the mesh).
-      loss: when given, the last layer is measured as the last stage, with this loss on
+      loss: when given, the last call is measured as the last stage, with this loss on
         zero targets of ``target_shape`` (default: the output shape without its last axis,
         i.e. sparse class ids) and ``target_dtype``.
       optimizer: a zero-argument factory; when given, each layer's update is timed too.
       repeats: timing rounds.
       chain: back-to-back repetitions per timed run.
-      verbose: 1 shows a ``keras.utils.Progbar`` over the work: one unit per layer and
+      verbose: 1 shows a ``keras.utils.Progbar`` over the work: one unit per call and
         batch size compiled, one per timing round; 0 is silent.
+      max_runs: a model of more calls is measured in this many runs of calls, each one
+        stage, whose figures are shared among their calls
+        (:meth:`hybrid.planning.model_calls.ModelCalls.groups`).
 
     Raises:
       ValueError: no batch size, or one below 1.
@@ -188,98 +195,91 @@ def measure_layers(
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    specs = _layer_specs(layers, input_shape, input_dtype, device)
-    out_shape = tuple(int(d or 1) for d in specs[-1].shape)
+    out_shape = tuple(int(d or 1) for d in calls.specs[calls.graph.outputs[0]].shape)
     labels_shape = tuple(target_shape) if target_shape is not None else out_shape[:-1]
     identity, base_args = _warm_identity(device, chain, jit_compile)
     setup = _Setup(device, loss, optimizer, labels_shape, target_dtype, repeats, chain, jit_compile)
+    count = len(calls.calls)
     if verbose:
         print(
-            f"profiling {len(layers)} layers at micro-batch sizes {sizes} on {device}: "
+            f"profiling {count} layer calls at micro-batch sizes {sizes} on {device}: "
             f"compiling each, then {repeats} timing rounds"
         )
-    bar = keras.utils.Progbar(len(layers) * len(sizes) + repeats, verbose=verbose, unit_name="task")
-    keys, distinct = _probe_layers(layers, specs, sizes, setup, bar)
+    bar = keras.utils.Progbar(count * len(sizes) + repeats, verbose=verbose, unit_name="task")
+    runs = calls.groups(max_runs)
+    keys, distinct = _probe_calls(calls, runs, sizes, setup, bar)
     groups = [probes for _, probes in distinct.values()]
     base = _time_rounds(groups, identity, base_args, repeats, bar)
     measured = {
         key: _measurement(stage, probes, base, setup) for key, (stage, probes) in distinct.items()
     }
+    per_call = [
+        m for run, key in zip(runs, keys, strict=True) for m in _per_call(calls, run, measured[key])
+    ]
     rows = tuple(
-        dataclasses.replace(measured[key], name=layer.name)
-        for key, layer in zip(keys, layers, strict=True)
+        dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
     )
     launch = max(0.0, base["forward"] / chain)
-    return ModelMeasurement(rows, int(specs[0].zeros(1).nbytes), launch, device)
-
-
-def _layer_specs(
-    layers: Sequence[keras.layers.Layer],
-    input_shape: Sequence[int | None],
-    input_dtype: str,
-    device: str,
-) -> list[TensorSpec]:
-    """The model input's spec, then every layer's output spec (building the layers on
-    ``device`` with one zero example)."""
-    specs = [TensorSpec(tuple(input_shape), tf.as_dtype(input_dtype).name)]
-    with tf.device(device):
-        y = tf.convert_to_tensor(specs[0].zeros())
-        for layer in layers:
-            y = layer(y)
-            specs.append(TensorSpec(tuple(y.shape[1:]), y.dtype.name))
-    return specs
+    return ModelMeasurement(rows, int(calls.input_bytes), launch, device)
 
 
 def _warm_identity(
     device: str, chain: int, jit_compile: bool
-) -> tuple[StagePrograms, tuple[tf.Tensor, tf.Tensor]]:
+) -> tuple[StagePrograms, tuple[list[tf.Tensor], list[tf.Tensor | None]]]:
     """The identity layer's programs, each run once (compiled), and their arguments."""
     identity = identity_programs(device, chain, jit_compile)
     with tf.device(device):
-        base_args = (tf.zeros((1, 1)), tf.ones((1, 1)))
+        base_args: tuple[list[tf.Tensor], list[tf.Tensor | None]] = (
+            [tf.zeros((1, 1))],
+            [tf.ones((1, 1))],
+        )
     for name in PROGRAMS:
         block(getattr(identity, name)(*base_args))
     return identity, base_args
 
 
-def _probe_layers(
-    layers: Sequence[keras.layers.Layer],
-    specs: Sequence[TensorSpec],
+def _probe_calls(
+    calls: ModelCalls,
+    runs: Sequence[tuple[int, int]],
     sizes: Sequence[int],
     setup: _Setup,
     bar: keras.utils.Progbar,
 ) -> tuple[list[str], dict[str, tuple[StageReplica, list[Probe]]]]:
-    """Each layer's signature, and per distinct signature its one-layer stage with a
+    """Each run's signature, and per distinct signature its stage (the run's calls) with a
     compiled, memory-measured :class:`Probe` per batch size (``bar`` advanced by one per
-    layer and size)."""
+    call and size)."""
     keys: list[str] = []
     distinct: dict[str, tuple[StageReplica, list[Probe]]] = {}
-    for i, layer in enumerate(layers):
-        last = setup.loss is not None and i == len(layers) - 1
-        key = signature(layer, specs[i], last)
+    count = len(calls.calls)
+    for start, stop in runs:
+        last = setup.loss is not None and stop == count
+        key = " | ".join(signature(calls, i, last and i == stop - 1) for i in range(start, stop))
         keys.append(key)
         if key in distinct:
-            bar.add(len(sizes))
+            bar.add(len(sizes) * (stop - start))
             continue
         loss = setup.loss if last else None
+        segment = calls.segment(start, stop)
         stage = StageReplica(
-            i,
-            [layer],
+            start,
+            segment,
             setup.device,
-            specs[i],
+            [calls.specs[k] for k in segment.inputs],
             optimizer_copies(setup.optimizer) if setup.optimizer else None,
             Objective.of(loss, None, None, 1) if loss is not None else None,
             setup.jit_compile,
         )
+        out_specs = [calls.specs[k] for k in segment.outputs]
         probes = []
         for b in sizes:
             labels = setup.labels_shape if last else None
-            probe = Probe(stage, specs[i], specs[i + 1], b, labels, setup.target_dtype, setup.chain)
+            boundary = calls.boundary_bytes(stop - 1)
+            probe = Probe(stage, out_specs, boundary, b, labels, setup.target_dtype, setup.chain)
             for name in probe.names:
-                block(getattr(probe.programs, name)(probe.x, probe.dy))  # compile
-            probe.memory = measure_memory(setup.device, probe.programs, probe.x, probe.dy)
+                block(getattr(probe.programs, name)(*probe.args))  # compile
+            probe.memory = measure_memory(setup.device, probe.programs, *probe.args)
             probes.append(probe)
-            bar.add(1)
+            bar.add(stop - start)
         distinct[key] = (stage, probes)
     return keys, distinct
 
@@ -287,7 +287,7 @@ def _probe_layers(
 def _time_rounds(
     groups: Sequence[Sequence[Probe]],
     identity: StagePrograms,
-    base_args: tuple[tf.Tensor, tf.Tensor],
+    base_args: tuple[list[tf.Tensor], list[tf.Tensor | None]],
     repeats: int,
     bar: keras.utils.Progbar | None = None,
 ) -> dict[str, float]:
@@ -299,9 +299,7 @@ def _time_rounds(
         for group in groups:
             for probe in group:
                 for name in probe.names:
-                    probe.times[name].append(
-                        run_seconds(getattr(probe.programs, name), (probe.x, probe.dy))
-                    )
+                    probe.times[name].append(run_seconds(getattr(probe.programs, name), probe.args))
                     baseline[name].append(run_seconds(getattr(identity, name), base_args))
         if bar is not None:
             bar.add(1)
@@ -331,15 +329,58 @@ def _layer_timing(probe: Probe, base: dict[str, float], chain: int) -> LayerTimi
 def _measurement(
     stage: StageReplica, probes: Sequence[Probe], base: dict[str, float], setup: _Setup
 ) -> LayerMeasurement:
-    """One distinct layer's measurement (unnamed): its timings per batch size, weight bytes
+    """One distinct run's measurement (unnamed): its timings per batch size, weight bytes
     and arrays, and its optimizer update when there is an optimizer."""
     timings = tuple(_layer_timing(probe, base, setup.chain) for probe in probes)
     update = 0.0
     if setup.optimizer is not None and stage.trainable_variables:
         update = _update_seconds(stage, setup.device, setup.repeats)
-    param_bytes = sum(prod(v.shape) * tf.as_dtype(v.dtype).size for v in stage.trainable_variables)
+    param_bytes = _weight_bytes(stage.trainable_variables)
     tensors = len(stage.trainable_variables)
     return LayerMeasurement("", param_bytes, tensors, update, timings)
+
+
+def _per_call(
+    calls: ModelCalls, run: tuple[int, int], m: LayerMeasurement
+) -> list[LayerMeasurement]:
+    """A run's measurement shared among its calls: times by each call's share of the run's
+    estimated work, stored bytes by its share of the run's outputs' bytes, the working
+    peak as the run's (a stage's peak is its largest call's), the bytes crossing the cut
+    after each call its own; each call's weights its own, the update by their share."""
+    start, stop = run
+    if stop - start == 1:
+        return [m]
+    work = calls.work()[start:stop]
+    made = [sum(calls.example_bytes(k) for k in c.outputs) for c in calls.calls[start:stop]]
+    own = [list(getattr(c.layer, "trainable_weights", [])) for c in calls.calls[start:stop]]
+    weights = [_weight_bytes(list({id(v): v for v in vs}.values())) for vs in own]
+
+    def share(parts: Sequence[float], j: int) -> float:
+        total = sum(parts)
+        return parts[j] / total if total else 1.0 / len(parts)
+
+    rows = []
+    for j, i in enumerate(range(start, stop)):
+        w, o = share(work, j), share(made, j)
+        timings = tuple(
+            dataclasses.replace(
+                t,
+                forward=t.forward * w,
+                backward=t.backward * w,
+                recompute_backward=t.recompute_backward * w,
+                input_backward=t.input_backward * w,
+                stored_bytes=None if t.stored_bytes is None else int(t.stored_bytes * o),
+                output_bytes=int(calls.boundary_bytes(i) * t.batch),
+            )
+            for t in m.timings
+        )
+        update = m.update * share(weights, j)
+        rows.append(LayerMeasurement("", weights[j], len(own[j]), update, timings))
+    return rows
+
+
+def _weight_bytes(variables: Sequence[Any]) -> int:
+    return sum(prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
 
 
 def _update_seconds(stage: StageReplica, device: str, repeats: int) -> float:

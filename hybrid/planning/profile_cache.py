@@ -5,8 +5,9 @@ A profile is filed under a fingerprint of everything its figures depend on::
 
     the host, TensorFlow's version, the device kind, the XLA flags, whether the CPU
     allocator keeps statistics (the byte figures), the timing repeats
-    each layer's class, configuration (its name left out) and weight shapes and dtypes
-    the input's shape and dtype, the target's shape, the micro-batch sizes
+    each layer call's class, configuration (its name left out), weight shapes and dtypes,
+    the tensors it reads (the model's wiring) and its other arguments
+    the inputs' shapes and dtypes, the target's shape, the micro-batch sizes
     the loss's and the optimizer's class and configuration
 
 one JSON file per profile under ``<user cache>/profiles/`` (:mod:`hybrid.core.user_cache`).
@@ -23,10 +24,13 @@ import json
 import os
 import platform
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid.core import user_cache
 from hybrid.planning.costs import CostProfile
+
+if TYPE_CHECKING:
+    from hybrid.planning.model_calls import ModelCalls
 
 __all__ = ["directory", "fingerprint", "read", "write"]
 
@@ -37,9 +41,7 @@ def directory() -> str:
 
 
 def fingerprint(
-    layers: Sequence[Any],
-    input_shape: Sequence[int],
-    input_dtype: str,
+    calls: ModelCalls,
     batch_sizes: Sequence[int],
     *,
     device: str,
@@ -61,8 +63,10 @@ def fingerprint(
             "xla": [os.environ.get(k, "") for k in ("XLA_FLAGS", "TF_XLA_FLAGS")],
             "allocator_statistics": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", ""),
             "repeats": repeats,
-            "layers": [_layer(layer) for layer in layers],
-            "input": [list(input_shape), str(input_dtype)],
+            "layers": [_layer(call.layer) for call in calls.calls],
+            "wiring": calls.wiring(),
+            "arguments": [calls.arguments(i) for i in range(len(calls.calls))],
+            "input": [[list(s.shape), s.dtype] for s in calls.input_specs],
             "target": None if target_shape is None else list(target_shape),
             "batch_sizes": list(batch_sizes),
             "loss": _configured(loss),
@@ -100,19 +104,19 @@ def _path(key: str) -> str:
     return os.path.join(directory(), f"{key}.json")
 
 
-def read(key: str, layers: Sequence[Any]) -> CostProfile | None:
-    """The profile filed under ``key`` with ``layers``' names, or None (none filed, or a
-    file that does not read as one)."""
+def read(key: str, names: Sequence[str]) -> CostProfile | None:
+    """The profile filed under ``key``, its rows given ``names`` (the layer calls' names),
+    or None (none filed, or a file that does not read as one)."""
     stored = user_cache.read_json(_path(key))
     try:
         profile = CostProfile.from_dict(stored)
     except (ValueError, KeyError, TypeError):
         return None
-    if profile.num_layers != len(layers):
+    if profile.num_layers != len(names):
         return None
     named = tuple(
-        dataclasses.replace(cost, name=layer.name)
-        for cost, layer in zip(profile.layers, layers, strict=True)
+        dataclasses.replace(cost, name=name)
+        for cost, name in zip(profile.layers, names, strict=True)
     )
     return dataclasses.replace(profile, layers=named)
 

@@ -94,6 +94,7 @@ def plan(
     hardware: Hardware | None = None,
     input_shape: Sequence[int] | None = None,
     input_dtype: str = "float32",
+    x: Any = None,
     loss: Any = None,
     target_shape: Sequence[int] | None = None,
     optimizer: Callable[[], Any] | None = None,
@@ -122,21 +123,23 @@ def plan(
     schedule is left out of the ranking and counted in ``Plan.merged``.
 
     Args:
-      model: a Keras model whose layer calls form a chain (a ``keras.Sequential``, a
-        functional model without skips or merges: :func:`hybrid.planning.chains.chain_of`;
-        its input shape and dtype are the default ``input_shape`` and ``input_dtype``), a
-        list of Keras layers (profiled on one device first, see
-        :func:`profile_model`; needs ``input_shape``; a profile this host measured of the
-        same layers and arguments is read back, :mod:`hybrid.planning.profile_cache`) or a
-        :class:`CostProfile`.
+      model: any model ``hybrid.Pipeline`` takes (a functional model or ``Sequential``,
+        with skips, merges, several inputs, nested functional models such as a KerasHub
+        task model's backbone, tied layers) or a list of Keras layers, profiled on one
+        device first, one row per layer call the Pipeline cuts (:func:`profile_model`; a
+        profile this host measured of the same model and arguments is read back,
+        :mod:`hybrid.planning.profile_cache`); or a :class:`CostProfile`.
       devices: N, the device budget.
       global_batch: examples per step.
       memory_per_device: bytes per device (overrides ``hardware.memory_per_device``).
       hardware: links and overheads (default: free links, no memory limit, and, when
         ``model`` is profiled here, this host's measured cost per step and per action,
         :mod:`hybrid.planning.host_calibration`; for a ``CostProfile``, no overheads).
-      input_shape, input_dtype, loss, target_shape, optimizer, device: for profiling
-        layers (see :func:`profile_model`).
+      input_shape, input_dtype, x, loss, target_shape, optimizer, device: for profiling
+        (see :func:`profile_model`): the input from ``x`` (a sample batch in the structure
+        the model takes, e.g. a dict of arrays), else ``input_shape`` and ``input_dtype``
+        (one input), else the model's ``keras.Input``; ``loss`` and ``optimizer`` as you
+        will compile with.
       optimizer_slots: optimizer state per weight, in weights of its size (Adam 2, SGD 0);
         default: counted on ``optimizer`` when given (:func:`slots_of`), else 2 (Adam).
       schedules: schedule names (default: all of ``hybrid.core.schedule.names()``).
@@ -154,24 +157,31 @@ def plan(
     Raises:
       ValueError: devices or global_batch below 1, an unknown schedule or remat mode, a
         micro-batch count below 1, stages that do not divide devices, layers without an
-        input shape, or a Keras model that is not a chain (named with the call that breaks
-        it) or leaves an input dimension open without ``input_shape``.
+        input shape, or a model the planner cannot profile (a subclassed model, several
+        outputs, an input dimension left open without ``input_shape`` or ``x``), named
+        with what to do instead.
     """
     schedules, remats = _checked_arguments(
         devices, global_batch, schedules, remats, micro_batches, stages
     )
     began = time.perf_counter()
     slots = slots_of(optimizer) if optimizer_slots is None else optimizer_slots
-    if not isinstance(model, CostProfile):  # a Keras model: its chain of layer calls
-        model, input_shape, input_dtype = _as_chain(model, input_shape, input_dtype)
     if isinstance(model, CostProfile):
         profile = model
         hardware = hardware or Hardware()
     else:
-        sizes = _profile_batches(devices, global_batch, micro_batches, max_micro_batches, stages)
-        profile = _profile_layers(
-            model, input_shape, input_dtype, sizes, loss, target_shape, optimizer, device, verbose
+        from hybrid.planning.model_calls import model_calls
+        from hybrid.planning.profile import MAX_RUNS
+
+        calls = model_calls(model, input_shape, input_dtype, x)
+        keep = PROFILED_SIZES if len(calls.calls) <= MAX_RUNS else PROFILED_SIZES_MANY_CALLS
+        sizes = _profile_batches(
+            devices, global_batch, micro_batches, max_micro_batches, stages, keep
         )
+        profile = profile_model(
+            calls, None, input_dtype, sizes, loss=loss, target_shape=target_shape,
+            optimizer=optimizer, device=device, verbose=verbose,
+        )  # fmt: skip
         hardware = hardware or _host_hardware(devices, verbose)
     if memory_per_device is not None:
         hardware = dataclasses.replace(hardware, memory_per_device=memory_per_device)
@@ -353,12 +363,14 @@ def _profile_batches(
     micro_batches: Sequence[int] | None,
     cap: int,
     stages: Sequence[int] | None = None,
+    keep: int | None = None,
 ) -> list[int]:
     """The micro-batch sizes to profile: every size a candidate runs, so each figure is a
     measured cost curve over the micro-batch size (a small micro-batch is slower per
     example: GEMMs too small to fill the device, weights streamed once per micro-batch),
-    not a line through two points. More than :data:`PROFILED_SIZES` sizes are thinned to
-    that many, evenly on a log scale, the smallest and largest always kept."""
+    not a line through two points. More than ``keep`` (default :data:`PROFILED_SIZES`)
+    sizes are thinned to that many, evenly on a log scale, the smallest and largest always
+    kept."""
     sizes = set()
     for S in stages if stages is not None else _divisors(devices):
         R = devices // S
@@ -371,11 +383,14 @@ def _profile_batches(
                 sizes.add(per // M)
     if not sizes:
         return [max(1, global_batch // devices)]
-    return _thinned(sorted(sizes), PROFILED_SIZES)
+    return _thinned(sorted(sizes), keep or PROFILED_SIZES)
 
 
-# At most this many micro-batch sizes are profiled (each costs one timing of every layer).
+# At most this many micro-batch sizes are profiled (each costs one timing of every layer);
+# of a model measured in runs of calls (more calls than profile.MAX_RUNS: every size
+# compiles the whole model's programs, ~1.5 min for MobileNetV3Small on 2 cores), fewer.
 PROFILED_SIZES = 6
+PROFILED_SIZES_MANY_CALLS = 3
 
 
 def _thinned(sizes: list[int], keep: int) -> list[int]:
@@ -415,53 +430,9 @@ def slots_of(optimizer: Callable[[], Any] | None) -> int:
     return slots_per_weight(optimizer_copies(optimizer))
 
 
-def _as_chain(
-    model: Any, input_shape: Sequence[int] | None, input_dtype: str
-) -> tuple[Any, Sequence[int] | None, str]:
-    """A Keras model's chain of layer calls and the input shape and dtype to profile them at
-    (:func:`hybrid.planning.chains.chain_of`); anything else (a list of layers) as it is."""
-    import keras
-
-    from hybrid.planning.chains import chain_of
-
-    if not isinstance(model, keras.Model):
-        return model, input_shape, input_dtype
-    return chain_of(model, input_shape, input_dtype)
-
-
-def _profile_layers(
-    layers: Sequence[Any],
-    input_shape: Sequence[int] | None,
-    input_dtype: str,
-    sizes: Sequence[int],
-    loss: Any,
-    target_shape: Sequence[int] | None,
-    optimizer: Callable[[], Any] | None,
-    device: str | None,
-    verbose: int = 0,
-) -> CostProfile:
-    """``layers``' cost profile at the micro-batch ``sizes``, measured on one device."""
-    if input_shape is None:
-        raise ValueError(
-            "plan() needs input_shape (without the batch dimension) to profile a list "
-            "of layers, or a CostProfile instead of layers"
-        )
-    return profile_model(
-        layers,
-        input_shape,
-        input_dtype,
-        sizes,
-        loss=loss,
-        target_shape=target_shape,
-        optimizer=optimizer,
-        device=device,
-        verbose=verbose,
-    )
-
-
 def choose_mesh(
     layers: Sequence[Any] | CostProfile,
-    input_spec: tuple[Sequence[int], str] | None,
+    input_spec: tuple[Sequence[int] | None, str] | None,
     devices: int,
     global_batch: int,
     memory_per_device: float | None = None,
@@ -492,9 +463,11 @@ def choose_mesh(
     it is the choice of M alone: the fastest on the profiled cost curve of the model.
 
     Args:
-      layers: the model's layers (profiled on ``device``) or a :class:`CostProfile`.
+      layers: the model (a Keras model or its layers, profiled on ``device``) or a
+        :class:`CostProfile`.
       input_spec: (input shape without the batch dimension, dtype), e.g. ((64,), "int32");
-        may be None with a CostProfile.
+        may be None with a CostProfile, and the shape None for a Keras model (its own
+        ``keras.Input``).
 
     Raises:
       ValueError: no configuration fits; the message gives the reasons.

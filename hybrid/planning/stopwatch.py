@@ -15,7 +15,7 @@ from hybrid.engine.model.layer_costs import block
 __all__ = ["median_seconds", "net_seconds", "run_seconds"]
 
 
-def run_seconds(program: Any, args: tuple[tf.Tensor, ...]) -> float:
+def run_seconds(program: Any, args: tuple[Any, ...]) -> float:
     """Seconds of one call of ``program(*args)``, until every output is computed."""
     start = time.perf_counter()
     block(program(*args))

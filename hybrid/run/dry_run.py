@@ -5,9 +5,10 @@
     profile = the model's layers measured at the run's micro-batch size (hybrid.planning)
     print evaluate(profile, the run's configuration)   # step time, bubble, memory per device
 
-Your own model (``--model=package.module:fn``) is profiled as its chain of layer calls
-(:func:`hybrid.run.user_model.profiled_layers`); one with branches is summarised, not
-profiled, and the line says why.
+Your own model (``--model=package.module:fn``) is profiled as the layer calls the Pipeline
+cuts (:func:`hybrid.planning.costs.profile_model`); one the planner cannot profile (a
+subclassed model, several outputs, an open input dimension) is summarised, not profiled,
+and the line says why.
 """
 
 from __future__ import annotations
@@ -41,23 +42,23 @@ def dry_run(
     if planned is not None:
         log(f"predicted (the plan's): {_predicted(planned)}")
         return planned
-    try:
-        layers, shape, dtype, loss = profiled_layers(config)
-    except ValueError as err:  # your model is not a chain of layer calls
-        log(f"predicted step time and memory: not for this model: {err}")
-        return None
+    layers, shape, dtype, loss = profiled_layers(config)
     R, M = pipe.mesh.num_replicas, pipe.micro_batches
     rows = max(1, config.data.global_batch_size // (R * M))
-    profile = planner.profile_model(
-        layers,
-        shape,
-        dtype,
-        [rows],
-        loss=loss,
-        optimizer=lambda: optimizer_for(config),
-        repeats=3,
-        verbose=1,
-    )
+    try:
+        profile = planner.profile_model(
+            layers,
+            shape,
+            dtype,
+            [rows],
+            loss=loss,
+            optimizer=lambda: optimizer_for(config),
+            repeats=3,
+            verbose=1,
+        )
+    except ValueError as err:  # a model the planner cannot profile
+        log(f"predicted step time and memory: not for this model: {err}")
+        return None
     run = dataclasses.replace(pipe.config, balance=tuple(pipe.balance))
     cpu = config.platform == "cpu"
     hardware = planner.Hardware(host_cores=os.cpu_count() or 1) if cpu else None

@@ -200,24 +200,13 @@ def _reference_loss() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def profiled_layers(config: TrainConfig) -> tuple[list[Any], tuple[int, ...], str, Any]:
-    """What the planner profiles for ``config``'s model: its layers in order, their input
-    shape (without the batch) and dtype, and the loss. A reference model's layers; your
-    ``--model``'s chain of layer calls (:func:`hybrid.planning.chains.chain_of`) and loss.
-
-    Raises:
-      ValueError: your model is not a chain (names the call that branches), or leaves an
-        input dimension open (:func:`hybrid.planning.chains.chain_of`).
-    """
+def profiled_layers(config: TrainConfig) -> tuple[Any, tuple[int, ...] | None, str, Any]:
+    """What the planner profiles for ``config``'s model
+    (:func:`hybrid.planning.costs.profile_model`): a reference model's layers with their
+    input shape (without the batch) and dtype, or your ``--model`` itself (its input from
+    its ``keras.Input``: shape None), and the loss."""
     if not is_function_spec(config.model.name):
         layers, shape, dtype = build_model(config)
         return layers, shape, dtype, _reference_loss()
-    from hybrid.planning.chains import chain_of
-
     model, loss, _, _, _ = model_for(config)
-    try:
-        calls, fixed, dtype = chain_of(model)
-    except ValueError as err:  # not a chain, or an open input dimension
-        raise ValueError(f"--model={config.model.name}: {err}") from None
-    assert fixed is not None  # a model built on its keras.Input
-    return calls, fixed, dtype, loss
+    return model, None, "float32", loss
