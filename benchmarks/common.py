@@ -495,6 +495,78 @@ def _reference_layers_and_batch(
     return layers, shape, dtype, x, y
 
 
+# The model zoo: Keras Applications CNNs (softmax outputs) and KerasHub task models (logits).
+ZOO_MODELS = (
+    "mobilenetv2",
+    "resnet50",
+    "densenet121",
+    "efficientnetb0",
+    "convnexttiny",
+    "gpt2",
+    "bert",
+    "llama",
+)
+
+
+def zoo_logits(name: str) -> bool:
+    """Whether the zoo model's outputs are logits (KerasHub's), not probabilities."""
+    return name not in ZOO_MODELS[:5]
+
+
+def zoo_model(name: str, batch: int, image_size: int, seq_len: int) -> tuple[Any, Any, Any]:
+    """(model, x, y) of the named zoo model, seeded: the same weights every call; CNNs at
+    ``image_size`` squared, KerasHub models small (4 blocks of width 64) at ``seq_len``
+    tokens, both ``batch`` examples."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    n, size = batch, image_size
+    applications = {
+        "mobilenetv2": keras.applications.MobileNetV2,
+        "resnet50": keras.applications.ResNet50,
+        "densenet121": keras.applications.DenseNet121,
+        "efficientnetb0": keras.applications.EfficientNetB0,
+        "convnexttiny": keras.applications.ConvNeXtTiny,
+    }
+    if name in applications:
+        model = applications[name](input_shape=(size, size, 3), weights=None, classes=10)
+        x = rng.normal(size=(n, size, size, 3)).astype("float32")
+        return model, x, rng.integers(0, 10, size=(n,)).astype("int32")
+    import keras_hub
+
+    seq, vocab = seq_len, 1024
+    x = {
+        "token_ids": rng.integers(1, vocab, size=(n, seq)).astype("int32"),
+        "padding_mask": np.ones((n, seq), "int32"),
+    }
+    small = dict(num_layers=4, num_heads=4, hidden_dim=64, intermediate_dim=128)
+    if name == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab, max_sequence_length=seq, dropout=0.0, **small
+        )
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        return model, x, rng.integers(0, vocab, size=(n, seq)).astype("int32")
+    if name == "llama":
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=vocab,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            **{k: v for k, v in small.items() if k != "num_heads"},
+        )
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        return model, x, rng.integers(0, vocab, size=(n, seq)).astype("int32")
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=vocab, max_sequence_length=seq, dropout=0.0, **small
+    )
+    x["segment_ids"] = np.zeros((n, seq), "int32")
+    model = keras_hub.models.BertTextClassifier(
+        backbone=backbone, num_classes=4, preprocessor=None, dropout=0.0
+    )
+    return model, x, rng.integers(0, 4, size=(n,)).astype("int32")
+
+
 def client_bytes_sent() -> int:
     """Bytes this process's TCP sockets have sent (the kernel's per-socket counters, read
     with ``ss -tin``; the client's sockets picked by pid)."""

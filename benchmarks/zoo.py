@@ -34,16 +34,7 @@ from absl import app, flags
 
 import common
 
-MODELS = (
-    "mobilenetv2",
-    "resnet50",
-    "densenet121",
-    "efficientnetb0",
-    "convnexttiny",
-    "gpt2",
-    "bert",
-    "llama",
-)
+MODELS = common.ZOO_MODELS
 flags.DEFINE_list("models", ["mobilenetv2", "resnet50", "gpt2", "bert"], f"Of {MODELS}.")
 flags.DEFINE_list("meshes", ["2x1:1", "2x2:2"], "Meshes as SxR:M (stages x replicas : M).")
 flags.DEFINE_integer("batch", 16, "Global batch.")
@@ -82,55 +73,8 @@ FLAGS = flags.FLAGS
 
 
 def build(name: str) -> tuple[Any, Any, Any]:
-    """(model, x, y) of the named model, seeded: the same weights every call."""
-    import keras
-    import numpy as np
-
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    n, size = FLAGS.batch, FLAGS.image_size
-    applications = {
-        "mobilenetv2": keras.applications.MobileNetV2,
-        "resnet50": keras.applications.ResNet50,
-        "densenet121": keras.applications.DenseNet121,
-        "efficientnetb0": keras.applications.EfficientNetB0,
-        "convnexttiny": keras.applications.ConvNeXtTiny,
-    }
-    if name in applications:
-        model = applications[name](input_shape=(size, size, 3), weights=None, classes=10)
-        x = rng.normal(size=(n, size, size, 3)).astype("float32")
-        return model, x, rng.integers(0, 10, size=(n,)).astype("int32")
-    import keras_hub
-
-    seq, vocab = FLAGS.seq_len, 1024
-    x = {
-        "token_ids": rng.integers(1, vocab, size=(n, seq)).astype("int32"),
-        "padding_mask": np.ones((n, seq), "int32"),
-    }
-    small = dict(num_layers=4, num_heads=4, hidden_dim=64, intermediate_dim=128)
-    if name == "gpt2":
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=vocab, max_sequence_length=seq, dropout=0.0, **small
-        )
-        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-        return model, x, rng.integers(0, vocab, size=(n, seq)).astype("int32")
-    if name == "llama":
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=vocab,
-            num_query_heads=4,
-            num_key_value_heads=2,
-            **{k: v for k, v in small.items() if k != "num_heads"},
-        )
-        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-        return model, x, rng.integers(0, vocab, size=(n, seq)).astype("int32")
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=vocab, max_sequence_length=seq, dropout=0.0, **small
-    )
-    x["segment_ids"] = np.zeros((n, seq), "int32")
-    model = keras_hub.models.BertTextClassifier(
-        backbone=backbone, num_classes=4, preprocessor=None, dropout=0.0
-    )
-    return model, x, rng.integers(0, 4, size=(n,)).astype("int32")
+    """(model, x, y) of the named model at this run's sizes, seeded (:func:`common.zoo_model`)."""
+    return common.zoo_model(name, FLAGS.batch, FLAGS.image_size, FLAGS.seq_len)
 
 
 def measure(name: str, mesh: str) -> dict[str, Any]:
@@ -147,7 +91,7 @@ def measure(name: str, mesh: str) -> dict[str, Any]:
     stages, replicas = map(int, shape.split("x"))
 
     def loss() -> Any:
-        return keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=common.zoo_logits(name))
 
     def timed(setup: Any) -> tuple[float, float, float]:
         """Seconds of ``setup()`` (which returns the step) and the first step, the process's
@@ -237,7 +181,7 @@ def step_ratio(name: str, meshes: list[str]) -> dict[str, Any]:
             schedule="1f1b",
             remat="never",
         )
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=name not in MODELS[:5])
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=common.zoo_logits(name))
         pipe.compile(keras.optimizers.Adam(1e-3), loss, jit_compile=FLAGS.jit_compile)
         steps[mesh] = lambda pipe=pipe, x=x, y=y: pipe.train_step(x, y)
     times = common.time_alternating(steps, rounds=FLAGS.steps, steps_per_round=2, warmup=2)
@@ -359,7 +303,7 @@ def _floor_ms(name: str, micro_batches: int) -> float:
     for lane in range(lanes):
         with tf.device(f"/CPU:{lane}"):
             model, x, y = build(name)
-            from_logits = name not in MODELS[:5]
+            from_logits = common.zoo_logits(name)
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
 
             def gradients(x: Any, y: Any, model: Any = model, loss: Any = loss) -> Any:
