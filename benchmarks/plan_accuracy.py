@@ -167,13 +167,19 @@ def main(argv: list[str]) -> None:
         return
     env = common.start("plan_accuracy", devices=1)
     rows: list[dict[str, Any]] = []
+    failed = {}
     for name in FLAGS.models:
-        (got,) = common.run_child(
-            [os.path.abspath(__file__), f"--plan_child={name}"]
-            + common.flag_args(
-                "plan_meshes", "top", "batch", "image_size", "seq_len", "steps", "rounds"
+        try:
+            (got,) = common.run_child(
+                [os.path.abspath(__file__), f"--plan_child={name}"]
+                + common.flag_args(
+                    "plan_meshes", "top", "batch", "image_size", "seq_len", "steps", "rounds"
+                )
             )
-        )
+        except RuntimeError as err:  # one model's failure is reported, the others still run
+            failed[name] = str(err).strip().splitlines()[-1]
+            print(f"{name:12s} failed: {failed[name]}", flush=True)
+            continue
         for row in got:
             rows.append(row)
             gap = "" if row["best_gap"] is None else f"  chosen vs fastest {row['best_gap']:+.0%}"
@@ -192,7 +198,7 @@ def main(argv: list[str]) -> None:
             f"10 % of the fastest measured on {sum(g <= 0.10 for g in gaps)} of {len(gaps)} "
             f"meshes (worst {max(gaps):+.0%})"
         )
-    common.write_json("plan_accuracy", {"environment": env, "rows": rows})
+    common.write_json("plan_accuracy", {"environment": env, "rows": rows, "failed": failed})
     common.write_csv("plan_accuracy", rows)
 
 

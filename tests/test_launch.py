@@ -376,6 +376,21 @@ def test_mesh_auto_plans_your_model_with_a_skip():
     assert lines[-1] == "dry run: nothing trained (drop --dry_run to train)"
 
 
+def test_dry_run_profiles_a_kerashub_model_at_your_datas_sequence_length():
+    """A KerasHub task model (two inputs of open length, its backbone nested) is profiled
+    for the dry run's prediction at the shapes of your --data's first batch."""
+    run = launch(
+        "--model=user_model:gpt2", "--data=user_model:tokens", "--mesh=stage:2,replica:1",
+        "--micro_batches=2", "--global_batch_size=8", "--remat=never", "--dry_run",
+        env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    (predicted,) = [line for line in lines if line.startswith("predicted")]
+    assert predicted.startswith("predicted (profiled at 4 rows per micro-batch): "), predicted
+    assert "device 1 " in predicted and lines[-1].startswith("dry run: nothing trained")
+
+
 def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
     run = launch(
         "--model=mlp",

@@ -774,6 +774,41 @@ def test_a_run_of_calls_is_measured_as_one_stage_and_shared_by_estimated_work():
     assert calls.groups(8) == [(i, i + 1) for i in range(8)]
 
 
+def test_a_keras_applications_cnn_is_planned_in_runs_of_its_calls(monkeypatch, tmp_path):
+    """MobileNetV3Small's 180 layer calls (blocks of skips and squeeze-excitation merges)
+    are planned as the Pipeline cuts them, measured in at most 32 runs of calls."""
+    from hybrid.planning import profile as profile_lib
+
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), weights=None, classes=10, include_preprocessing=False
+    )
+    calls = model_calls(model)
+    runs = calls.groups(profile_lib.MAX_RUNS)
+    assert len(calls.calls) > 150 and len(runs) == profile_lib.MAX_RUNS
+    assert [b for _, b in runs[:-1]] == [a for a, _ in runs[1:]] and runs[-1][1] == len(calls.calls)
+    work = calls.work()
+    assert max(work) > 0 and all(w >= 0 for w in work)
+    seen = []
+
+    def measure(calls, sizes, device, **kwargs):
+        seen.append((len(calls.calls), list(sizes)))
+        return profile_lib.ModelMeasurement(tuple(  # one uniform row per call
+            profile_lib.LayerMeasurement(name, 4, 1, 0.0, tuple(
+                profile_lib.LayerTiming(b, 1e-4 * b, 2e-4 * b, 2e-4 * b, 1e-4 * b, 64 * b,
+                                        64 * b, 32 * b)
+                for b in sizes))
+            for name in calls.names), 12288, 0.0, device)  # fmt: skip
+
+    monkeypatch.setattr(profile_lib, "measure_layers", measure)
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))  # no stub profile filed for others
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    found = planner.plan(model, devices=2, global_batch=8, loss=loss, hardware=Hardware(),
+                         verbose=0)  # fmt: skip
+    assert len(seen[0][1]) <= search.PROFILED_SIZES_MANY_CALLS  # fewer sizes for many calls
+    assert seen[0][0] == len(calls.calls) == sum(found.best.config.balance)
+
+
 def test_a_model_the_planner_cannot_profile_is_refused_with_what_to_do():
     class Subclassed(keras.Model):
         def call(self, x):
@@ -849,15 +884,20 @@ def test_the_optimizers_state_is_counted_on_the_optimizer_given():
 
 def test_the_launcher_profiles_your_model_with_its_loss():
     """--mesh=auto and --dry_run profile a --model=module:function model itself (its
-    keras.Input gives the input), with the loss it was compiled with."""
+    keras.Input gives the input, or your --data's first batch where that leaves a
+    dimension open), with the loss it was compiled with."""
     from hybrid.run.train_config import TrainConfig
     from hybrid.run.user_model import profiled_layers
 
     config = TrainConfig.of(model="user_model:chain", data="user_model:data", mesh="auto")
-    model, shape, dtype, loss = profiled_layers(config)
-    assert isinstance(model, keras.Sequential) and shape is None
-    assert [s.shape for s in model_calls(model).input_specs] == [(12,)]
-    assert isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
+    profiled = profiled_layers(config)
+    assert isinstance(profiled.model, keras.Sequential) and profiled.input_shape is None
+    assert [s.shape for s in model_calls(profiled.model).input_specs] == [(12,)]
+    assert isinstance(profiled.loss, keras.losses.SparseCategoricalCrossentropy)
+    assert profiled.x is None  # its keras.Input fixes the input
+    config = TrainConfig.of(model="user_model:gpt2", data="user_model:tokens", mesh="auto")
+    profiled = profiled_layers(config)  # an open sequence length: the data's first batch
+    assert profiled.x["token_ids"].shape == (config.data.global_batch_size, 8)
 
 
 if __name__ == "__main__":

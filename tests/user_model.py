@@ -57,3 +57,24 @@ def per_host_data(global_batch_size, input_context):
         return x, tf.argmax(x[:, :3], axis=1)
 
     return tf.data.Dataset.range(1 << 40).map(element)
+
+
+def gpt2():
+    """A KerasHub task model (its backbone nested, token ids and a padding mask of open
+    length), compiled with its loss."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=8, dropout=0.0,
+    )  # fmt: skip
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def tokens(global_batch_size):
+    """Endless ({token_ids, padding_mask}, next tokens) batches of 8 tokens."""
+    ids = np.random.default_rng(0).integers(1, 64, size=(256, 9)).astype("int32")
+    x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((256, 8), "int32")}
+    return tf.data.Dataset.from_tensor_slices((x, ids[:, 1:])).repeat().batch(global_batch_size)

@@ -151,15 +151,15 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
     from hybrid.core.memory import format_bytes
     from hybrid.run.user_model import optimizer_for, profiled_layers
 
-    layers, shape, dtype, loss = profiled_layers(config)
+    profiled = profiled_layers(config)
     flags_given = (
         "schedule", "remat", "micro_batches", "defer_weight_gradients", "shard_optimizer_states"
     )  # fmt: skip
     given = {name: FLAGS[name].present for name in flags_given}
     micro = config.layout.micro_batches
     choice = planner.choose_mesh(
-        layers,
-        (shape, dtype),
+        profiled.model,
+        (profiled.input_shape, profiled.input_dtype),
         devices=devices,
         global_batch=config.data.global_batch_size,
         memory_per_device=parse_memory(FLAGS.memory_per_device),
@@ -172,7 +172,8 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
         shard_optimizer_states=config.layout.shard_optimizer_states
         if given["shard_optimizer_states"] or config.platform == "tpu"
         else None,
-        loss=loss,
+        x=profiled.x,
+        loss=profiled.loss,
         optimizer=lambda: optimizer_for(config),  # its update timed, its state counted
         hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
         if config.platform == "cpu"

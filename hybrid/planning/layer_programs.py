@@ -167,8 +167,8 @@ def signature(calls: ModelCalls, i: int, last: bool) -> str:
     call = calls.calls[i]
     try:
         config = strip(call.layer.get_config())
-    except NotImplementedError:
-        config = f"id {id(call.layer)}"
+    except Exception:  # noqa: BLE001 - the layer's own code (not given, or broken: KerasHub
+        config = f"id {id(call.layer)}"  # 0.32's Llama decoder): measured alone
     inputs = [calls.specs[k] for k in call.inputs]
     arguments = calls.arguments(i)
     return repr((type(call.layer).__qualname__, config, inputs, arguments, last))

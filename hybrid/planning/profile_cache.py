@@ -72,7 +72,7 @@ def fingerprint(
             "loss": _configured(loss),
             "optimizer": _configured(optimizer() if optimizer is not None else None),
         }
-    except (NotImplementedError, TypeError, ValueError):  # a get_config that cannot say
+    except Exception:  # noqa: BLE001 - a get_config that cannot say (not given, or broken)
         return None
     text = json.dumps(described, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()

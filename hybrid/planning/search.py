@@ -440,6 +440,7 @@ def choose_mesh(
     remat: str | None = None,
     *,
     hardware: Hardware | None = None,
+    x: Any = None,
     loss: Any = None,
     optimizer: Callable[[], Any] | None = None,
     optimizer_slots: int | None = None,
@@ -467,7 +468,7 @@ def choose_mesh(
         :class:`CostProfile`.
       input_spec: (input shape without the batch dimension, dtype), e.g. ((64,), "int32");
         may be None with a CostProfile, and the shape None for a Keras model (its own
-        ``keras.Input``).
+        ``keras.Input``, or ``x``: a sample batch, see :func:`plan`).
 
     Raises:
       ValueError: no configuration fits; the message gives the reasons.
@@ -481,6 +482,7 @@ def choose_mesh(
         hardware=hardware,
         input_shape=shape,
         input_dtype=dtype,
+        x=x,
         loss=loss,
         optimizer=optimizer,
         optimizer_slots=optimizer_slots,

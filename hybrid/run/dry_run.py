@@ -42,16 +42,17 @@ def dry_run(
     if planned is not None:
         log(f"predicted (the plan's): {_predicted(planned)}")
         return planned
-    layers, shape, dtype, loss = profiled_layers(config)
+    profiled = profiled_layers(config)
     R, M = pipe.mesh.num_replicas, pipe.micro_batches
     rows = max(1, config.data.global_batch_size // (R * M))
     try:
         profile = planner.profile_model(
-            layers,
-            shape,
-            dtype,
+            profiled.model,
+            profiled.input_shape,
+            profiled.input_dtype,
             [rows],
-            loss=loss,
+            x=profiled.x,
+            loss=profiled.loss,
             optimizer=lambda: optimizer_for(config),
             repeats=3,
             verbose=1,

@@ -9,7 +9,7 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import keras
 
@@ -28,6 +28,7 @@ __all__ = [
     "model_for",
     "optimizer_class",
     "optimizer_for",
+    "Profiled",
     "profiled_layers",
 ]
 
@@ -200,13 +201,31 @@ def _reference_loss() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def profiled_layers(config: TrainConfig) -> tuple[Any, tuple[int, ...] | None, str, Any]:
-    """What the planner profiles for ``config``'s model
-    (:func:`hybrid.planning.costs.profile_model`): a reference model's layers with their
-    input shape (without the batch) and dtype, or your ``--model`` itself (its input from
-    its ``keras.Input``: shape None), and the loss."""
+class Profiled(NamedTuple):
+    """What the planner profiles for a run (:func:`hybrid.planning.costs.profile_model`'s
+    arguments): the model or its layers, the input's shape (without the batch) and dtype or
+    a sample batch ``x``, and the loss."""
+
+    model: Any
+    input_shape: tuple[int, ...] | None
+    input_dtype: str
+    x: Any
+    loss: Any
+
+
+def profiled_layers(config: TrainConfig) -> Profiled:
+    """What the planner profiles for ``config``'s model: a reference model's layers with
+    their input shape and dtype; your ``--model`` itself, its input from its
+    ``keras.Input``, or, where that leaves a dimension open (a KerasHub model's sequence
+    length), from the first batch of your ``--data=module:function``."""
     if not is_function_spec(config.model.name):
         layers, shape, dtype = build_model(config)
-        return layers, shape, dtype, _reference_loss()
+        return Profiled(layers, shape, dtype, None, _reference_loss())
     model, loss, _, _, _ = model_for(config)
-    return model, None, "float32", loss
+    x = None
+    open_input = any(None in tuple(t.shape[1:]) for t in model.inputs)
+    spec = config.data.source
+    if open_input and is_function_spec(spec) and not takes_input_context(spec):
+        first = call_user("data", spec, config.data.global_batch_size).take(1)
+        x = next(iter(first.as_numpy_iterator()))[0]
+    return Profiled(model, None, "float32", x, loss)
