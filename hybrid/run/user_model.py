@@ -185,7 +185,7 @@ def model_for(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
     try:
         if is_function_spec(config.model.name):
             model, loss, metrics = _user_model(config)
-            shapes = [(None, *t.shape[1:]) for t in model.inputs]
+            shapes = _fixed_shapes(config, [(None, *t.shape[1:]) for t in model.inputs])
             dtypes = [t.dtype for t in model.inputs]
             if len(shapes) == 1:
                 return model, loss, metrics, shapes[0], dtypes[0]
@@ -194,6 +194,31 @@ def model_for(config: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
     finally:
         keras.mixed_precision.set_global_policy(previous)
     return layers, _reference_loss(), None, (None, *input_shape), dtype
+
+
+def _fixed_shapes(config: TrainConfig, shapes: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Your model's input shapes (with the batch), each dimension it leaves open (a
+    KerasHub model's sequence length) taken from your ``--data`` function's first batch."""
+    if not any(None in shape[1:] for shape in shapes):
+        return shapes
+    x = _first_batch(config)
+    flat = keras.tree.flatten(x) if x is not None else []
+    if len(flat) != len(shapes):
+        return shapes  # the Pipeline's build names what is open
+    return [
+        (None, *tuple(a.shape[1:])) if None in shape[1:] else shape
+        for shape, a in zip(shapes, flat, strict=True)
+    ]
+
+
+def _first_batch(config: TrainConfig) -> Any:
+    """The inputs of your ``--data=module:function``'s first batch, or None for another
+    source (or a function that takes an ``input_context``: made per host)."""
+    spec = config.data.source
+    if not is_function_spec(spec) or takes_input_context(spec):
+        return None
+    first = call_user("data", spec, config.data.global_batch_size).take(1)
+    return next(iter(first.as_numpy_iterator()))[0]
 
 
 def _reference_loss() -> keras.losses.Loss:
@@ -222,10 +247,5 @@ def profiled_layers(config: TrainConfig) -> Profiled:
         layers, shape, dtype = build_model(config)
         return Profiled(layers, shape, dtype, None, _reference_loss())
     model, loss, _, _, _ = model_for(config)
-    x = None
     open_input = any(None in tuple(t.shape[1:]) for t in model.inputs)
-    spec = config.data.source
-    if open_input and is_function_spec(spec) and not takes_input_context(spec):
-        first = call_user("data", spec, config.data.global_batch_size).take(1)
-        x = next(iter(first.as_numpy_iterator()))[0]
-    return Profiled(model, None, "float32", x, loss)
+    return Profiled(model, None, "float32", _first_batch(config) if open_input else None, loss)
