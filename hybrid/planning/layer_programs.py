@@ -93,13 +93,20 @@ class StagePrograms:
         def chained(body: Callable[[Tensors, Grads], Tensors]) -> Any:
             def run(xs: Tensors, dys: Grads) -> Tensors:
                 outputs = body(xs, dys)
-                for _ in range(chain - 1):
+
+                def again(i: tf.Tensor, outputs: Tensors) -> tuple[tf.Tensor, Tensors]:
                     # The next repetition's inputs are xs plus a zero computed from every
                     # output of this one: the repetitions run one after another, none is a
-                    # duplicate of another, and every output is consumed.
+                    # duplicate of another, and every output is consumed. (A loop: its body
+                    # is traced once, not once per repetition.)
                     firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs]
                     zero = tf.math.multiply_no_nan(tf.add_n(firsts), 0.0)
-                    outputs = body([x + tf.cast(zero, x.dtype) for x in xs], dys)
+                    return i + 1, body([x + tf.cast(zero, x.dtype) for x in xs], dys)
+
+                if chain > 1:
+                    _, outputs = tf.while_loop(
+                        lambda i, _: i < chain - 1, again, (tf.constant(0), outputs)
+                    )
                 return outputs
 
             return traced(run)
