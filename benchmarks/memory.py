@@ -2,7 +2,8 @@
 
 A pipeline of ``depth`` × Dense(width) + Dense(10) (default 4 × Dense(1024), batch 2048,
 M = 4; for the tied case, an Embedding, the Dense stack and a head reading the embedding's
-matrix), trained with Adam, runs over
+matrix), or of any model (``--model``: a zoo model such as ``gpt2`` or ``mobilenetv2``, or
+``package.module:fn``), trained with Adam, runs over
 TensorFlow's multi-host runtime on loopback: each mesh device is the one CPU device of its own
 worker process (``benchmarks/memory_worker.py``), and a client process builds the pipeline and
 runs two steps. Each worker reads its own allocator (BFC, so it keeps statistics:
@@ -31,6 +32,7 @@ cut (``balance="memory"``: its largest over its smallest stage peak, measured an
 
     python benchmarks/memory.py                         # every case
     python benchmarks/memory.py --cases=1f1b,tied --trace
+    python benchmarks/memory.py --model=gpt2 --batch=32 --micro_batches=2 --cases=1f1b
 
 ``--trace`` keeps each worker's profile (``results/memory_profile_<case>_task<i>``, for
 TensorBoard's memory profile) and prints what was live at its requested peak, by op.
@@ -50,7 +52,13 @@ from absl import app, flags
 
 from hybrid.platforms.local_workers import free_ports
 
-import common
+# The prediction's profile measures what each layer holds (its stored and working bytes)
+# only under TensorFlow's BFC allocator on CPU, set before TensorFlow starts (common imports
+# it); without it the profile falls back to each layer's output bytes, a lower bound that
+# misses a layer's internals (an attention's scores, a convolution's workspace).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import common  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +99,14 @@ CASES = {
 
 common.define_model_flags(depth=4, batch=2048, width=1024)
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches M.")
+flags.DEFINE_string(
+    "model",
+    "dense",
+    f"dense (--depth x Dense(--width)), a zoo model {common.ZOO_MODELS}, or yours: "
+    "package.module:fn, fn(batch) returning (model, x, y, loss).",
+)
+flags.DEFINE_integer("image_size", 32, "Zoo CNNs: input height and width.")
+flags.DEFINE_integer("seq_len", 32, "Zoo KerasHub models: tokens per example.")
 flags.DEFINE_integer("vocabulary", 4096, "Tied case: the embedding's rows (and the classes).")
 flags.DEFINE_list("cases", list(CASES), f"Of {list(CASES)}.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
@@ -105,29 +121,36 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_worker
 CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def layers(case: Case) -> list[Any]:
-    """The case's model as layers, seeded: the same weights in the client and the profile."""
+def model_and_batch(case: Case) -> tuple[Any, Any, Any, Any]:
+    """The case's model (layers, or a Keras model), its fixed batch and its loss, seeded:
+    the same weights in the client and the profile. ``--model``: ``dense`` (the Dense
+    stack; with ``tied``, an Embedding, the stack and a head reading its matrix), a zoo
+    model (``common.ZOO_MODELS`` at ``--image_size`` / ``--seq_len``), or yours
+    (``package.module:fn``, ``fn(batch)`` returning ``(model, x, y, loss)``)."""
+    import importlib
+
     import keras
-
-    from hybrid.models.transformer import TiedHead
-
-    stack = common.dense_stack(FLAGS.width, FLAGS.depth)
-    if not case.tied:
-        return stack
-    embedding = keras.layers.Embedding(FLAGS.vocabulary, FLAGS.width)
-    return [embedding, *stack[:-1], TiedHead(embedding)]
-
-
-def batch(case: Case) -> tuple[Any, Any]:
-    """The case's fixed batch: features and labels, or tokens and next tokens."""
     import numpy as np
     import tensorflow as tf
 
+    from hybrid.models.transformer import TiedHead
+
+    if FLAGS.model in common.ZOO_MODELS:
+        model, x, y = common.zoo_model(FLAGS.model, FLAGS.batch, FLAGS.image_size, FLAGS.seq_len)
+        logits = common.zoo_logits(FLAGS.model)
+        return model, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=logits)
+    if ":" in FLAGS.model:
+        module, _, name = FLAGS.model.partition(":")
+        return getattr(importlib.import_module(module), name)(FLAGS.batch)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    stack = common.dense_stack(FLAGS.width, FLAGS.depth)
     if not case.tied:
-        return common.synthetic_batch(FLAGS.batch, FLAGS.width)
+        return (stack, *common.synthetic_batch(FLAGS.batch, FLAGS.width), loss)
+    embedding = keras.layers.Embedding(FLAGS.vocabulary, FLAGS.width)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, FLAGS.vocabulary, size=(2, FLAGS.batch)).astype("int32")
-    return tf.constant(tokens[0]), tf.constant(tokens[1])
+    layers = [embedding, *stack[:-1], TiedHead(embedding)]
+    return layers, tf.constant(tokens[0]), tf.constant(tokens[1]), loss
 
 
 def run_client(case: Case, spec: str) -> None:
@@ -145,16 +168,20 @@ def run_client(case: Case, spec: str) -> None:
     # (the engine builds the Keras model here too), so a worker holds only what its stage's
     # programs put there.
     with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
+        model, x, y, loss = model_and_batch(case)
         pipe = hybrid.Pipeline(
-            layers(case), mesh=mesh, micro_batches=FLAGS.micro_batches, **case.options()
+            model, mesh=mesh, micro_batches=FLAGS.micro_batches, **case.options()
         )
         pipe.compile(
-            optimizer=keras.optimizers.Adam(1e-4),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=FLAGS.jit_compile,
+            optimizer=keras.optimizers.Adam(1e-4), loss=loss, jit_compile=FLAGS.jit_compile
         )
-        x, y = batch(case)
-        pipe.build((FLAGS.batch, *x.shape[1:]), x.dtype.name)
+        flat = keras.tree.flatten(x)
+        shapes = [(FLAGS.batch, *a.shape[1:]) for a in flat]
+        dtypes = [tf.as_dtype(a.dtype).name for a in flat]
+        if len(flat) == 1:
+            pipe.build(shapes[0], dtypes[0])
+        else:
+            pipe.build(shapes, dtypes)
     gc.collect()  # remote tensors the build no longer references are freed on their worker
     print("DEVICES " + json.dumps([list(row) for row in mesh.devices]), flush=True)
     print("BALANCE " + json.dumps(list(pipe.balance)), flush=True)
@@ -220,7 +247,15 @@ def measure(name: str, case: Case) -> tuple[list[list[dict[str, float]]], tuple[
             _line(w, "READY")
         client = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), f"--client={name},{spec}"]
-            + common.flag_args(*common.MODEL_FLAGS, "micro_batches", "vocabulary", "jit_compile"),
+            + common.flag_args(
+                *common.MODEL_FLAGS,
+                "micro_batches",
+                "vocabulary",
+                "jit_compile",
+                "model",
+                "image_size",
+                "seq_len",
+            ),  # fmt: skip
             **{**pipes, "env": {**os.environ, **CHILD_ENV}},
         )
         devices = json.loads(_line(client, "DEVICES "))
@@ -272,20 +307,14 @@ def _measure_retrying(
 
 def predict(case: Case, balance: tuple[int, ...]) -> list[dict[str, float]]:
     """The cost model's per-device terms, in MiB, for the case and the pipeline's cut."""
-    import keras
 
     from hybrid.core.config import RunConfig
     from hybrid.planning import cost_model, costs
 
     b = FLAGS.batch // (FLAGS.micro_batches * case.replicas)
+    model, x, y, loss = model_and_batch(case)
     profile = costs.profile_model(
-        layers(case),
-        () if case.tied else (FLAGS.width,),
-        "int32" if case.tied else "float32",
-        [b],
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        target_shape=(),
-        repeats=1,
+        model, None, "float32", [b], x=x, loss=loss, target_shape=tuple(y.shape[1:]), repeats=1
     )
     config = RunConfig(
         STAGES,

@@ -344,9 +344,11 @@ def _per_call(
     calls: ModelCalls, run: tuple[int, int], m: LayerMeasurement
 ) -> list[LayerMeasurement]:
     """A run's measurement shared among its calls: times by each call's share of the run's
-    estimated work, stored bytes by its share of the run's outputs' bytes, the working
-    peak as the run's (a stage's peak is its largest call's), the bytes crossing the cut
-    after each call its own; each call's weights its own, the update by their share."""
+    estimated work, stored bytes by its share of the run's outputs' bytes, the run's
+    working peak all on the call with the largest outputs (so a stage holding the whole run
+    sees the run's peak both as its largest call's, remat "never", and as the sum of its
+    calls', a recomputing program), the bytes crossing the cut after each call its own;
+    each call's weights its own, the update by their share."""
     start, stop = run
     if stop - start == 1:
         return [m]
@@ -359,6 +361,7 @@ def _per_call(
         total = sum(parts)
         return parts[j] / total if total else 1.0 / len(parts)
 
+    peak_at = made.index(max(made))
     rows = []
     for j, i in enumerate(range(start, stop)):
         w, o = share(work, j), share(made, j)
@@ -370,6 +373,7 @@ def _per_call(
                 recompute_backward=t.recompute_backward * w,
                 input_backward=t.input_backward * w,
                 stored_bytes=None if t.stored_bytes is None else int(t.stored_bytes * o),
+                working_bytes=None if t.working_bytes is None else t.working_bytes * (j == peak_at),
                 output_bytes=int(calls.boundary_bytes(i) * t.batch),
             )
             for t in m.timings
