@@ -774,7 +774,8 @@ def test_a_run_of_calls_is_measured_as_one_stage_and_shared_by_estimated_work():
     assert calls.groups(8) == [(i, i + 1) for i in range(8)]
     timing = profile_lib.LayerTiming(2, 1.0, 2.0, 2.0, 1.0, 900, 100, 0)
     run = profile_lib.LayerMeasurement("", 0, 0, 0.0, (timing,))
-    rows = profile_lib._per_call(calls, (1, 4), run)  # first, inner, drop: 8 floats out each
+    # first, inner, drop: 8 floats out each
+    rows = profile_lib._per_call(calls, (1, 4), run, calls.work())
     assert [r.timings[0].working_bytes for r in rows] == [100, 0, 0]  # once: max and sum hold
     assert [r.timings[0].stored_bytes for r in rows] == [300, 300, 300]
 

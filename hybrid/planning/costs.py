@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -280,6 +279,7 @@ def profile_model(
       ValueError: a model the planner cannot profile (named, with what to do instead).
     """
     from hybrid.core.mesh import local_devices
+    from hybrid.engine.model.layer_costs import weight_bytes
     from hybrid.planning import profile as profile_lib
     from hybrid.planning import profile_cache
     from hybrid.planning.model_calls import ModelCalls, model_calls
@@ -314,21 +314,13 @@ def profile_model(
         verbose=verbose,
     )
     profile = CostProfile.from_measurement(measurement, input_is_float=calls.input_is_float)
-    layers = calls.layers()
-    unique = calls.graph.variables()
-    model_bytes = sum(math.prod(v.shape) * _itemsize(v.dtype) for v in unique)
+    model_bytes = weight_bytes(calls.graph.variables())
     profile = dataclasses.replace(
-        profile, batch_norm=_batch_norm_kind(layers), model_bytes=float(model_bytes)
+        profile, batch_norm=_batch_norm_kind(calls.layers()), model_bytes=model_bytes
     )
     if key:
         profile_cache.write(key, profile)
     return profile
-
-
-def _itemsize(dtype: Any) -> int:
-    import tensorflow as tf  # only profiling needs TensorFlow
-
-    return int(tf.as_dtype(getattr(dtype, "name", dtype)).size)
 
 
 def _batch_norm_kind(layers: Sequence[Any]) -> str:

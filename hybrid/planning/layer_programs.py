@@ -5,7 +5,7 @@ micro-batch size (:class:`Probe`); and the allocator bytes a layer holds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -22,7 +22,6 @@ __all__ = [
     "StagePrograms",
     "identity_programs",
     "measure_memory",
-    "prod",
     "signature",
 ]
 
@@ -31,14 +30,6 @@ PROGRAMS = ("forward", "stored", "fused", "input_only")
 
 Tensors = list[tf.Tensor]
 Grads = list[tf.Tensor | None]  # an output gradient per output (None: not a float)
-
-
-def prod(shape: Sequence[int | None]) -> int:
-    """The number of elements of ``shape`` (an unknown dimension counts as 1)."""
-    out = 1
-    for d in shape:
-        out *= int(d or 1)
-    return out
 
 
 def _allocator_stats(device: str) -> bool:

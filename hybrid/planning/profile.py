@@ -8,12 +8,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import keras
 import tensorflow as tf
 
-from hybrid.engine.model.layer_costs import block
+from hybrid.engine.model.layer_costs import block, weight_bytes
 from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import optimizer_copies
 from hybrid.engine.step.stage import StageReplica
@@ -24,7 +23,6 @@ from hybrid.planning.layer_programs import (
     StagePrograms,
     identity_programs,
     measure_memory,
-    prod,
     signature,
 )
 from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
@@ -213,8 +211,11 @@ def measure_layers(
     measured = {
         key: _measurement(stage, probes, base, setup) for key, (stage, probes) in distinct.items()
     }
+    work = calls.work()
     per_call = [
-        m for run, key in zip(runs, keys, strict=True) for m in _per_call(calls, run, measured[key])
+        m
+        for run, key in zip(runs, keys, strict=True)
+        for m in _per_call(calls, run, measured[key], work)
     ]
     rows = tuple(
         dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
@@ -335,27 +336,28 @@ def _measurement(
     update = 0.0
     if setup.optimizer is not None and stage.trainable_variables:
         update = _update_seconds(stage, setup.device, setup.repeats)
-    param_bytes = _weight_bytes(stage.trainable_variables)
+    param_bytes = int(weight_bytes(stage.trainable_variables))
     tensors = len(stage.trainable_variables)
     return LayerMeasurement("", param_bytes, tensors, update, timings)
 
 
 def _per_call(
-    calls: ModelCalls, run: tuple[int, int], m: LayerMeasurement
+    calls: ModelCalls, run: tuple[int, int], m: LayerMeasurement, work: Sequence[float]
 ) -> list[LayerMeasurement]:
     """A run's measurement shared among its calls: times by each call's share of the run's
     estimated work, stored bytes by its share of the run's outputs' bytes, the run's
     working peak all on the call with the largest outputs (so a stage holding the whole run
     sees the run's peak both as its largest call's, remat "never", and as the sum of its
     calls', a recomputing program), the bytes crossing the cut after each call its own;
-    each call's weights its own, the update by their share."""
+    each call's weights its own, the update by their share. ``work``: every call's
+    estimated work (:meth:`ModelCalls.work`)."""
     start, stop = run
     if stop - start == 1:
         return [m]
-    work = calls.work()[start:stop]
+    work = work[start:stop]
     made = [sum(calls.example_bytes(k) for k in c.outputs) for c in calls.calls[start:stop]]
     own = [list(getattr(c.layer, "trainable_weights", [])) for c in calls.calls[start:stop]]
-    weights = [_weight_bytes(list({id(v): v for v in vs}.values())) for vs in own]
+    weights = [int(weight_bytes(vs)) for vs in own]
 
     def share(parts: Sequence[float], j: int) -> float:
         total = sum(parts)
@@ -381,10 +383,6 @@ def _per_call(
         update = m.update * share(weights, j)
         rows.append(LayerMeasurement("", weights[j], len(own[j]), update, timings))
     return rows
-
-
-def _weight_bytes(variables: Sequence[Any]) -> int:
-    return sum(prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
 
 
 def _update_seconds(stage: StageReplica, device: str, repeats: int) -> float:
