@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import keras
+import numpy as np
 
 from hybrid import models
 from hybrid.run import data
@@ -242,10 +243,17 @@ def profiled_layers(config: TrainConfig) -> Profiled:
     """What the planner profiles for ``config``'s model: a reference model's layers with
     their input shape and dtype; your ``--model`` itself, its input from its
     ``keras.Input``, or, where that leaves a dimension open (a KerasHub model's sequence
-    length), from the first batch of your ``--data=module:function``."""
+    length), zeros of the shapes :func:`model_for` took from your ``--data``'s first
+    batch (``x``: one example per input, in the model's input order)."""
     if not is_function_spec(config.model.name):
         layers, shape, dtype = build_model(config)
         return Profiled(layers, shape, dtype, None, _reference_loss())
-    model, loss, _, _, _ = model_for(config)
-    open_input = any(None in tuple(t.shape[1:]) for t in model.inputs)
-    return Profiled(model, None, "float32", _first_batch(config) if open_input else None, loss)
+    model, loss, _, shapes, dtypes = model_for(config)  # open dimensions fixed from --data
+    if isinstance(dtypes, list):
+        found = list(zip(shapes, dtypes, strict=True))
+    else:
+        found = [(shapes, dtypes)]
+    x = None  # the model's keras.Input says all, or an open dimension is named
+    if any(None in t.shape[1:] for t in model.inputs) and all(None not in s[1:] for s, _ in found):
+        x = [np.zeros((1, *shape[1:]), dtype) for shape, dtype in found]  # its inputs' order
+    return Profiled(model, None, "float32", x, loss)
