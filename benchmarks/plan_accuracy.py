@@ -94,7 +94,7 @@ def _profile(name: str) -> Any:
 
     import keras
 
-    from hybrid.planning import costs, profile, search
+    from hybrid.planning import costs, search
     from hybrid.planning.model_calls import model_calls
 
     model, x, y, loss = _model(name)
@@ -102,8 +102,7 @@ def _profile(name: str) -> Any:
     sizes: set[int] = set()
     for S, R in _meshes():
         sizes.update(search._profile_batches(S * R, FLAGS.batch, None, 32, [S]))
-    many = len(calls.calls) > profile.MAX_RUNS
-    keep = search.PROFILED_SIZES_MANY_CALLS if many else search.PROFILED_SIZES
+    keep = search.sizes_kept(len(calls.calls))
     began = time.perf_counter()
     found = costs.profile_model(
         calls, None, "float32", search._thinned(sorted(sizes), keep), loss=loss,

@@ -171,10 +171,9 @@ def plan(
         hardware = hardware or Hardware()
     else:
         from hybrid.planning.model_calls import model_calls
-        from hybrid.planning.profile import MAX_RUNS
 
         calls = model_calls(model, input_shape, input_dtype, x)
-        keep = PROFILED_SIZES if len(calls.calls) <= MAX_RUNS else PROFILED_SIZES_MANY_CALLS
+        keep = sizes_kept(len(calls.calls))
         sizes = _profile_batches(
             devices, global_batch, micro_batches, max_micro_batches, stages, keep
         )
@@ -391,6 +390,13 @@ def _profile_batches(
 # compiles the whole model's programs, ~1.5 min for MobileNetV3Small on 2 cores), fewer.
 PROFILED_SIZES = 6
 PROFILED_SIZES_MANY_CALLS = 3
+
+
+def sizes_kept(calls: int) -> int:
+    """How many micro-batch sizes a model of ``calls`` layer calls is profiled at."""
+    from hybrid.planning.profile import MAX_RUNS
+
+    return PROFILED_SIZES if calls <= MAX_RUNS else PROFILED_SIZES_MANY_CALLS
 
 
 def _thinned(sizes: list[int], keep: int) -> list[int]:
