@@ -6,7 +6,11 @@ touches TensorFlow.
 
 import gc
 import os
+import resource
 import tempfile
+import time
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -57,3 +61,28 @@ def pytest_collection_modifyitems(config, items):
     keep = [item for i, item in enumerate(items) if i % total == index]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
+
+
+# HYBRID_TEST_CPU_LOG=<file>: every test appends one line to <file>, tab-separated: CPU
+# seconds of the test process, CPU seconds of the subprocesses it waited for, wall seconds,
+# test id (setup, call and teardown together). What a test costs a loaded machine is its CPU
+# seconds, not its wall time beside other workers.
+_CPU_LOG = os.environ.get("HYBRID_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+
+    def cpu(who):
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    began = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+    yield
+    ended = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+    own, children, wall = (b - a for a, b in zip(began, ended, strict=True))
+    with open(_CPU_LOG, "a") as log:
+        log.write(f"{own:.2f}\t{children:.2f}\t{wall:.2f}\t{item.nodeid}\n")

@@ -539,15 +539,16 @@ def test_interpolation_between_and_beyond_measured_batches():
 
 def test_the_profile_is_a_curve_over_every_micro_batch_size_a_candidate_runs():
     # 2 devices, batch 16: R=1 runs 16/M for M in 1..16, R=2 runs 8/M: sizes 1, 2, 4, 8, 16
-    assert search._profile_batches(2, 16, None, 32) == [1, 2, 4, 8, 16]
+    assert search._profile_batches(2, 16, None, 32, keep=6) == [1, 2, 4, 8, 16]
     # what M=2 runs, and the whole shard (M=2's deferred weight gradients)
     assert search._profile_batches(2, 16, [2], 32) == [4, 8, 16]
     assert search._profile_batches(2, 16, None, 4) == [2, 4, 8, 16]  # M <= 4
     assert search._profile_batches(2, 16, None, 32, stages=[1]) == [1, 2, 4, 8]  # R = 2 only
     # more sizes than PROFILED_SIZES: thinned evenly on a log scale, both ends kept
-    sizes = search._profile_batches(1, 2**10, None, 2**10)
-    assert len(sizes) == search.PROFILED_SIZES == 6
-    assert sizes == [1, 4, 16, 64, 256, 1024]
+    assert search.PROFILED_SIZES == 4
+    assert search._profile_batches(2, 16, None, 32) == [1, 2, 8, 16]
+    assert search._profile_batches(1, 2**10, None, 2**10) == [1, 8, 128, 1024]
+    assert search._profile_batches(1, 2**10, None, 2**10, keep=6) == [1, 4, 16, 64, 256, 1024]
     assert search._thinned([3, 5, 7], 6) == [3, 5, 7]
 
 

@@ -19,6 +19,7 @@ from hybrid.planning.model_calls import ModelCalls
 __all__ = [
     "PROGRAMS",
     "Probe",
+    "ProgramArgs",
     "StagePrograms",
     "identity_programs",
     "measure_memory",
@@ -48,42 +49,49 @@ def _memory_device(device: str) -> str:
 
 
 class StagePrograms:
-    """The programs the engine runs for one stage, each issued ``chain`` times in a row
+    """The programs the engine runs for one stage, each repeated ``repeats`` times in a row
     inside one graph function (every repetition waits for the previous one), so the cost of
-    launching the graph function is shared by ``chain`` repetitions.
+    launching the graph function is shared by the repetitions.
 
     ``forward``: F; ``stored``: F keeping activations, then its backward (remat "never");
     ``fused``: the one-program forward+backward; ``input_only``: F keeping activations for
-    a split backward, then its B (the input gradient only).
+    a split backward, then its B (the input gradient only). Each is called as
+    ``program(xs, dys, labels, repeats)``: the stage's inputs, its output gradients (None
+    for an output that is not a float), ``[labels]`` for a last stage (else ``[]``) and a
+    scalar int32. One set of programs serves every micro-batch size, traced per size
+    (:meth:`trace`).
     """
 
-    def __init__(
-        self, stage: StageReplica, labels: tf.Tensor | None, need_dx: bool, chain: int
-    ) -> None:
+    def __init__(self, stage: StageReplica) -> None:
         seed = tf.constant([0, 0], tf.int64)
-        self.stage, self._seed = stage, seed
-        self.labels = labels = ([labels], None, None) if labels is not None else None
+        need_dx = any(tf.as_dtype(spec.dtype).is_floating for spec in stage.input_specs)
+        self.stage, self._seed, self.need_dx = stage, seed, need_dx
+        self.names = PROGRAMS if need_dx else PROGRAMS[:3]
 
-        def forward(xs: Tensors, dys: Grads) -> Tensors:
-            return stage.forward(xs, labels, seed, True, False).output
+        def with_labels(labels: Tensors) -> Any:
+            return (labels, None, None) if labels else None
 
-        def stored(xs: Tensors, dys: Grads) -> Tensors:
-            saved = stage.forward(xs, labels, seed, False, False, need_dx)
+        def forward(xs: Tensors, dys: Grads, labels: Tensors) -> Tensors:
+            return stage.forward(xs, with_labels(labels), seed, True, False).output
+
+        def stored(xs: Tensors, dys: Grads, labels: Tensors) -> Tensors:
+            saved = stage.forward(xs, with_labels(labels), seed, False, False, need_dx)
             dx, dw = stage.backward(saved, list(dys), need_dx=need_dx, need_dw=True)
             return saved.output + _present(dx) + dw
 
-        def fused(xs: Tensors, dys: Grads) -> Tensors:
-            y, dx, dw, _, _ = stage.forward_backward(xs, labels, seed, list(dys), need_dx)
+        def fused(xs: Tensors, dys: Grads, labels: Tensors) -> Tensors:
+            run = stage.forward_backward(xs, with_labels(labels), seed, list(dys), need_dx)
+            y, dx, dw, _, _ = run
             return y + _present(dx) + dw
 
-        def input_only(xs: Tensors, dys: Grads) -> Tensors:
-            saved = stage.forward(xs, labels, seed, False, True)
+        def input_only(xs: Tensors, dys: Grads, labels: Tensors) -> Tensors:
+            saved = stage.forward(xs, with_labels(labels), seed, False, True)
             dx, _ = stage.backward(saved, list(dys), need_dx=True, need_dw=False)
             return saved.output + _present(dx)
 
-        def chained(body: Callable[[Tensors, Grads], Tensors]) -> Any:
-            def run(xs: Tensors, dys: Grads) -> Tensors:
-                outputs = body(xs, dys)
+        def repeated(body: Callable[[Tensors, Grads, Tensors], Tensors]) -> Any:
+            def run(xs: Tensors, dys: Grads, labels: Tensors, repeats: tf.Tensor) -> Tensors:
+                outputs = body(xs, dys, labels)
 
                 def again(i: tf.Tensor, outputs: Tensors) -> tuple[tf.Tensor, Tensors]:
                     # The next repetition's inputs are xs plus a zero computed from every
@@ -92,25 +100,38 @@ class StagePrograms:
                     # is traced once, not once per repetition.)
                     firsts = [tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in outputs]
                     zero = tf.math.multiply_no_nan(tf.add_n(firsts), 0.0)
-                    return i + 1, body([x + tf.cast(zero, x.dtype) for x in xs], dys)
+                    return i + 1, body([x + tf.cast(zero, x.dtype) for x in xs], dys, labels)
 
-                if chain > 1:
-                    _, outputs = tf.while_loop(
-                        lambda i, _: i < chain - 1, again, (tf.constant(0), outputs)
-                    )
+                _, outputs = tf.while_loop(
+                    lambda i, _: i < repeats - 1, again, (tf.constant(0), outputs)
+                )
                 return outputs
 
             return traced(run)
 
-        self.forward = chained(forward)
-        self.stored = chained(stored)
-        self.fused = chained(fused)
-        self.input_only = chained(input_only)
-        self.fused_once = traced(fused)
+        self.forward = repeated(forward)
+        self.stored = repeated(stored)
+        self.fused = repeated(fused)
+        self.input_only = repeated(input_only)
+        self.fused_once = traced(fused)  # what the engine runs: the memory is measured on it
 
-    def kept_forward(self, xs: list[tf.Tensor]) -> Any:
+    def trace(self, args: ProgramArgs) -> None:
+        """Traces every program for ``args``'s shapes (each batch size is a trace of its
+        own, as the engine's programs are: a trace with the batch dimension open would keep
+        other residuals)."""
+        for name in self.names:
+            getattr(self, name).get_concrete_function(*args)
+        self.fused_once.get_concrete_function(*args[:3])
+
+    def kept_forward(self, xs: Tensors, labels: Tensors) -> Any:
         """Eagerly: the record a stored-activation forward keeps (its residuals)."""
-        return self.stage.forward(xs, self.labels, self._seed, False, False)
+        return self.stage.forward(
+            xs, (labels, None, None) if labels else None, self._seed, False, False
+        )
+
+
+# (inputs, output gradients, [labels] or [], repetitions): what a program is called with.
+ProgramArgs = tuple[Tensors, Grads, Tensors, tf.Tensor]
 
 
 def _present(grads: list[tf.Tensor | None] | None) -> list[tf.Tensor]:
@@ -118,7 +139,7 @@ def _present(grads: list[tf.Tensor | None] | None) -> list[tf.Tensor]:
     return [g for g in grads or [] if g is not None]
 
 
-def identity_programs(device: str, chain: int, jit_compile: bool) -> StagePrograms:
+def identity_programs(device: str, jit_compile: bool) -> StagePrograms:
     """The same programs on an identity layer: what launching them costs, with no work."""
     with tf.device(device):
         identity = keras.layers.Dense(1, use_bias=False)  # one weight: next to no work
@@ -126,25 +147,26 @@ def identity_programs(device: str, chain: int, jit_compile: bool) -> StageProgra
         stage = StageReplica(
             0, [identity], device, TensorSpec((1,), "float32"), None, None, jit_compile
         )
-        return StagePrograms(stage, None, need_dx=True, chain=chain)
+        return StagePrograms(stage)
 
 
 def measure_memory(
-    device: str, programs: StagePrograms, xs: list[tf.Tensor], dys: list[tf.Tensor | None]
+    device: str, programs: StagePrograms, args: ProgramArgs
 ) -> tuple[int | None, int | None]:
-    """(bytes a kept forward holds, peak bytes while the fused forward+backward runs)."""
+    """(bytes a kept forward holds, peak bytes while the fused forward+backward runs once)."""
     if not _allocator_stats(device):
         return None, None
     where = _memory_device(device)
-    block(programs.fused_once(xs, dys))  # traced and compiled before anything is counted
+    xs, dys, labels, _ = args
+    block(programs.fused_once(xs, dys, labels))  # compiled before anything is counted
     before = tf.config.experimental.get_memory_info(where)["current"]
-    saved = programs.kept_forward(xs)
+    saved = programs.kept_forward(xs, labels)
     block(saved.output)
     stored = tf.config.experimental.get_memory_info(where)["current"] - before
     del saved
     tf.config.experimental.reset_memory_stats(where)
     before = tf.config.experimental.get_memory_info(where)["current"]
-    block(programs.fused_once(xs, dys))
+    block(programs.fused_once(xs, dys, labels))
     working = tf.config.experimental.get_memory_info(where)["peak"] - before
     return max(0, stored), max(0, working)
 
@@ -173,14 +195,15 @@ def signature(calls: ModelCalls, i: int, last: bool) -> str:
 
 
 class Probe:
-    """One distinct layer call at one batch size: its programs, inputs and collected times.
+    """One distinct layer call at one batch size: its inputs and collected times, run by
+    the programs of its stage (shared by every batch size).
 
     ``boundary_bytes``: bytes per example crossing the cut after the call (what a stage
     boundary there sends)."""
 
     def __init__(
         self,
-        stage: StageReplica,
+        programs: StagePrograms,
         out_specs: list[TensorSpec],
         boundary_bytes: float,
         batch: int,
@@ -188,32 +211,27 @@ class Probe:
         labels_dtype: str,
         chain: int,
     ) -> None:
-        self.batch = batch
-        in_specs = stage.input_specs
-        self.need_dx = any(tf.as_dtype(spec.dtype).is_floating for spec in in_specs)
+        self.batch, self.programs = batch, programs
+        stage = programs.stage
         self.output_bytes = int(boundary_bytes * batch)
         with tf.device(stage.device):
-            self.xs = [tf.constant(spec.zeros(batch)) for spec in in_specs]
-            labels = None
-            self.dys: list[tf.Tensor | None]
+            xs = [tf.constant(spec.zeros(batch)) for spec in stage.input_specs]
+            labels = []
+            dys: Grads
             if labels_shape is not None:
-                labels = tf.zeros((batch,) + labels_shape, labels_dtype)
+                labels = [tf.zeros((batch,) + labels_shape, labels_dtype)]
                 # The last stage outputs its loss's [[numerator, denominator]]; the
                 # engine's backward starts from d(numerator) = 1 / divisor.
-                self.dys = [tf.constant([[1.0 / batch, 0.0]])]
+                dys = [tf.constant([[1.0 / batch, 0.0]])]
             else:
-                self.dys = [
+                dys = [
                     tf.ones((batch,) + tuple(int(d or 1) for d in spec.shape), spec.dtype)
                     if tf.as_dtype(spec.dtype).is_floating
                     else None
                     for spec in out_specs
                 ]
-        self.programs = StagePrograms(stage, labels, self.need_dx, chain)
-        self.names = PROGRAMS if self.need_dx else PROGRAMS[:3]
+            self.args: ProgramArgs = (xs, dys, labels, tf.constant(chain))
+        self.need_dx = programs.need_dx
+        self.names = programs.names
         self.times: dict[str, list[float]] = {name: [] for name in self.names}
         self.memory: tuple[int | None, int | None] = (None, None)
-
-    @property
-    def args(self) -> tuple[list[tf.Tensor], list[tf.Tensor | None]]:
-        """What each of its programs is called with."""
-        return self.xs, self.dys

@@ -17,9 +17,11 @@ from hybrid.engine.model.objective import Objective
 from hybrid.engine.model.optimizers import optimizer_copies
 from hybrid.engine.step.stage import StageReplica
 from hybrid.engine.traced import traced
+from hybrid.planning.compiling import Compiler, DeviceGate
 from hybrid.planning.layer_programs import (
     PROGRAMS,
     Probe,
+    ProgramArgs,
     StagePrograms,
     identity_programs,
     measure_memory,
@@ -224,16 +226,11 @@ def measure_layers(
     return ModelMeasurement(rows, int(calls.input_bytes), launch, device)
 
 
-def _warm_identity(
-    device: str, chain: int, jit_compile: bool
-) -> tuple[StagePrograms, tuple[list[tf.Tensor], list[tf.Tensor | None]]]:
+def _warm_identity(device: str, chain: int, jit_compile: bool) -> tuple[StagePrograms, ProgramArgs]:
     """The identity layer's programs, each run once (compiled), and their arguments."""
-    identity = identity_programs(device, chain, jit_compile)
+    identity = identity_programs(device, jit_compile)
     with tf.device(device):
-        base_args: tuple[list[tf.Tensor], list[tf.Tensor | None]] = (
-            [tf.zeros((1, 1))],
-            [tf.ones((1, 1))],
-        )
+        base_args: ProgramArgs = ([tf.zeros((1, 1))], [tf.ones((1, 1))], [], tf.constant(chain))
     for name in PROGRAMS:
         block(getattr(identity, name)(*base_args))
     return identity, base_args
@@ -248,47 +245,72 @@ def _probe_calls(
 ) -> tuple[list[str], dict[str, tuple[StageReplica, list[Probe]]]]:
     """Each run's signature, and per distinct signature its stage (the run's calls) with a
     compiled, memory-measured :class:`Probe` per batch size (``bar`` advanced by one per
-    call and size)."""
+    call and size).
+
+    Each probe is traced here, compiled on other threads while the next is traced, and
+    its memory measured alone on the device once it is compiled
+    (:class:`hybrid.planning.compiling.Compiler`)."""
     keys: list[str] = []
     distinct: dict[str, tuple[StageReplica, list[Probe]]] = {}
     count = len(calls.calls)
-    for start, stop in runs:
-        last = setup.loss is not None and stop == count
-        key = " | ".join(signature(calls, i, last and i == stop - 1) for i in range(start, stop))
-        keys.append(key)
-        if key in distinct:
-            bar.add(len(sizes) * (stop - start))
-            continue
-        loss = setup.loss if last else None
-        segment = calls.segment(start, stop)
-        stage = StageReplica(
-            start,
-            segment,
-            setup.device,
-            [calls.specs[k] for k in segment.inputs],
-            optimizer_copies(setup.optimizer) if setup.optimizer else None,
-            Objective.of(loss, None, None, 1) if loss is not None else None,
-            setup.jit_compile,
-        )
-        out_specs = [calls.specs[k] for k in segment.outputs]
-        probes = []
-        for b in sizes:
+
+    def measure(item: tuple[Probe, int]) -> None:
+        probe, width = item
+        probe.memory = measure_memory(setup.device, probe.programs, probe.args)
+        bar.add(width)
+
+    with Compiler(_compile, measure) as compiler:
+        for start, stop in runs:
+            last = setup.loss is not None and stop == count
+            key = " | ".join(
+                signature(calls, i, last and i == stop - 1) for i in range(start, stop)
+            )
+            keys.append(key)
+            if key in distinct:
+                bar.add(len(sizes) * (stop - start))
+                continue
+            loss = setup.loss if last else None
+            segment = calls.segment(start, stop)
+            stage = StageReplica(
+                start,
+                segment,
+                setup.device,
+                [calls.specs[k] for k in segment.inputs],
+                optimizer_copies(setup.optimizer) if setup.optimizer else None,
+                Objective.of(loss, None, None, 1) if loss is not None else None,
+                setup.jit_compile,
+            )
+            programs = StagePrograms(stage)
+            out_specs = [calls.specs[k] for k in segment.outputs]
             labels = setup.labels_shape if last else None
             boundary = calls.boundary_bytes(stop - 1)
-            probe = Probe(stage, out_specs, boundary, b, labels, setup.target_dtype, setup.chain)
-            for name in probe.names:
-                block(getattr(probe.programs, name)(*probe.args))  # compile
-            probe.memory = measure_memory(setup.device, probe.programs, *probe.args)
-            probes.append(probe)
-            bar.add(stop - start)
-        distinct[key] = (stage, probes)
+            probes = []
+            for b in sizes:
+                probe = Probe(
+                    programs, out_specs, boundary, b, labels, setup.target_dtype, setup.chain
+                )
+                programs.trace(probe.args)
+                compiler.submit((probe, stop - start))
+                probes.append(probe)
+            distinct[key] = (stage, probes)
+        compiler.finish()
     return keys, distinct
+
+
+def _compile(item: tuple[Probe, int], gate: DeviceGate) -> None:
+    """Runs each of the probe's programs once (XLA compiles it for the probe's size)."""
+    probe, _ = item
+    for name in probe.names:
+        with gate.shared():
+            block(getattr(probe.programs, name)(*probe.args))
+    with gate.shared():
+        block(probe.programs.fused_once(*probe.args[:3]))
 
 
 def _time_rounds(
     groups: Sequence[Sequence[Probe]],
     identity: StagePrograms,
-    base_args: tuple[list[tf.Tensor], list[tf.Tensor | None]],
+    base_args: ProgramArgs,
     repeats: int,
     bar: keras.utils.Progbar | None = None,
 ) -> dict[str, float]:

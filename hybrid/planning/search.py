@@ -388,7 +388,7 @@ def _profile_batches(
 # At most this many micro-batch sizes are profiled (each costs one timing of every layer);
 # of a model measured in runs of calls (more calls than profile.MAX_RUNS: every size
 # compiles the whole model's programs, ~1.5 min for MobileNetV3Small on 2 cores), fewer.
-PROFILED_SIZES = 6
+PROFILED_SIZES = 4
 PROFILED_SIZES_MANY_CALLS = 3
 
 
