@@ -23,6 +23,7 @@ from hybrid.platforms.cluster_tasks import Task
 from hybrid.platforms.local_workers import free_ports
 from hybrid.platforms.step_deadline import Hang, StepDeadline, probe_tasks
 
+import pause
 import runner
 
 LOCAL = Task("localhost", 0, "unused")  # this process: its CPU answers a probe
@@ -253,7 +254,7 @@ def test_a_worker_under_srun_serves_its_own_task(no_slurm, tmp_path):
         assert line.startswith(f"worker worker:0 serving at localhost:{base} "), line
     finally:
         worker.terminate()
-        worker.wait(60)
+        worker.communicate(timeout=pause.HANG_BOUND_S)  # reads the pipe to its end meanwhile
 
 
 if __name__ == "__main__":

@@ -176,12 +176,13 @@ def main(argv: list[str]) -> int:
         return 2
     devices = FLAGS.simulated_devices or "all local"
     capped = f", its allocator capped at {cap} MiB" if cap else ""
+    stop, received = _stop_on_signals()  # before the line that tells a supervisor to signal
     print(
         f"worker {job}:{index} serving at {spec.task_address(job, index)} "
         f"({server.target}, {devices} devices{capped}); stop with SIGTERM",
         flush=True,
     )
-    return _serve(server, f"{job}:{index}")
+    return _serve(server, f"{job}:{index}", stop, received)
 
 
 def _cap_memory() -> int | None:
@@ -208,9 +209,8 @@ def _cap_memory() -> int | None:
     return mib
 
 
-def _serve(server: Any, task: str) -> int:
-    """Keeps ``server`` (a ``tf.distribute.Server``, which serves while referenced) until
-    SIGTERM or SIGINT (returns 0) or until ``--lifetime_s`` has passed (returns 3)."""
+def _stop_on_signals() -> tuple[threading.Event, list[str]]:
+    """An event SIGTERM and SIGINT set from now on, and the list their names are added to."""
     stop = threading.Event()
     received: list[str] = []
 
@@ -222,6 +222,12 @@ def _serve(server: Any, task: str) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop, received
+
+
+def _serve(server: Any, task: str, stop: threading.Event, received: list[str]) -> int:
+    """Keeps ``server`` (a ``tf.distribute.Server``, which serves while referenced) until
+    ``stop`` is set (a signal: returns 0) or until ``--lifetime_s`` has passed (returns 3)."""
     if FLAGS.until_stdin_closes:
 
         def until_closed() -> None:
