@@ -189,6 +189,40 @@ def test_step_adds_each_devices_all_reduce_and_update():
     assert p.step_time == pytest.approx(24.0 + reduce + 2.0)
 
 
+def test_each_stage_update_launches_once():
+    # 4 layers with weights, updates of 0.5 each beyond one update program's 0.75: on 2
+    # stages, each device pays its own program once, a stage without weights nothing.
+    profile = dataclasses.replace(uniform(4, param_bytes=100.0, update=0.5), update_call=0.75)
+    p = planner.evaluate(profile, RunConfig(2, 1, 2, "gpipe", "never", balance=(2, 2)), 2)
+    assert p.update_time == pytest.approx(0.75 + 2 * 0.5)
+    one = planner.evaluate(profile, RunConfig(1, 1, 2, "gpipe", "never"), 2)
+    assert one.update_time == pytest.approx(0.75 + 4 * 0.5)
+    assert CostProfile.from_dict(profile.to_dict()) == profile
+    free = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, param_bytes=0.0, update=0.0) for layer in profile.layers
+    ))  # fmt: skip
+    assert StageCost(free, 0, 4, 1.0, 1.0).update == 0.0
+
+
+def test_an_update_programs_own_cost_is_found_from_the_layers_and_the_whole(monkeypatch):
+    from hybrid.planning import profile as profile_lib
+
+    wholes = iter([8.0, 20.0, 0.0])
+    monkeypatch.setattr(profile_lib, "_update_seconds", lambda *args: next(wholes))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    calls = model_calls(model)
+    setup = profile_lib._Setup(
+        "/device:CPU:0", None, keras.optimizers.SGD, (), "int32", 1, 1, False
+    )
+    # three runs with weights updated alone in 5, 3 and 4 (each call + own), one without
+    assert profile_lib._update_call(calls, [5.0, 3.0, 0.0, 4.0], setup) == 2.0  # (12-8)/2
+    assert profile_lib._update_call(calls, [5.0, 3.0, 4.0], setup) == 0.0  # never below 0
+    assert profile_lib._update_call(calls, [5.0, 3.0, 4.0], setup) == 3.0  # nor the least
+    assert profile_lib._update_call(calls, [5.0, 0.0], setup) == 0.0  # one run: unknown
+    no_optimizer = dataclasses.replace(setup, optimizer=None)
+    assert profile_lib._update_call(calls, [5.0, 3.0], no_optimizer) == 0.0
+
+
 def test_overheads():
     # One device, M = 3, 1F1B (every pair fused): 3 F actions launch, 3 accumulations of
     # 2 layers × 2 arrays, one update per stage.

@@ -89,6 +89,8 @@ class CostProfile:
         ``synchronized=True``: the R replicas' micro-batches together).
       model_bytes: bytes of the whole model's weights, a variable read by several layers
         (a tied embedding) once; 0: not measured, the layers' sum (:attr:`template_bytes`).
+      update_call: seconds one stage's optimizer update costs once, whatever its weights
+        (the layers' ``update`` is each one's own share beyond it).
     """
 
     layers: tuple[LayerCost, ...]
@@ -98,6 +100,7 @@ class CostProfile:
     source: str = ""
     batch_norm: str = ""
     model_bytes: float = 0.0
+    update_call: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -168,6 +171,7 @@ class CostProfile:
             source=str(data.get("source", "")),
             batch_norm=str(data.get("batch_norm", "")),
             model_bytes=float(data.get("model_bytes", 0.0)),
+            update_call=float(data.get("update_call", 0.0)),
         )
 
     @classmethod
@@ -185,6 +189,7 @@ class CostProfile:
             float(measurement.input_bytes),
             input_is_float,
             source=f"profiled on {measurement.device}",
+            update_call=measurement.update_call,
         )
 
 

@@ -108,12 +108,16 @@ class ModelMeasurement:
         that does next to no work, launched inside a graph); every timing above is net of
         its identity twin.
       device: where it was measured.
+      update_call: seconds one optimizer update program costs once whatever its weights
+        (each layer's ``update`` is net of it): the layers' updates measured one by one,
+        less the whole model's measured as one, over one less than their count.
     """
 
     layers: tuple[LayerMeasurement, ...]
     input_bytes: int
     launch_overhead: float
     device: str
+    update_call: float = 0.0
 
 
 # A model of more layer calls than this is measured in this many runs of calls.
@@ -213,6 +217,11 @@ def measure_layers(
     measured = {
         key: _measurement(stage, probes, base, setup) for key, (stage, probes) in distinct.items()
     }
+    call = _update_call(calls, [measured[key].update for key in keys], setup)
+    measured = {
+        key: dataclasses.replace(m, update=max(0.0, m.update - call)) if m.update else m
+        for key, m in measured.items()
+    }
     work = calls.work()
     per_call = [
         m
@@ -223,7 +232,28 @@ def measure_layers(
         dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
     )
     launch = max(0.0, base["forward"] / chain)
-    return ModelMeasurement(rows, int(calls.input_bytes), launch, device)
+    return ModelMeasurement(rows, int(calls.input_bytes), launch, device, call)
+
+
+def _update_call(calls: ModelCalls, updates: Sequence[float], setup: _Setup) -> float:
+    """What one update program costs whatever its weights: with n runs of calls that hold
+    weights, updated alone in ``updates`` (each ``call + own``), and the whole model's
+    update measured as one (``call + Σ own``), ``call = (Σ updates − whole) / (n − 1)``,
+    kept within [0, the smallest update]. 0 without an optimizer or with one such run."""
+    held = [u for u in updates if u > 0]
+    if setup.optimizer is None or len(held) < 2:
+        return 0.0
+    stage = StageReplica(
+        0,
+        calls.segment(0, len(calls.calls)),
+        setup.device,
+        list(calls.input_specs),
+        optimizer_copies(setup.optimizer),
+        None,
+        setup.jit_compile,
+    )
+    whole = _update_seconds(stage, setup.device, setup.repeats)
+    return min(max(0.0, (sum(held) - whole) / (len(held) - 1)), min(held))
 
 
 def _warm_identity(device: str, chain: int, jit_compile: bool) -> tuple[StagePrograms, ProgramArgs]:

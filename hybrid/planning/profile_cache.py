@@ -32,7 +32,11 @@ from hybrid.planning.costs import CostProfile
 if TYPE_CHECKING:
     from hybrid.planning.model_calls import ModelCalls
 
-__all__ = ["directory", "fingerprint", "read", "write"]
+__all__ = ["PROFILER", "directory", "fingerprint", "read", "write"]
+
+# What the profiler measures, numbered: a profile filed by another number is measured again
+# (2: the update's once-per-program cost apart from each layer's, CostProfile.update_call).
+PROFILER = 2
 
 
 def directory() -> str:
@@ -63,6 +67,7 @@ def fingerprint(
             "xla": [os.environ.get(k, "") for k in ("XLA_FLAGS", "TF_XLA_FLAGS")],
             "allocator_statistics": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", ""),
             "repeats": repeats,
+            "profiler": PROFILER,
             "layers": [_layer(call.layer) for call in calls.calls],
             "wiring": calls.wiring(),
             "arguments": [calls.arguments(i) for i in range(len(calls.calls))],

@@ -55,7 +55,9 @@ class StageCost:
         self.output = profile.value(first + count - 1, "output_bytes", batch)
         self.params = sum(profile.layers[i].param_bytes for i in ids)
         self.tensors = sum(profile.layers[i].param_tensors for i in ids)
-        self.update = scale * sum(profile.layers[i].update for i in ids)
+        # One update program per stage: its launch once, its weights' own share per layer.
+        layers_update = sum(profile.layers[i].update for i in ids)
+        self.update = scale * (layers_update + (profile.update_call if self.params else 0.0))
         if first == 0:
             self.input = profile.input_bytes * batch
             self.needs_dx = False
