@@ -68,8 +68,7 @@ class StagePrograms:
         self.stage, self._seed, self.need_dx = stage, seed, need_dx
         self.names = PROGRAMS if need_dx else PROGRAMS[:3]
 
-        def with_labels(labels: Tensors) -> Any:
-            return (labels, None, None) if labels else None
+        with_labels = _labels_record
 
         def forward(xs: Tensors, dys: Grads, labels: Tensors) -> Tensors:
             return stage.forward(xs, with_labels(labels), seed, True, False).output
@@ -125,13 +124,17 @@ class StagePrograms:
 
     def kept_forward(self, xs: Tensors, labels: Tensors) -> Any:
         """Eagerly: the record a stored-activation forward keeps (its residuals)."""
-        return self.stage.forward(
-            xs, (labels, None, None) if labels else None, self._seed, False, False
-        )
+        return self.stage.forward(xs, _labels_record(labels), self._seed, False, False)
 
 
 # (inputs, output gradients, [labels] or [], repetitions): what a program is called with.
 ProgramArgs = tuple[Tensors, Grads, Tensors, tf.Tensor]
+
+
+def _labels_record(labels: Tensors) -> Any:
+    """The labels as a last stage's forward takes them (labels, sample weights, class
+    weights); None for a stage that is not last (no labels)."""
+    return (labels, None, None) if labels else None
 
 
 def _present(grads: list[tf.Tensor | None] | None) -> list[tf.Tensor]:

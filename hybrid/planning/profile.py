@@ -243,11 +243,12 @@ def _update_call(calls: ModelCalls, updates: Sequence[float], setup: _Setup) -> 
     held = [u for u in updates if u > 0]
     if setup.optimizer is None or len(held) < 2:
         return 0.0
+    segment = calls.segment(0, len(calls.calls))
     stage = StageReplica(
         0,
-        calls.segment(0, len(calls.calls)),
+        segment,
         setup.device,
-        list(calls.input_specs),
+        [calls.specs[k] for k in segment.inputs],
         optimizer_copies(setup.optimizer),
         None,
         setup.jit_compile,
