@@ -10,7 +10,7 @@ import pytest
 
 from hybrid import planning as planner
 from hybrid.core.mesh import local_devices
-from hybrid.planning import Hardware, host_calibration
+from hybrid.planning import Hardware, Link, host_calibration
 
 import runner
 
@@ -50,9 +50,29 @@ def test_a_calibration_is_measured_once_then_read_from_the_cache(cache, monkeypa
 
     monkeypatch.setattr(host_calibration, "measure_host", measure_again)
     assert host_calibration.calibrated(devices) == found
+    bandwidth, latency = found.replica  # the all-reduce of 2 devices, a line
+    assert bandwidth > 0 and latency >= 0
     assert found.hardware() == Hardware(
-        step_overhead=found.fixed, dispatch_overhead=found.per_action
+        step_overhead=found.fixed,
+        dispatch_overhead=found.per_action,
+        replica=Link(bandwidth, latency),
     )
+    one = host_calibration.HostOverheads(1e-3, 1e-5, ())  # one device: no all-reduce timed
+    assert one.replica is None and one.hardware().replica == Link()
+
+
+def test_the_all_reduce_line_is_the_ring_formulas_for_two_devices(monkeypatch):
+    from hybrid.planning import link_timing
+    from hybrid.planning.hardware import all_reduce_time
+
+    sizes = host_calibration.ALL_REDUCE_BYTES
+    monkeypatch.setattr(
+        link_timing, "measure_all_reduce", lambda devices, nbytes: [2e-4 + n / 1e9 for n in nbytes]
+    )
+    bandwidth, latency = host_calibration._replica_link(["/device:CPU:0", "/device:CPU:1"])
+    for n in sizes:  # the ring formula with R = 2 gives back what was measured
+        assert all_reduce_time(n, 2, Link(bandwidth, latency)) == pytest.approx(2e-4 + n / 1e9)
+    assert host_calibration._replica_link(["/device:CPU:0"]) is None
 
 
 def test_a_plan_of_a_model_profiled_here_counts_the_host(cache):

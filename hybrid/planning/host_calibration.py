@@ -11,9 +11,13 @@ ordering it), the actions launched one after another. Measured here on a tiny mo
 
 ``fixed`` is the :class:`~hybrid.planning.hardware.Hardware`'s ``step_overhead`` and
 ``per_action`` its ``dispatch_overhead`` (the cost model takes a step as at least
-``fixed + per_action × actions``). A calibration is cached per host, TensorFlow version,
-device kind, device count and XLA setting in a JSON file under the user's cache directory
-(``hybrid.core.user_cache``), so the next plan on the machine reuses it.
+``fixed + per_action × actions``). With two devices or more, the replicas' gradient
+all-reduce is measured too (the engine's collective over two devices, a few sizes), its
+line ``seconds = latency + bytes / bandwidth`` the ``Hardware``'s ``replica`` link: on
+simulated devices it is host work (copies and a collective's launch), not free. A
+calibration is cached per host, TensorFlow version, device kind, device count and XLA
+setting in a JSON file under the user's cache directory (``hybrid.core.user_cache``), so
+the next plan on the machine reuses it.
 """
 
 from __future__ import annotations
@@ -43,11 +47,15 @@ class HostOverheads:
       fixed: seconds every step costs once.
       per_action: seconds per action of the step (all replicas' actions together).
       rows: ``(stages, replicas, micro_batches, actions, median step seconds)`` measured.
+      replica: the replicas' all-reduce as a link, (bandwidth in bytes per second,
+        latency in seconds) for :func:`hybrid.planning.hardware.all_reduce_time`; None:
+        not measured (one device).
     """
 
     fixed: float
     per_action: float
     rows: tuple[tuple[int, int, int, int, float], ...]
+    replica: tuple[float, float] | None = None
 
     def hardware(self, base: Hardware | None = None, host_cores: float | None = None) -> Hardware:
         """``base`` (default: free links, no memory limit) with these overheads (and
@@ -58,6 +66,8 @@ class HostOverheads:
         }
         if host_cores is not None:
             changes["host_cores"] = host_cores
+        if self.replica is not None:
+            changes["replica"] = Link(*self.replica)
         return dataclasses.replace(base or Hardware(), **changes)
 
 
@@ -78,7 +88,10 @@ def _key(devices: Sequence[str], jit_compile: bool) -> str:
     import tensorflow as tf
 
     kind = devices[0].rsplit("/", 1)[-1].rsplit(":", 1)[0] if devices else "none"
-    return f"{platform.node()}|tf {tf.__version__}|{kind}×{len(devices)}|xla={jit_compile}"
+    return (
+        f"{platform.node()}|tf {tf.__version__}|{kind}×{len(devices)}|xla={jit_compile}"
+        "|all-reduce"  # calibrations without it are measured again
+    )
 
 
 def calibrated(
@@ -93,7 +106,13 @@ def calibrated(
     stored = _read(path)
     if key in stored:
         entry = stored[key]
-        return HostOverheads(entry["fixed"], entry["per_action"], tuple(map(tuple, entry["rows"])))
+        replica = entry.get("replica")
+        return HostOverheads(
+            entry["fixed"],
+            entry["per_action"],
+            tuple(map(tuple, entry["rows"])),
+            tuple(replica) if replica is not None else None,
+        )
     if verbose:
         print(f"measuring the host's cost per step and per action on {len(devices)} devices")
     found = measure_host(devices, jit_compile)
@@ -146,7 +165,25 @@ def measure_host(
         actions = replicas * get(pipe.config.schedule, stages, micro).num_actions
         rows.append((stages, replicas, micro, actions, float(np.median(times))))
     fixed, per_action = _fit([r[3] for r in rows], [r[4] for r in rows])
-    return HostOverheads(fixed, per_action, tuple(rows))
+    return HostOverheads(fixed, per_action, tuple(rows), _replica_link(devices))
+
+
+# Vector sizes the all-reduce is timed at: 64 KiB, 1 MiB, 8 MiB.
+ALL_REDUCE_BYTES = (2**16, 2**20, 2**23)
+
+
+def _replica_link(devices: Sequence[str]) -> tuple[float, float] | None:
+    """The all-reduce of two of ``devices`` as (bandwidth, latency) of the ring formula
+    (:func:`hybrid.planning.hardware.all_reduce_time`: with R = 2 it takes
+    ``bytes / bandwidth + 2 × latency``), fitted to the engine's collective timed at
+    :data:`ALL_REDUCE_BYTES`; None with one device."""
+    if len(devices) < 2:
+        return None
+    from hybrid.planning.link_timing import measure_all_reduce
+
+    seconds = measure_all_reduce(devices[:2], ALL_REDUCE_BYTES)
+    line = Link.fit(ALL_REDUCE_BYTES, seconds)
+    return line.bandwidth, line.latency / 2
 
 
 def _fit(actions: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
