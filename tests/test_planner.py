@@ -223,6 +223,23 @@ def test_an_update_programs_own_cost_is_found_from_the_layers_and_the_whole(monk
     assert profile_lib._update_call(calls, [5.0, 3.0], no_optimizer) == 0.0
 
 
+def test_devices_that_compute_beside_each_other_run_as_much_slower_as_measured():
+    profile = dataclasses.replace(uniform(2), concurrency=1.5)
+    one = planner.evaluate(
+        profile, RunConfig(1, 1, 1, "gpipe", "never"), 2, Hardware(host_cores=2.0)
+    )
+    assert one.step_time == pytest.approx(2 * (F + B) * 2)  # one device: nothing beside it
+    two = RunConfig(1, 2, 1, "gpipe", "never")
+    shared = planner.evaluate(profile, two, 2, Hardware(host_cores=2.0))
+    assert shared.step_time == pytest.approx(2 * (F + B) * 1.5)
+    assert planner.evaluate(profile, two, 2).step_time == pytest.approx(2 * (F + B))  # own cores
+    four = planner.evaluate(
+        profile, RunConfig(2, 2, 1, "gpipe", "never"), 2, Hardware(host_cores=2.0)
+    )
+    assert four.pipeline_time == pytest.approx(2 * (F + B) * 2 * 1.5)  # shared cores, then beside
+    assert CostProfile.from_dict(profile.to_dict()) == profile
+
+
 def test_overheads():
     # One device, M = 3, 1F1B (every pair fused): 3 F actions launch, 3 accumulations of
     # 2 layers × 2 arrays, one update per stage.
@@ -741,6 +758,54 @@ def test_a_profile_is_measured_once_per_host_and_model(monkeypatch, tmp_path):
     profile(layers=tied)
     profile(layers=tied)
     assert len(measured) == 6 and len(os.listdir(profile_cache.directory())) == 4
+
+
+def test_a_profile_on_a_shared_host_times_two_devices_at_once(monkeypatch, tmp_path):
+    """The profile's concurrency is measured beside the second local CPU device (the heaviest
+    run, at the largest size) and filed with the profile; one device alone has none."""
+    from hybrid.core.mesh import local_devices
+    from hybrid.planning import costs
+    from hybrid.planning import profile as profile_lib
+
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))
+    cpus = list(local_devices())
+    assert costs._beside(cpus[0], cpus) == cpus[1]
+    assert costs._beside(cpus[0], cpus[:1]) is None
+    assert costs._beside("/device:GPU:0", ["/device:GPU:0", "/device:GPU:1"]) is None
+    seen = []
+
+    def timed(probe, twin, repeats):
+        seen.append((probe.programs.stage.device, twin.programs.stage.device, twin.batch))
+        return 1.25
+
+    monkeypatch.setattr(profile_lib, "measure_concurrency", timed)
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)]
+    found = costs.profile_model(
+        layers, (8,), "float32", [2, 8], loss=keras.losses.SparseCategoricalCrossentropy(True),
+        repeats=1,
+    )  # fmt: skip
+    assert found.concurrency == 1.25
+    assert seen == [(cpus[0], cpus[1], 8)]
+
+
+def test_two_devices_at_once_are_timed_against_one_alone():
+    from hybrid.core.mesh import local_devices
+    from hybrid.planning import profile as profile_lib
+    from hybrid.planning.concurrency import measure_concurrency
+
+    keras.utils.set_random_seed(0)
+    calls = model_calls([keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)], (256,))
+    setup = profile_lib._Setup(None, None, None, (), "int32", 3, 4, True)
+    cpu0, cpu1 = list(local_devices())[:2]
+    probes = []
+    for device in (cpu0, cpu1):
+        here = dataclasses.replace(setup, device=device)
+        programs = profile_lib.StagePrograms(profile_lib._stage(calls, 0, 2, here, device))
+        probes.append(profile_lib._probe(calls, 0, 2, here, programs, 64))
+    factor = measure_concurrency(*probes, 3)
+    # at least 1 by definition; two copies of one program on a 2-core host are not 4x slower
+    assert 1.0 <= factor < 4.0
 
 
 def graph_model():

@@ -114,8 +114,9 @@ def evaluate(
         step = max(max_d (end_d + all_reduce(param bytes on d, R) + update_d),
                    R · |schedule actions| · dispatch overhead) + step overhead
         (with host_cores: every compute cost × max(1, S·R / host_cores), the devices
-         sharing the host's cores; the step at least R · Σ_d (busy_d at full speed +
-         all_reduce_d + update_d) / host_cores and R · M · Σ_k arrays_k · tensor_overhead)
+         sharing the host's cores, × the profile's concurrency when S·R ≥ 2; the step at
+         least R · Σ_d (busy_d at full speed + all_reduce_d + update_d) / host_cores and
+         R · M · Σ_k arrays_k · tensor_overhead)
         memory_d = memory_terms(param bytes on d, optimizer_slots, R,
                                 the activations peak_in_flight[d] micro-batches hold
                                 (its largest stage), ...)["total"]
@@ -149,7 +150,7 @@ def evaluate(
     sched = _schedule(config.schedule, S, M, config.virtual_stages)
     batch = global_batch / (R * M)
     balance = _balance(profile, config, batch, sched, optimizer_slots)
-    scale = hardware.compute_scale * _sharing(config, hardware)
+    scale = hardware.compute_scale * _sharing(config, hardware) * _beside(config, hardware, profile)
     stages = _stage_costs(profile, balance, batch, scale)
     defer = config.defer_weight_gradients and M > 1
     whole = _stage_costs(profile, balance, batch * M, scale) if defer else None
@@ -330,6 +331,15 @@ def _sharing(config: RunConfig, hardware: Hardware) -> float:
     if hardware.host_cores is None:
         return 1.0
     return max(1.0, config.stages * config.replicas / hardware.host_cores)
+
+
+def _beside(config: RunConfig, hardware: Hardware, profile: CostProfile) -> float:
+    """How much slower each device computes while others of the host compute beside it,
+    beyond sharing the cores (:func:`_sharing`): the profile's ``concurrency``, measured
+    on the model, on a shared host with two devices or more; else 1."""
+    if hardware.host_cores is None or config.stages * config.replicas < 2:
+        return 1.0
+    return profile.concurrency
 
 
 def _step_time(

@@ -91,6 +91,9 @@ class CostProfile:
         (a tied embedding) once; 0: not measured, the layers' sum (:attr:`template_bytes`).
       update_call: seconds one stage's optimizer update costs once, whatever its weights
         (the layers' ``update`` is each one's own share beyond it).
+      concurrency: how much slower a device computes while another device of the same host
+        computes beside it (measured on the model; 1: not measured, or devices that are
+        each their own hardware).
     """
 
     layers: tuple[LayerCost, ...]
@@ -101,6 +104,7 @@ class CostProfile:
     batch_norm: str = ""
     model_bytes: float = 0.0
     update_call: float = 0.0
+    concurrency: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -172,6 +176,7 @@ class CostProfile:
             batch_norm=str(data.get("batch_norm", "")),
             model_bytes=float(data.get("model_bytes", 0.0)),
             update_call=float(data.get("update_call", 0.0)),
+            concurrency=float(data.get("concurrency", 1.0)),
         )
 
     @classmethod
@@ -190,6 +195,7 @@ class CostProfile:
             input_is_float,
             source=f"profiled on {measurement.device}",
             update_call=measurement.update_call,
+            concurrency=measurement.concurrency,
         )
 
 
@@ -293,11 +299,12 @@ def profile_model(
         model, input_shape, input_dtype, x
     )  # fmt: skip
     where = device or local_devices()[0]
+    beside = _beside(where, local_devices())
     key = None
     if cache:
         key = profile_cache.fingerprint(
             calls, batch_sizes, device=where, loss=loss, target_shape=target_shape,
-            optimizer=optimizer, repeats=repeats,
+            optimizer=optimizer, repeats=repeats, concurrency=beside is not None,
         )  # fmt: skip
         stored = profile_cache.read(key, calls.names) if key else None
         if stored is not None:
@@ -317,6 +324,7 @@ def profile_model(
         optimizer=optimizer,
         repeats=repeats,
         verbose=verbose,
+        beside=beside,
     )
     profile = CostProfile.from_measurement(measurement, input_is_float=calls.input_is_float)
     model_bytes = weight_bytes(calls.graph.variables())
@@ -326,6 +334,18 @@ def profile_model(
     if key:
         profile_cache.write(key, profile)
     return profile
+
+
+def _beside(device: str, devices: Sequence[str]) -> str | None:
+    """Another device sharing ``device``'s host cores, where the profile times two programs
+    at once (simulated CPU devices: :func:`~hybrid.planning.host_calibration.shared_cores`);
+    None when there is none or each device is its own hardware."""
+    from hybrid.planning.host_calibration import shared_cores
+
+    others = [d for d in devices if d != device]
+    if not others or shared_cores([device, others[0]]) is None:
+        return None
+    return others[0]
 
 
 def _batch_norm_kind(layers: Sequence[Any]) -> str:

@@ -18,6 +18,7 @@ from hybrid.engine.model.optimizers import optimizer_copies
 from hybrid.engine.step.stage import StageReplica
 from hybrid.engine.traced import traced
 from hybrid.planning.compiling import Compiler, DeviceGate
+from hybrid.planning.concurrency import measure_concurrency
 from hybrid.planning.layer_programs import (
     PROGRAMS,
     Probe,
@@ -111,6 +112,8 @@ class ModelMeasurement:
       update_call: seconds one optimizer update program costs once whatever its weights
         (each layer's ``update`` is net of it): the layers' updates measured one by one,
         less the whole model's measured as one, over one less than their count.
+      concurrency: how much slower a device computes while another device of the host
+        computes beside it (1: not measured).
     """
 
     layers: tuple[LayerMeasurement, ...]
@@ -118,6 +121,7 @@ class ModelMeasurement:
     launch_overhead: float
     device: str
     update_call: float = 0.0
+    concurrency: float = 1.0
 
 
 # A model of more layer calls than this is measured in this many runs of calls.
@@ -151,6 +155,7 @@ def measure_layers(
     jit_compile: bool = True,
     verbose: int = 0,
     max_runs: int = MAX_RUNS,
+    beside: str | None = None,
 ) -> ModelMeasurement:
     """Times and sizes every layer call of a model as its own one-call stage on ``device``.
 
@@ -192,6 +197,9 @@ def measure_layers(
       max_runs: a model of more calls is measured in this many runs of calls, each one
         stage, whose figures are shared among their calls
         (:meth:`hybrid.planning.model_calls.ModelCalls.groups`).
+      beside: another device of the same host (a simulated CPU device): the heaviest
+        run's fused program at the largest size is timed there and on ``device`` at once
+        (:func:`hybrid.planning.concurrency.measure_concurrency`); None: not measured (1).
 
     Raises:
       ValueError: no batch size, or one below 1.
@@ -232,7 +240,17 @@ def measure_layers(
         dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
     )
     launch = max(0.0, base["forward"] / chain)
-    return ModelMeasurement(rows, int(calls.input_bytes), launch, device, call)
+    together = 1.0
+    if beside is not None:
+        spans = dict(zip(keys, runs, strict=True))
+        heaviest = max(distinct, key=lambda k: statistics.median(distinct[k][1][-1].times["fused"]))
+        start, stop = spans[heaviest]
+        twin = StagePrograms(_stage(calls, start, stop, setup, beside))
+        probe = distinct[heaviest][1][-1]
+        together = measure_concurrency(
+            probe, _probe(calls, start, stop, setup, twin, probe.batch), repeats
+        )
+    return ModelMeasurement(rows, int(calls.input_bytes), launch, device, call, together)
 
 
 def _update_call(calls: ModelCalls, updates: Sequence[float], setup: _Setup) -> float:
@@ -243,16 +261,7 @@ def _update_call(calls: ModelCalls, updates: Sequence[float], setup: _Setup) -> 
     held = [u for u in updates if u > 0]
     if setup.optimizer is None or len(held) < 2:
         return 0.0
-    segment = calls.segment(0, len(calls.calls))
-    stage = StageReplica(
-        0,
-        segment,
-        setup.device,
-        [calls.specs[k] for k in segment.inputs],
-        optimizer_copies(setup.optimizer),
-        None,
-        setup.jit_compile,
-    )
+    stage = _stage(calls, 0, len(calls.calls), setup, setup.device, with_loss=False)
     whole = _update_seconds(stage, setup.device, setup.repeats)
     return min(max(0.0, (sum(held) - whole) / (len(held) - 1)), min(held))
 
@@ -300,32 +309,52 @@ def _probe_calls(
             if key in distinct:
                 bar.add(len(sizes) * (stop - start))
                 continue
-            loss = setup.loss if last else None
-            segment = calls.segment(start, stop)
-            stage = StageReplica(
-                start,
-                segment,
-                setup.device,
-                [calls.specs[k] for k in segment.inputs],
-                optimizer_copies(setup.optimizer) if setup.optimizer else None,
-                Objective.of(loss, None, None, 1) if loss is not None else None,
-                setup.jit_compile,
-            )
+            stage = _stage(calls, start, stop, setup, setup.device)
             programs = StagePrograms(stage)
-            out_specs = [calls.specs[k] for k in segment.outputs]
-            labels = setup.labels_shape if last else None
-            boundary = calls.boundary_bytes(stop - 1)
             probes = []
             for b in sizes:
-                probe = Probe(
-                    programs, out_specs, boundary, b, labels, setup.target_dtype, setup.chain
-                )
+                probe = _probe(calls, start, stop, setup, programs, b)
                 programs.trace(probe.args)
                 compiler.submit((probe, stop - start))
                 probes.append(probe)
             distinct[key] = (stage, probes)
         compiler.finish()
     return keys, distinct
+
+
+def _stage(
+    calls: ModelCalls, start: int, stop: int, setup: _Setup, device: str, with_loss: bool = True
+) -> StageReplica:
+    """Calls ``start:stop`` as one stage on ``device``, with the optimizer and, when they
+    end the model, the loss (unless not ``with_loss``)."""
+    last = with_loss and setup.loss is not None and stop == len(calls.calls)
+    segment = calls.segment(start, stop)
+    return StageReplica(
+        start,
+        segment,
+        device,
+        [calls.specs[k] for k in segment.inputs],
+        optimizer_copies(setup.optimizer) if setup.optimizer else None,
+        Objective.of(setup.loss, None, None, 1) if last else None,
+        setup.jit_compile,
+    )
+
+
+def _probe(
+    calls: ModelCalls, start: int, stop: int, setup: _Setup, programs: StagePrograms, batch: int
+) -> Probe:
+    """The probe of calls ``start:stop`` (run by ``programs``) at ``batch`` examples."""
+    segment = calls.segment(start, stop)
+    last = setup.loss is not None and stop == len(calls.calls)
+    return Probe(
+        programs,
+        [calls.specs[k] for k in segment.outputs],
+        calls.boundary_bytes(stop - 1),
+        batch,
+        setup.labels_shape if last else None,
+        setup.target_dtype,
+        setup.chain,
+    )
 
 
 def _compile(item: tuple[Probe, int], gate: DeviceGate) -> None:

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["PROFILER", "directory", "fingerprint", "read", "write"]
 
 # What the profiler measures, numbered: a profile filed by another number is measured again
-# (2: the update's once-per-program cost apart from each layer's, CostProfile.update_call).
-PROFILER = 2
+# (2: the update's once-per-program cost apart from each layer's, CostProfile.update_call;
+# 3: two devices of a host computing at once, CostProfile.concurrency).
+PROFILER = 3
 
 
 def directory() -> str:
@@ -53,6 +54,7 @@ def fingerprint(
     target_shape: Sequence[int] | None = None,
     optimizer: Callable[[], Any] | None = None,
     repeats: int = 7,
+    concurrency: bool = False,
 ) -> str | None:
     """The hex digest a profile of these arguments is filed under, or None when a layer,
     the loss or the optimizer does not give its configuration (its ``get_config`` raises):
@@ -68,6 +70,7 @@ def fingerprint(
             "allocator_statistics": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", ""),
             "repeats": repeats,
             "profiler": PROFILER,
+            "concurrency": concurrency,
             "layers": [_layer(call.layer) for call in calls.calls],
             "wiring": calls.wiring(),
             "arguments": [calls.arguments(i) for i in range(len(calls.calls))],
