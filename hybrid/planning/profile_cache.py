@@ -36,8 +36,9 @@ __all__ = ["PROFILER", "directory", "fingerprint", "read", "write"]
 
 # What the profiler measures, numbered: a profile filed by another number is measured again
 # (2: the update's once-per-program cost apart from each layer's, CostProfile.update_call;
-# 3: two devices of a host computing at once, CostProfile.concurrency).
-PROFILER = 3
+# 3: two devices of a host computing at once, CostProfile.concurrency; 4: only on a program
+# of a millisecond or more).
+PROFILER = 4
 
 
 def directory() -> str:
