@@ -788,7 +788,8 @@ def test_a_profile_on_a_shared_host_times_two_devices_at_once(monkeypatch, tmp_p
             repeats=1, cache=False,
         )  # fmt: skip
 
-    # its programs are far shorter than a millisecond: two at once would time their launches
+    # programs shorter than the threshold are not timed two at once (they would time launches)
+    monkeypatch.setattr(profile_lib, "MIN_CONCURRENCY_SECONDS", 1e9)
     assert profile().concurrency == 1.0 and not seen
     monkeypatch.setattr(profile_lib, "MIN_CONCURRENCY_SECONDS", 0.0)
     assert profile().concurrency == 1.25
