@@ -234,7 +234,15 @@ class Probe:
                     for spec in out_specs
                 ]
             self.args: ProgramArgs = (xs, dys, labels, tf.constant(chain))
-        self.need_dx = programs.need_dx
-        self.names = programs.names
         self.times: dict[str, list[float]] = {name: [] for name in self.names}
         self.memory: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def need_dx(self) -> bool:
+        """Whether its stage's input has a gradient (its programs')."""
+        return bool(self.programs.need_dx)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The programs it times (its stage's)."""
+        return tuple(self.programs.names)

@@ -302,7 +302,6 @@ def _probe_calls(
     (:class:`hybrid.planning.compiling.Compiler`)."""
     keys: list[str] = []
     distinct: dict[str, tuple[StageReplica, list[Probe]]] = {}
-    count = len(calls.calls)
 
     def measure(item: tuple[Probe, int]) -> None:
         probe, width = item
@@ -311,7 +310,7 @@ def _probe_calls(
 
     with Compiler(_compile, measure) as compiler:
         for start, stop in runs:
-            last = setup.loss is not None and stop == count
+            last = _ends_with_loss(calls, stop, setup)
             key = " | ".join(
                 signature(calls, i, last and i == stop - 1) for i in range(start, stop)
             )
@@ -332,12 +331,18 @@ def _probe_calls(
     return keys, distinct
 
 
+def _ends_with_loss(calls: ModelCalls, stop: int, setup: _Setup) -> bool:
+    """Whether a run ending before call ``stop`` is measured as the last stage (with the
+    loss)."""
+    return setup.loss is not None and stop == len(calls.calls)
+
+
 def _stage(
     calls: ModelCalls, start: int, stop: int, setup: _Setup, device: str, with_loss: bool = True
 ) -> StageReplica:
     """Calls ``start:stop`` as one stage on ``device``, with the optimizer and, when they
     end the model, the loss (unless not ``with_loss``)."""
-    last = with_loss and setup.loss is not None and stop == len(calls.calls)
+    last = with_loss and _ends_with_loss(calls, stop, setup)
     segment = calls.segment(start, stop)
     return StageReplica(
         start,
@@ -355,7 +360,7 @@ def _probe(
 ) -> Probe:
     """The probe of calls ``start:stop`` (run by ``programs``) at ``batch`` examples."""
     segment = calls.segment(start, stop)
-    last = setup.loss is not None and stop == len(calls.calls)
+    last = _ends_with_loss(calls, stop, setup)
     return Probe(
         programs,
         [calls.specs[k] for k in segment.outputs],
