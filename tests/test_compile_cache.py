@@ -97,7 +97,7 @@ def test_ordered_only_where_it_helps(
 
 # What a process writes to fd 2 after quiet.hide_known_noise(): kept lines, a loader line,
 # an out-of-memory report over several lines (the engine says it in one), a lost worker's
-# (so does the launcher), and last words without a newline just before it is killed.
+# (so does the launcher), the failed step's handles not deleted, and last words without a newline just before it is killed.
 FILTERED_CHILD = f"""
 import os, signal, sys
 sys.path.insert(0, {ROOT!r})
@@ -119,6 +119,12 @@ os.write(2, b"E0000 00:00:1796577755.3   30149 remote_copy_node.cc:235] Ignoring
             b"UNAVAILABLE: Socket closed\\n:UNKNOWN:Error received from peer ipv4:127.0.0.1\\n"
             b"This should never happen. Please file an issue with the TensorFlow Team.\\n")
 print("kept 4", file=sys.stderr)
+os.write(2, b"W0000 00:00:1796640588.939562    9684 destroy_tensor_handle_node.h:59] Ignoring "
+            b"an error encountered when deleting remote tensors handles: INVALID_ARGUMENT: "
+            b"Unable to find the relevant tensor remote_handle: Op ID: 306, Output num: 0\\n"
+            b"Additional GRPC error information from remote target /job:worker/replica:0\\n"
+            b":UNKNOWN:Error received from peer  {{grpc_status:3}}\\n\\n")
+print("kept 5", file=sys.stderr)
 os.write(2, b"last words")
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -137,9 +143,9 @@ def test_the_cache_loader_lines_are_filtered_and_nothing_else_is_lost(level, loa
     assert done.returncode == -9, done.stderr
     lines = done.stderr.splitlines()
     noise = ("XlaSerializedCacheEntry", "rendezvous", "node Empty", "Hint:", "GRPC", "UNKNOWN")
-    noise += ("F_s1_m2", "remote shape", "never happen")
+    noise += ("F_s1_m2", "remote shape", "never happen", "remote tensors handles")
     kept = [line for line in lines if line and not any(n in line for n in noise)]
-    assert kept == ["before", "kept 1", "kept 2", "kept 3", "kept 4", "last words"]
+    assert kept == ["before", "kept 1", "kept 2", "kept 3", "kept 4", "kept 5", "last words"]
     assert any("XlaSerializedCacheEntry" in line for line in lines) == loader_line
     assert (len(lines) > len(kept)) == loader_line  # every noisy line, or none, is dropped
 

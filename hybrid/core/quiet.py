@@ -115,12 +115,14 @@ CACHE_LOAD_NOISE = (
 # error reaches Python, where the engine says it as one line (``out_of_memory.py``): its
 # rendezvous aborting (with any status: the error it aborts with is raised), functions and
 # tensors a device could not take (it could not allocate them: "Unable to parse tensor
-# proto"). Each message goes on over the lines after it (the node, hints, the remote task's
-# report, "This could happen if ...").
+# proto"), tensor handles it could not delete (the failed step never made them: "Unable to
+# find the relevant tensor remote_handle"). Each message goes on over the lines after it
+# (the node, hints, the remote task's report, "This could happen if ...").
 OUT_OF_MEMORY_NOISE = (
     r"rendezvous\.cc:\d+\] Local rendezvous is aborting with status"
     r"|context\.cc:\d+\] Failed to (register|remove) function remotely due to Unable to parse"
     r"|remote_tensor_handle_data\.cc:\d+\] Unable to destroy remote tensor handles"
+    r"|destroy_tensor_handle_node\.h:\d+\] Ignoring an error encountered when deleting remote"
 )
 # What the client's eager runtime logs when a worker it was receiving a tensor from is lost,
 # before the step's error says which worker (``cluster.py``): "Ignoring an error encountered
