@@ -97,7 +97,8 @@ def test_ordered_only_where_it_helps(
 
 # What a process writes to fd 2 after quiet.hide_known_noise(): kept lines, a loader line,
 # an out-of-memory report over several lines (the engine says it in one), a lost worker's
-# (so does the launcher), the failed step's handles not deleted, and last words without a newline just before it is killed.
+# (so does the launcher), the failed step's handles not deleted, and last words without a
+# newline just before it is killed.
 FILTERED_CHILD = f"""
 import os, signal, sys
 sys.path.insert(0, {ROOT!r})
