@@ -46,6 +46,9 @@ def fit_both(
     reference = build()
     start = reference.get_weights()
     reference.compile(optimizer(), loss(), jit_compile=False, run_eagerly=eager)
+    # Built now, not inside the first traced step: a step that creates variables is traced
+    # twice by TensorFlow (half of a traced zoo fit here); the same variables, the same run.
+    reference.optimizer.build(reference.trainable_variables)
     want = reference.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     model = build()
     model.set_weights(start)
