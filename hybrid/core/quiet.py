@@ -107,9 +107,15 @@ def quiet_start() -> Iterator[None]:
 
 
 # What TensorFlow logs for each program it loads from a persistent XLA cache: it reads the
-# entry as a text proto first, fails, then reads it as binary (and loads it).
+# entry as a text proto first, fails, then reads it as binary (and loads it); and XLA:CPU's
+# loader, on hosts whose CPU XLA compiles for with its own tuning features (+prefer-no-gather,
+# +prefer-no-scatter: code-generation preferences, not instructions the host lacks), says
+# twice per program that the host does not list them. A feature the host truly lacks is
+# still said.
 CACHE_LOAD_NOISE = (
     r"text_format\.cc:\d+\] Error parsing text-format tensorflow\.XlaSerializedCacheEntry"
+    r"|cpu_aot_loader\.cc:\d+\] Loading XLA:CPU AOT result\. Target machine feature "
+    r"\+prefer-no-(gather|scatter) is not +supported on the host machine"
 )
 # What the process that feeds the devices logs when a device runs out of memory, before the
 # error reaches Python, where the engine says it as one line (``out_of_memory.py``): its
