@@ -200,6 +200,12 @@ def test_the_launcher_caches_by_default_and_a_second_run_loads_quietly(tmp_path)
         counts.append(len(os.listdir(tmp_path / "xla" / cache)))
     assert counts[0] > 0 and counts[1] == counts[0], counts
     assert "XlaSerializedCacheEntry" not in done.stderr, done.stderr[-3000:]
+    # Step 1 ran the replicas in turn; step 2 traced the step that runs them together: said,
+    # and left out of the throughput, as the first step is.
+    lines = done.stdout.splitlines()
+    assert "traced step 2 (" in done.stdout and "left out of examples/s" in done.stdout, lines
+    (finished,) = [line for line in lines if line.startswith("done: ")]
+    assert finished.endswith("examples/s not measured (every step compiled, traced or was timed)")
 
 
 def test_the_launchers_cache_flag(monkeypatch, tmp_path):

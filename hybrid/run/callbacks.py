@@ -141,14 +141,16 @@ class Steps(keras.callbacks.Callback):
         loss = self.pipe.last_loss
         timed = self.pipe.timed(step)
         first = self.first_step == self.start + 1
-        traced = self.pipe.execution_traced and not first  # a new number of steps per call
+        # a new number of steps per call, or the step after a first that ran the replicas
+        # in turn (the step that runs them together is a trace of its own)
+        traced = self.pipe.execution_traced and not first
         steps = step - self.first_step + 1
         self.progress.add(seconds, left_out=first or timed or traced, steps=steps)
         if traced:
-            self.log(
-                f"traced the execution of steps {self.first_step}-{step} "
-                f"({seconds:.1f} s, left out of examples/s and the ETA)"
+            what = (
+                f"step {step}" if steps == 1 else f"the execution of steps {self.first_step}-{step}"
             )
+            self.log(f"traced {what} ({seconds:.1f} s, left out of examples/s and the ETA)")
         if timed and not self.timed_seen:
             self.timed_seen = True
             self.log(f"compiled and ran the timed step {step} in {self.progress.last:.1f} s")

@@ -105,7 +105,8 @@ class Workflow(abc.ABC):
         # The epoch a callback restored (Keras's BackupAndRestore sets it): fit starts there.
         self._initial_epoch: int | None = None
         self._steps_per_execution = 1
-        # Whether the last training execution traced its function (a new number of steps).
+        # Whether the last training execution traced its function (a new number of steps,
+        # or the step after a first one that ran the replicas in turn).
         self.execution_traced = False
 
     @property
