@@ -485,14 +485,9 @@ class Pipeline(Workflow):
         self.execution_traced = self._training_traces() > traces
 
     def _training_traces(self) -> int:
-        """How many times the training steps (one step, an execution of several) traced:
-        a step after the first traces when the first ran the replicas in turn (it ran
-        ``first_train``, a trace of its own), an execution when its number of steps is new."""
-        counts = (
-            getattr(function, "experimental_get_tracing_count", lambda: 0)()
-            for function in (self._steps.train, self._steps.train_many)
-        )  # a step that is not a traced function of ours (under a strategy) counts none
-        return int(sum(counts))
+        """How many traces the training steps made (a strategy's step is not ours: none)."""
+        steps = (self._steps.train, self._steps.train_many)
+        return sum(getattr(f, "experimental_get_tracing_count", int)() for f in steps)
 
     def _test_many(self, many: list[Shards]) -> None:
         self._run_many("evaluate", many)
