@@ -208,6 +208,25 @@ def test_the_launcher_caches_by_default_and_a_second_run_loads_quietly(tmp_path)
     assert finished.endswith("examples/s not measured (every step compiled, traced or was timed)")
 
 
+def test_tensorflow_loaded_by_hybrid_says_nothing_when_absl_starts():
+    """``import_tensorflow`` (how the engine, the launchers and the benchmarks load
+    TensorFlow) leaves no start-up line for ``absl.app.run``'s init callbacks to print (the
+    CUDA probe's, on a host without a GPU driver)."""
+    code = (
+        f"import sys; sys.path.insert(0, {ROOT!r})\n"
+        "from hybrid.core.quiet import import_tensorflow\n"
+        "import_tensorflow()\n"
+        "from absl import app\n"
+        "app.run(lambda argv: print('ran'))\n"
+    )
+    env = {k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr[-3000:]
+    assert not TF_LOG_LINE.search(done.stderr), done.stderr[-3000:]
+
+
 def test_the_launchers_cache_flag(monkeypatch, tmp_path):
     from hybrid.launch import use_xla_cache
 

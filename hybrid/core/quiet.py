@@ -217,4 +217,10 @@ def import_tensorflow() -> None:
     if "tensorflow" in sys.modules:
         return
     with quiet_start():
-        import tensorflow  # noqa: F401
+        import tensorflow
+
+        # The first look at the physical devices probes for CUDA ("failed call to cuInit" on
+        # a host without a driver): here, not in TensorFlow's own callback after
+        # ``absl.app.run`` parses its flags (``tf.distribute``'s GPU count), outside this
+        # block. It starts no runtime: logical devices can still be configured.
+        tensorflow.config.list_physical_devices()
