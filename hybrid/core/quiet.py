@@ -209,9 +209,10 @@ def hide_known_noise() -> None:
 
 
 def import_tensorflow() -> None:
-    """Imports TensorFlow (once) without its start-up noise. Its devices are not listed
-    here: the device lists run under :func:`quiet_start` where they are made
-    (``hybrid.engine.devices``, ``hybrid.core.mesh``). A persistent XLA cache must be set
+    """Imports TensorFlow (once) without its start-up noise, its physical devices probed
+    (not its logical ones, which start the runtime: those lists run under
+    :func:`quiet_start` where they are made, ``hybrid.engine.devices``,
+    ``hybrid.core.mesh``). A persistent XLA cache must be set
     before this (``hybrid.core.xla_cache``): in the launcher, with TensorFlow 2.21, one set
     after it was ignored."""
     if "tensorflow" in sys.modules:
