@@ -33,7 +33,14 @@ from typing import Any
 from hybrid.core import user_cache
 from hybrid.planning.hardware import Hardware, Link
 
-__all__ = ["HostOverheads", "cache_path", "calibrated", "measure_host", "shared_cores"]
+__all__ = [
+    "CALIBRATION",
+    "HostOverheads",
+    "cache_path",
+    "calibrated",
+    "measure_host",
+    "shared_cores",
+]
 
 # (stages, replicas, micro_batches) timed; cut to the devices there are.
 MESHES = ((1, 1, 1), (1, 1, 8), (2, 1, 2), (2, 1, 8), (1, 2, 4), (2, 2, 4))
@@ -84,13 +91,19 @@ def cache_path() -> str:
     return os.path.join(user_cache.root(), "host_calibration.json")
 
 
+# What a calibration measures, numbered as the profiler's ``profile_cache.PROFILER``: one
+# filed by another number is measured again (2: the replicas' all-reduce, the ``replica``
+# link).
+CALIBRATION = 2
+
+
 def _key(devices: Sequence[str], jit_compile: bool) -> str:
     import tensorflow as tf
 
     kind = devices[0].rsplit("/", 1)[-1].rsplit(":", 1)[0] if devices else "none"
     return (
         f"{platform.node()}|tf {tf.__version__}|{kind}×{len(devices)}|xla={jit_compile}"
-        "|all-reduce"  # calibrations without it are measured again
+        f"|calibration {CALIBRATION}"
     )
 
 
