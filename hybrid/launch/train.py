@@ -446,12 +446,10 @@ def _finish(config: Any, result: Any, interrupts: Interrupts) -> None:
         print(f"interrupted at step {result.interrupted_at}; {saved}")
         sys.exit(exit_code(interrupts.received or signal.SIGINT))
     if result.losses:
-        speed = (
-            f"{result.examples_per_second:.1f} examples/s"
-            + (" (timed steps left out)" if config.timeline_every else "")
-            if result.examples_per_second
-            else "examples/s not measured (every step compiled, traced or was timed)"
-        )
+        speed = "examples/s not measured (every step compiled, traced or was timed)"
+        if result.examples_per_second:
+            speed = f"{result.examples_per_second:.1f} examples/s"
+            speed += " (timed steps left out)" if config.timeline_every else ""
         print(
             f"done: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over steps "
             f"{result.start_step + 1}-{config.train_steps}, {speed}"

@@ -246,21 +246,34 @@ def measure_layers(
         dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
     )
     launch = max(0.0, base["forward"] / chain)
-    together = 1.0
-    if beside is not None:
-        spans = dict(zip(keys, runs, strict=True))
-        seconds = {
-            k: statistics.median(d[1][-1].times["fused"]) / chain for k, d in distinct.items()
-        }
-        heaviest = max(seconds, key=seconds.__getitem__)
-        if seconds[heaviest] >= MIN_CONCURRENCY_SECONDS:
-            start, stop = spans[heaviest]
-            twin = StagePrograms(_stage(calls, start, stop, setup, beside))
-            probe = distinct[heaviest][1][-1]
-            together = measure_concurrency(
-                probe, _probe(calls, start, stop, setup, twin, probe.batch), repeats
-            )
+    together = 1.0 if beside is None else _concurrency(calls, runs, keys, distinct, setup, beside)
     return ModelMeasurement(rows, int(calls.input_bytes), launch, device, call, together)
+
+
+def _concurrency(
+    calls: ModelCalls,
+    runs: Sequence[tuple[int, int]],
+    keys: Sequence[str],
+    distinct: dict[str, tuple[StageReplica, list[Probe]]],
+    setup: _Setup,
+    beside: str,
+) -> float:
+    """The heaviest distinct run's fused program at its largest size, timed on the profiled
+    device and on ``beside`` at once over alone (:func:`measure_concurrency`), when it takes
+    :data:`MIN_CONCURRENCY_SECONDS` or more; else 1."""
+    seconds = {
+        k: statistics.median(probes[-1].times["fused"]) / setup.chain
+        for k, (_, probes) in distinct.items()
+    }
+    heaviest = max(seconds, key=seconds.__getitem__)
+    if seconds[heaviest] < MIN_CONCURRENCY_SECONDS:
+        return 1.0
+    start, stop = dict(zip(keys, runs, strict=True))[heaviest]
+    twin = StagePrograms(_stage(calls, start, stop, setup, beside))
+    probe = distinct[heaviest][1][-1]
+    return measure_concurrency(
+        probe, _probe(calls, start, stop, setup, twin, probe.batch), setup.repeats
+    )
 
 
 def _update_call(calls: ModelCalls, updates: Sequence[float], setup: _Setup) -> float:
