@@ -82,8 +82,10 @@ def test_stage_peaks_apply_the_terms_stage_by_stage():
     # (R = 2: the all-reduce writes the reduced gradients, the update's second copy, and
     # the update writes in place)
     assert s0 == max(100 + 200 + 8 + 200 + 25, 508)
-    # stage 1: 200 + 400 + 400 + (1·(3 + 20) + 7) vs 200 + 400 + 400
-    assert s1 == max(200 + 400 + 400 + 30, 1000)
+    # stage 1, the last, runs each F with its B in one program (it stores nothing between
+    # them): 200 + 400 + 400 + (its input 3 + that program's peak, 7: its working set)
+    assert usage.fused == (False, True)
+    assert s1 == max(200 + 400 + 400 + 3 + 7, 1000)
 
 
 def test_a_device_holding_virtual_stages_holds_all_their_weights():
@@ -103,7 +105,9 @@ def test_a_device_holding_virtual_stages_holds_all_their_weights():
         ]
     )
     held = max(
-        memory.activation_bytes(stages[k], usage.in_flight[k], "never", usage.keeps_last[k])
+        memory.activation_bytes(
+            stages[k], usage.in_flight[k], "never", usage.keeps_last[k], fused=usage.fused[k]
+        )
         for k in (1, 3)
     )
     params = stages[1].params + stages[3].params

@@ -5,7 +5,11 @@ allocator (worst error on its grid in the benchmark's summary line)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -89,14 +93,16 @@ def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():
     p = cost_model.evaluate(profile(), RunConfig(S, 1, M, "1f1b", "never"), M)
     assert p.peak_in_flight == (4, 3, 2, 1)
     # each micro-batch (1 example): 2 layers × 10 stored, and on stages > 0 the 1 input
-    # byte (stage 0's inputs are slices of the batch input); + working 5
+    # byte (stage 0's inputs are slices of the batch input); + working 5. The last stage
+    # runs each F with its B in one program, storing nothing between them: its input and
+    # that program's peak (the second layer's working set beside the first's 10 bytes).
     acts = [t["activations"] for t in p.memory_terms]
-    assert acts == pytest.approx([4 * 20 + 5, 3 * 21 + 5, 2 * 21 + 5, 1 * 21 + 5])
+    assert acts == pytest.approx([4 * 20 + 5, 3 * 21 + 5, 2 * 21 + 5, 1 + 10 + 5])
     # stage 0's device also holds the replica's whole input (M examples × 3 bytes)
     assert [t["batch_input"] for t in p.memory_terms] == [24.0, 0.0, 0.0, 0.0]
     # the pipeline phase: 200 weights + 400 slots + 400 gradients + activations
     resident = 200 + 400 + 400
-    peaks = (resident + 24 + 85, resident + 68, resident + 47, resident + 26)
+    peaks = (resident + 24 + 85, resident + 68, resident + 47, resident + 16)
     assert p.memory_per_device == pytest.approx(peaks)
     gpipe = cost_model.evaluate(profile(), RunConfig(S, 1, M, "gpipe", "never"), M)
     assert gpipe.peak_in_flight == (M,) * S
@@ -123,6 +129,61 @@ def test_plan_says_by_how_much_the_smallest_candidate_misses():
     fits = search.plan(profile(), devices=2, global_batch=8, memory_per_device=2024)
     assert fits.best.config.stages == 2
     assert fits.best.peak_memory == pytest.approx(2024.0)
+
+
+# Run under TensorFlow's BFC allocator (set before TensorFlow starts: a process of its own).
+_KEPT = textwrap.dedent(
+    """
+    import json
+    import keras
+    from hybrid.planning import layer_programs, model_calls, profile
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((32,)),
+        keras.layers.Dense(64),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(),
+        keras.layers.Dense(64),
+        keras.layers.Dense(10),
+    ])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    measured = profile.measure_layers(
+        model_calls.model_calls(model), [16], "/CPU:0", loss=loss, repeats=1
+    )
+    calls = model_calls.model_calls(model)
+    setup = profile._Setup("/CPU:0", loss, None, (), "int32", 1, 1, True)
+    stage = profile._stage(calls, 0, 4, setup, "/CPU:0")
+    programs = layer_programs.StagePrograms(stage)
+    probe = profile._probe(calls, 0, 4, setup, programs, 16)
+    whole = layer_programs.measure_memory("/CPU:0", programs, probe.args)
+    print(json.dumps({
+        "layers": [m.timings[0].stored_bytes for m in measured.layers],
+        "whole": whole.stored, "whole_output_kept": whole.keeps[0],
+    }))
+    """
+)
+
+
+def test_what_a_layer_keeps_adds_up_to_what_a_stage_of_them_keeps():
+    # Each layer call is profiled as its own stage, whose outputs it always returns; inside
+    # a stage of several layers an output is kept only where a backward reads it. Counted
+    # from the tensors (not the allocator's chunks), the layers' stored bytes add up to
+    # what one stage of them keeps.
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-c", _KEPT], env=env, capture_output=True, text=True, check=True
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    dense, norm, relu, hidden, _ = found["layers"]
+    activation = 16 * 64 * 4  # one (16, 64) float32 tensor
+    assert dense == activation  # its output, which BatchNormalization's backward reads
+    assert norm < activation // 2  # its statistics: ReLU's backward reads its own output
+    assert relu == activation  # its output (its own backward's, and Dense's input)
+    assert hidden == activation  # its output, which the head's backward reads
+    # the four as one stage: the same, its output (the hidden Dense's) not kept inside it
+    assert found["whole_output_kept"] is False
+    assert found["whole"] + activation == pytest.approx(dense + norm + relu + hidden, rel=0.02)
 
 
 if __name__ == "__main__":

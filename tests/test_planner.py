@@ -297,14 +297,17 @@ def test_memory_per_device_follows_peak_in_flight():
     assert activations(gpipe) == pytest.approx((M * 20 + 5, M * (1 + 20) + 5))
     one = planner.evaluate(profile, RunConfig(S, 1, M, "1f1b", "never"), M)
     assert one.peak_in_flight == (S, 1)  # stage s holds S - s
-    assert activations(one) == pytest.approx((2 * 20 + 5, 1 * (1 + 20) + 5))
-    # Recomputing: M inputs, and one program's working set (its 2 layers' 5 bytes each).
+    # the last stage runs every F in one program with its B: it stores nothing between
+    # them; its input and that program's peak (layer 2's working set beside layer 1's 10)
+    assert activations(one) == pytest.approx((2 * 20 + 5, 1 + 10 + 5))
+    # Recomputing: M inputs, and one program's peak: its second layer's working set (5)
+    # beside what its first layer keeps (10).
     always = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "always"), M)
-    assert activations(always) == pytest.approx((10, M * 1 + 10))
+    assert activations(always) == pytest.approx((15, M * 1 + 15))
     # except_last also keeps micro-batch 3's activations on stage 0; stage 1 runs F3 and B3
     # as one program and keeps nothing.
     last = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "except_last"), M)
-    assert activations(last) == pytest.approx((10 + 20, M + 10))
+    assert activations(last) == pytest.approx((15 + 20, M + 15))
     # the pipeline phase: weights + 2 slots (Adam) + the running sums read and written +
     # activations; stage 0 adds the batch (M); the user's model is in the client's memory.
     # (The update holds the accumulated and reduced gradients and writes in place: less.)

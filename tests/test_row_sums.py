@@ -71,7 +71,7 @@ def _traces(body, need_dx=True):
 def _kept(micro, x, weights, dy, need_dx=True):
     args = [x] + weights
     _, residuals = micro.forward(args)
-    kept = Kept(micro, args, residuals, need_dx)
+    kept = Kept(micro, args, residuals, need_dx, split=True)  # a split backward
     if need_dx:
         kept.backward([dy], [True], need_dx=True, need_dw=False)  # B: keeps what W reads
     return kept

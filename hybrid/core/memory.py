@@ -32,10 +32,12 @@ __all__ = [
     "device_peaks",
     "device_terms",
     "format_bytes",
+    "fuses_all",
     "holdings",
     "keeps_last",
     "memory_terms",
     "parse_bytes",
+    "recompute_working",
     "spread",
     "stage_bytes",
     "scaled",
@@ -61,8 +63,10 @@ class Held(Protocol):
         """The largest one layer's forward+backward temporaries."""
 
     @property
-    def working_sum(self) -> Any:
-        """Every layer's temporaries together (one recomputing program)."""
+    def recompute_working(self) -> Any:
+        """The peak of one program that recomputes the stage's forward for its backward:
+        at each layer's backward, the activations the stage's earlier layers keep beside
+        that layer's working set, at the layer where that is largest."""
 
     @property
     def output(self) -> Any:
@@ -78,7 +82,7 @@ class StageBytes:
     input: Any
     stored: Any
     working: Any
-    working_sum: Any
+    recompute_working: Any
     output: Any
 
 
@@ -127,6 +131,8 @@ class Usage:
       deferred: weight gradients deferred to one W per stage over all micro-batches.
       sharded: optimizer states sharded across the replicas (ZeRO-1).
       device_of: per model stage, its pipeline device (default: model stage k on device k).
+      fused: per model stage, whether every forward runs in one program with its backward
+        (:func:`fuses_all`: it keeps nothing between actions; default: none does).
     """
 
     optimizer_slots: int
@@ -138,6 +144,7 @@ class Usage:
     deferred: bool = False
     sharded: bool = False
     device_of: Sequence[int] = ()
+    fused: Sequence[bool] = ()
 
 
 def usage_of(config: Any, sched: schedule_lib.Schedule, optimizer_slots: int) -> Usage:
@@ -154,6 +161,7 @@ def usage_of(config: Any, sched: schedule_lib.Schedule, optimizer_slots: int) ->
         deferred=config.defer_weight_gradients,
         sharded=config.shard_optimizer_states,
         device_of=tuple(sched.device_of(k) for k in range(sched.num_model_stages)),
+        fused=fuses_all(sched),
     )
 
 
@@ -201,15 +209,23 @@ def memory_terms(
 
 
 def activation_bytes(
-    st: Held, in_flight: int, remat: str, keeps_last: bool, first: bool = False
+    st: Held,
+    in_flight: int,
+    remat: str,
+    keeps_last: bool,
+    first: bool = False,
+    fused: bool = False,
 ) -> Any:
     """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
 
     never:        in_flight · (input + stored) + the largest layer's working set
-    always:       in_flight · input + Σ working sets (one recomputing program at a time:
-                  all its layers' intermediates, and their backward's temporaries)
+    always:       in_flight · input + one recomputing program's peak (at layer l's
+                  backward: the stored activations of the layers before l, and l's
+                  working set; ``recompute_working``)
     except_last:  as always, + stored when the last micro-batch's activations are kept
                   (``keeps_last``: its forward is not fused with its backward)
+    ``fused``:    as always, in every mode: each forward runs in one program with its
+                  backward (a last stage under 1F1B), so nothing is stored between them
 
     The ``first`` model stage's inputs are slices of the batch input (``memory_terms``'
     ``batch_input``): they count nothing here.
@@ -217,10 +233,28 @@ def activation_bytes(
     if in_flight == 0:
         return 0.0 * st.input
     inputs = in_flight * (0.0 * st.input if first else st.input)
+    if fused:
+        return inputs + st.recompute_working
     if remat == "never":
         return inputs + in_flight * st.stored + st.working
     extra = st.stored if remat == "except_last" and keeps_last else 0.0 * st.stored
-    return inputs + st.working_sum + extra
+    return inputs + st.recompute_working + extra
+
+
+def recompute_working(stored: Sequence[Any], working: Sequence[Any]) -> Any:
+    """The peak of one program recomputing a run of layers for its backward (per layer in
+    order: the bytes its forward keeps, its working set)::
+
+        max over l of  Σ_{j<l} stored_j + working_l
+
+    (XLA keeps the earlier layers' activations while layer l's backward runs; a layer's
+    own working set includes what it keeps)."""
+    peak, kept = None, 0.0 * stored[0]
+    for st, work in zip(stored, working, strict=True):
+        here = kept + work
+        peak = here if peak is None else np.maximum(peak, here)
+        kept = kept + st
+    return peak
 
 
 def deferred_bytes(st: Held, whole: Held, micro_batches: int) -> Any:
@@ -253,16 +287,29 @@ def keeps_last(sched: schedule_lib.Schedule) -> tuple[bool, ...]:
     )
 
 
+def fuses_all(sched: schedule_lib.Schedule) -> tuple[bool, ...]:
+    """Per model stage of ``sched``: whether every one of its forwards runs in one program
+    with its backward (:func:`hybrid.core.schedule.pairs_to_fuse`), keeping nothing
+    between actions."""
+    fused = schedule_lib.pairs_to_fuse(sched)
+    F = schedule_lib.Op.F
+    return tuple(
+        all(schedule_lib.Action(k, F, m) in fused for m in range(sched.num_microbatches))
+        for k in range(sched.num_model_stages)
+    )
+
+
 def stage_bytes(layers: LayerBytes, first: int, count: int) -> StageBytes:
     """The summed bytes of layers ``first … first+count-1``."""
     ids = range(first, first + count)
-    working = [layers.working[i] for i in ids]
     return StageBytes(
         params=sum(layers.params[i] for i in ids),
         input=layers.model_input if first == 0 else layers.output[first - 1],
         stored=sum(layers.stored[i] for i in ids),
-        working=max(working),
-        working_sum=sum(working),
+        working=max(layers.working[i] for i in ids),
+        recompute_working=recompute_working(
+            [layers.stored[i] for i in ids], [layers.working[i] for i in ids]
+        ),
         output=layers.output[first + count - 1],
     )
 
@@ -286,7 +333,12 @@ def device_terms(
             deferred_bytes(st, whole, M)
             if deferred
             else activation_bytes(
-                st, usage.in_flight[k], usage.remat, usage.keeps_last[k], first=k == 0
+                st,
+                usage.in_flight[k],
+                usage.remat,
+                usage.keeps_last[k],
+                first=k == 0,
+                fused=bool(usage.fused) and usage.fused[k],
             )
             for st, whole, k in zip(stages, wholes, ks, strict=True)
         ],
@@ -451,7 +503,7 @@ class _Prefix:
         self.params = np.concatenate([[0.0], np.cumsum(np.asarray(layers.params, float))])
         self.stored = np.concatenate([[0.0], np.cumsum(np.asarray(layers.stored, float))])
         self.working = np.asarray(layers.working, float)
-        self.sums = np.concatenate([[0.0], np.cumsum(self.working)])
+        self.peaks = self.stored[:-1] + self.working  # recompute_working's, from layer 0
         self.output = np.asarray(layers.output, float)
 
     def stages(self, i: int) -> StageBytes:
@@ -461,6 +513,6 @@ class _Prefix:
             input=np.full(len(self.output) - i, float(inp)),
             stored=self.stored[i + 1 :] - self.stored[i],
             working=np.maximum.accumulate(self.working[i:]),
-            working_sum=self.sums[i + 1 :] - self.sums[i],
+            recompute_working=np.maximum.accumulate(self.peaks[i:]) - self.stored[i],
             output=self.output[i:],
         )

@@ -165,6 +165,7 @@ def evaluate(
         in_flight=[run.peak_in_flight[sched.device_of(k)] for k in range(len(stages))],
         keeps_last=memory.keeps_last(sched),
         deferred=defer,
+        fused=memory.fuses_all(sched),
         sharded=config.shard_optimizer_states,
     )
     devices = [

@@ -6,7 +6,7 @@ micro-batch size (:class:`Probe`); and the allocator bytes a layer holds."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -18,6 +18,7 @@ from hybrid.planning.model_calls import ModelCalls
 
 __all__ = [
     "PROGRAMS",
+    "Memory",
     "Probe",
     "ProgramArgs",
     "StagePrograms",
@@ -27,7 +28,9 @@ __all__ = [
 ]
 
 # The programs of :class:`StagePrograms` the profiler times, by attribute name.
-PROGRAMS = ("forward", "stored", "fused", "input_only")
+# (input_only before stored: the split backward's cut serves the whole backward too, so
+# the two share one forward program.)
+PROGRAMS = ("forward", "input_only", "stored", "fused")
 
 Tensors = list[tf.Tensor]
 Grads = list[tf.Tensor | None]  # an output gradient per output (None: not a float)
@@ -66,7 +69,7 @@ class StagePrograms:
         seed = tf.constant([0, 0], tf.int64)
         need_dx = any(tf.as_dtype(spec.dtype).is_floating for spec in stage.input_specs)
         self.stage, self._seed, self.need_dx = stage, seed, need_dx
-        self.names = PROGRAMS if need_dx else PROGRAMS[:3]
+        self.names = tuple(name for name in PROGRAMS if need_dx or name != "input_only")
 
         with_labels = _labels_record
 
@@ -153,12 +156,37 @@ def identity_programs(device: str, jit_compile: bool) -> StagePrograms:
         return StagePrograms(stage)
 
 
-def measure_memory(
-    device: str, programs: StagePrograms, args: ProgramArgs
-) -> tuple[int | None, int | None]:
-    """(bytes a kept forward holds, peak bytes while the fused forward+backward runs once)."""
+class Memory(NamedTuple):
+    """What a probe's stage holds (bytes; see :func:`measure_memory`).
+
+    Attributes:
+      stored: what its kept forward holds for the backward beyond its outputs (the
+        residuals its program returns, its statistics); where the forward keeps a tape
+        (a stage not cut into programs), the allocator's bytes, outputs included.
+      working: the allocator's peak above what was held before, while the fused
+        forward+backward runs once.
+      keeps: per output of the forward, whether the backward reads it (it is one of the
+        residuals); None where ``stored`` counts the outputs already.
+      reads: per stage input, whether the backward reads it (None: not known).
+    """
+
+    stored: int
+    working: int
+    keeps: tuple[bool, ...] | None
+    reads: tuple[bool, ...] | None
+
+
+def measure_memory(device: str, programs: StagePrograms, args: ProgramArgs) -> Memory | None:
+    """What the stage holds for its backward, and its working peak (:class:`Memory`); None
+    where the device's allocator keeps no statistics.
+
+    What the kept forward holds is counted from its tensors, the bytes they request: the
+    allocator's count would add the chunk each request happened to be served from, which
+    depends on what was allocated before (BFC serves a request with a free chunk of up to
+    twice its size unsplit). Its outputs are counted apart (``keeps``): inside a stage of
+    several layers, a layer's output is kept only where a backward reads it."""
     if not _allocator_stats(device):
-        return None, None
+        return None
     where = _memory_device(device)
     xs, dys, labels, _ = args
     block(programs.fused_once(xs, dys, labels))  # compiled before anything is counted
@@ -166,12 +194,28 @@ def measure_memory(
     saved = programs.kept_forward(xs, labels)
     block(saved.output)
     stored = tf.config.experimental.get_memory_info(where)["current"] - before
+    keeps = reads = None
+    if saved.kept is not None:
+        cut = saved.kept.programs
+        outputs = set(cut.output_names)
+        residual = zip(cut.residual_names, saved.kept.residuals, strict=True)
+        own = [t for n, t in residual if n not in outputs]
+        stored = _bytes(own + saved.stats + saved.activity)
+        residuals = set(cut.residual_names)
+        keeps = tuple(n in residuals for n in cut.output_names[: len(saved.output)])
+        reads = tuple(cut.reads[: len(xs)])
     del saved
     tf.config.experimental.reset_memory_stats(where)
     before = tf.config.experimental.get_memory_info(where)["current"]
     block(programs.fused_once(xs, dys, labels))
     working = tf.config.experimental.get_memory_info(where)["peak"] - before
-    return max(0, stored), max(0, working)
+    return Memory(max(0, stored), max(0, working), keeps, reads)
+
+
+def _bytes(tensors: Tensors) -> int:
+    """The bytes ``tensors`` hold (each counted once)."""
+    unique = {id(t): t for t in tensors}.values()
+    return sum(t.shape.num_elements() * t.dtype.size for t in unique)
 
 
 def signature(calls: ModelCalls, i: int, last: bool) -> str:
@@ -235,7 +279,7 @@ class Probe:
                 ]
             self.args: ProgramArgs = (xs, dys, labels, tf.constant(chain))
         self.times: dict[str, list[float]] = {name: [] for name in self.names}
-        self.memory: tuple[int | None, int | None] = (None, None)
+        self.memory: Memory | None = None
 
     @property
     def need_dx(self) -> bool:

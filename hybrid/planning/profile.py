@@ -237,10 +237,11 @@ def measure_layers(
         for key, m in measured.items()
     }
     work = calls.work()
+    kept = _kept_bytes(calls, runs, keys, distinct, setup)
     per_call = [
         m
-        for run, key in zip(runs, keys, strict=True)
-        for m in _per_call(calls, run, measured[key], work)
+        for run, key, stored in zip(runs, keys, kept, strict=True)
+        for m in _per_call(calls, run, _with_stored(measured[key], stored), work)
     ]
     rows = tuple(
         dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
@@ -274,6 +275,53 @@ def _concurrency(
     return measure_concurrency(
         probe, _probe(calls, start, stop, setup, twin, probe.batch), setup.repeats
     )
+
+
+def _kept_bytes(
+    calls: ModelCalls,
+    runs: Sequence[tuple[int, int]],
+    keys: Sequence[str],
+    distinct: dict[str, tuple[StageReplica, list[Probe]]],
+    setup: _Setup,
+) -> list[list[int | None]]:
+    """Per run, per batch size: what its forward keeps for the backward, inside a stage of
+    several runs: its own residuals (:class:`Memory`'s ``stored``) and each of its outputs
+    that a backward reads, its own (a residual) or a later run's (an input it reads).
+    (A layer's output that only the next layer's forward reads is not kept: a ReLU keeps
+    its output, the BatchNormalization before it then keeps nothing of its own output.)"""
+    segments = [calls.segment(start, stop) for start, stop in runs]
+    read: set[int] = set()
+    for segment, key in zip(segments, keys, strict=True):
+        memory = distinct[key][1][0].memory
+        if memory is not None and memory.reads is not None:
+            read.update(k for k, r in zip(segment.inputs, memory.reads, strict=True) if r)
+    kept = []
+    for (_, stop), segment, key in zip(runs, segments, keys, strict=True):
+        outputs = () if _ends_with_loss(calls, stop, setup) else segment.outputs  # its loss
+        row: list[int | None] = []
+        for probe in distinct[key][1]:
+            memory = probe.memory
+            if memory is None:
+                row.append(None)
+                continue
+            held = memory.stored
+            if memory.keeps is not None and len(memory.keeps) == len(outputs):
+                held += sum(
+                    calls.example_bytes(k) * probe.batch
+                    for k, own in zip(outputs, memory.keeps, strict=True)
+                    if own or k in read
+                )
+            row.append(int(held))
+        kept.append(row)
+    return kept
+
+
+def _with_stored(m: LayerMeasurement, stored: Sequence[int | None]) -> LayerMeasurement:
+    """``m`` with the stored bytes of each batch size replaced by ``stored``'s."""
+    timings = tuple(
+        dataclasses.replace(t, stored_bytes=b) for t, b in zip(m.timings, stored, strict=True)
+    )
+    return dataclasses.replace(m, timings=timings)
 
 
 def _update_call(calls: ModelCalls, updates: Sequence[float], setup: _Setup) -> float:
@@ -431,8 +479,8 @@ def _layer_timing(probe: Probe, base: dict[str, float], chain: int) -> LayerTimi
         backward=max(0.0, net("stored") - f),
         recompute_backward=max(0.0, net("fused") - f),
         input_backward=max(0.0, net("input_only") - f) if probe.need_dx else 0.0,
-        stored_bytes=probe.memory[0],
-        working_bytes=probe.memory[1],
+        stored_bytes=None if probe.memory is None else probe.memory.stored,
+        working_bytes=None if probe.memory is None else probe.memory.working,
         output_bytes=probe.output_bytes,
     )
 

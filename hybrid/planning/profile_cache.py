@@ -37,8 +37,8 @@ __all__ = ["PROFILER", "directory", "fingerprint", "read", "write"]
 # What the profiler measures, numbered: a profile filed by another number is measured again
 # (2: the update's once-per-program cost apart from each layer's, CostProfile.update_call;
 # 3: two devices of a host computing at once, CostProfile.concurrency; 4: only on a program
-# of a millisecond or more).
-PROFILER = 4
+# of a millisecond or more; 5: stored bytes counted from the kept tensors, not the allocator).
+PROFILER = 5
 
 
 def directory() -> str:

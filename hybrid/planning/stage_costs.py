@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
+from hybrid.core import memory
 from hybrid.core import schedule as schedule_lib
 from hybrid.planning.costs import CostProfile
 from hybrid.planning.hardware import Hardware
@@ -51,7 +52,9 @@ class StageCost:
         self.first_dx = scale * profile.value(first, "input_backward", batch)
         self.stored = total("stored_bytes")
         working = [profile.value(i, "working_bytes", batch) for i in ids]
-        self.working, self.working_sum = max(working), sum(working)
+        stored = [profile.value(i, "stored_bytes", batch) for i in ids]
+        self.working = max(working)
+        self.recompute_working = memory.recompute_working(stored, working)
         self.output = profile.value(first + count - 1, "output_bytes", batch)
         self.params = sum(profile.layers[i].param_bytes for i in ids)
         self.tensors = sum(profile.layers[i].param_tensors for i in ids)

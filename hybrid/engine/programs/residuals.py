@@ -26,6 +26,7 @@ class Kept:
       args: the forward program's arguments, which its backward program reads again.
       residuals: what the forward program returned for its backward, after its outputs.
       need_dx: whether the backward program computes the input gradients.
+      split: whether the backward comes as two calls, B then W (a split backward).
       carried: what a split backward's B computed for its W (None until B ran).
     """
 
@@ -33,6 +34,7 @@ class Kept:
     args: Tensors
     residuals: Tensors
     need_dx: bool
+    split: bool = False
     carried: Tensors | None = None
 
     def backward(
@@ -43,7 +45,7 @@ class Kept:
         inputs have a gradient (``wanted``); a split backward's B (need_dx only) keeps what
         its W (need_dw only) carries on from."""
         run = (self.args, self.residuals, more)
-        if self.programs.cut_backward and need_dx != need_dw:
+        if self.split and self.programs.cut_backward and need_dx != need_dw:
             if need_dx:
                 dx, self.carried = self.programs.input_backward(*run)
                 return _placed(dx, wanted), []

@@ -92,6 +92,9 @@ class SplitPrograms:
 
     Attributes:
       num_outputs: the forward's outputs before its residuals.
+      output_names: the traced tensors the forward's outputs are, through the identities
+        the trace returns them by (a residual may be one).
+      reads: per forward argument, whether the (whole) backward reads it.
       residual_names, carried_names: the traced tensors the residuals (and what
         ``input_backward`` carries over) are, in the order the programs pass them.
       weights: the program that computes the weight gradients: ``weight_backward`` when
@@ -107,10 +110,14 @@ class SplitPrograms:
         residual_names: list[str],
         carried_names: list[str],
         weights: Part,
+        output_names: list[str],
+        reads: list[bool],
     ) -> None:
         self._forward = forward
         self._backward = backward
         self.num_outputs = num_outputs
+        self.output_names = output_names
+        self.reads = reads
         self._parts = parts
         self.residual_names = residual_names
         self.carried_names = carried_names
@@ -290,6 +297,7 @@ def split(
 
     b_returns = [t.name for t in b_outputs]
     backward, weights = part(b_program, b_returns)
+    read = {op.name for op in weights.ops}
     parts, carried = None, []
     if first is not None:
         in_first = _ancestors(b_outputs[:first], stop=lambda op: op not in backward_ops)
@@ -308,7 +316,16 @@ def split(
         r_names,
         carried,
         weights,
+        [_through_identities(t).name for t in f_outputs],
+        [name in read for name in f_names],
     )
+
+
+def _through_identities(t: tf.Tensor) -> tf.Tensor:
+    """The tensor ``t`` is an identity (of an identity ...) of."""
+    while t.op.type == "Identity" and t.op.inputs:
+        t = t.op.inputs[0]
+    return t
 
 
 def flatten(structure: Any) -> tuple[Tensors, Callable[[Sequence[tf.Tensor]], Any]]:

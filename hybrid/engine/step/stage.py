@@ -428,10 +428,13 @@ class StageReplica:
         comes in two parts, the input gradients (B) and the weight gradients (W)."""
         args, rebuild = programs.flatten(structure)
         accumulate = accumulate and self.accumulates
-        key = f"{need_dx} {split} {accumulate} {self.defers}"
-        key += " " + programs.signature(structure)
+        signature = f"{accumulate} {self.defers} {programs.signature(structure)}"
+        key = f"{need_dx} {split} {signature}"
         if key in self._cut:
             return self._cut[key], args
+        cut = self._cut.get(f"{need_dx} True {signature}")
+        if cut is not None:  # a split cut has the whole backward too, and the same forward
+            return cut, args
         out = self._forward.get_concrete_function(*structure).structured_outputs
         ys = self._split(out)[0]
         wanted = [(not self.is_last or i == 0) and differentiable(y) for i, y in enumerate(ys)]
@@ -494,7 +497,7 @@ class StageReplica:
             cut, args = self.kept_programs(structure, need_dx, split)
             out, residuals = cut.forward(args)
             ys, activity, stats = self._split(out)
-            kept = Kept(cut, args, residuals, need_dx)
+            kept = Kept(cut, args, residuals, need_dx, split)
             return Saved(xs, ys, labels, seed, stats=stats, activity=activity, kept=kept)
         with tf.GradientTape(persistent=split) as tape:
             tape.watch([x for x in xs if differentiable(x)])
