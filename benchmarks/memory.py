@@ -102,11 +102,12 @@ flags.DEFINE_integer("micro_batches", 4, "Micro-batches M.")
 flags.DEFINE_string(
     "model",
     "dense",
-    f"dense (--depth x Dense(--width)), a zoo model {common.ZOO_MODELS}, or yours: "
-    "package.module:fn, fn(batch) returning (model, x, y, loss).",
+    f"dense (--depth x Dense(--width)), the reference transformer or resnet (--depth blocks "
+    f"of --width), a zoo model {common.ZOO_MODELS}, or yours: package.module:fn, fn(batch) "
+    "returning (model, x, y, loss).",
 )
 flags.DEFINE_integer("image_size", 32, "Zoo CNNs: input height and width.")
-flags.DEFINE_integer("seq_len", 32, "Zoo KerasHub models: tokens per example.")
+flags.DEFINE_integer("seq_len", 32, "Zoo KerasHub models, transformer: tokens per example.")
 flags.DEFINE_integer("vocabulary", 4096, "Tied case: the embedding's rows (and the classes).")
 flags.DEFINE_list("cases", list(CASES), f"Of {list(CASES)}.")
 flags.DEFINE_bool("jit_compile", True, "XLA stage programs.")
@@ -121,10 +122,45 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_worker
 CHILD_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+REFERENCE_MODELS = ("transformer", "resnet")
+
+
+def reference_model(name: str) -> tuple[Any, Any, Any, Any]:
+    """The launcher's reference Transformer (--depth blocks of width --width, 4 heads,
+    --seq_len byte tokens) or ResNet (--depth residual blocks of --width channels on 16×16
+    images, 10 classes), its seeded batch and loss."""
+    import keras
+    import numpy as np
+
+    from hybrid.models.resnet import resnet
+    from hybrid.models.transformer import transformer
+    from hybrid.run.data_sources import VOCAB_SIZE
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if name == "transformer":
+        layers = transformer(
+            vocab_size=VOCAB_SIZE,
+            seq_len=FLAGS.seq_len,
+            d_model=FLAGS.width,
+            num_heads=4,
+            num_blocks=FLAGS.depth,
+        )
+        tokens = rng.integers(0, VOCAB_SIZE, size=(FLAGS.batch, FLAGS.seq_len + 1))
+        x, y = tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+        return keras.Sequential([keras.Input((FLAGS.seq_len,), dtype="int32"), *layers]), x, y, loss
+    layers = resnet(10, FLAGS.width, FLAGS.depth)
+    x = rng.normal(size=(FLAGS.batch, 16, 16, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(FLAGS.batch,)).astype("int32")
+    return keras.Sequential([keras.Input((16, 16, 3)), *layers]), x, y, loss
+
+
 def model_and_batch(case: Case) -> tuple[Any, Any, Any, Any]:
     """The case's model (layers, or a Keras model), its fixed batch and its loss, seeded:
     the same weights in the client and the profile. ``--model``: ``dense`` (the Dense
-    stack; with ``tied``, an Embedding, the stack and a head reading its matrix), a zoo
+    stack; with ``tied``, an Embedding, the stack and a head reading its matrix), the
+    launcher's reference ``transformer`` or ``resnet`` (:func:`reference_model`), a zoo
     model (``common.ZOO_MODELS`` at ``--image_size`` / ``--seq_len``), or yours
     (``package.module:fn``, ``fn(batch)`` returning ``(model, x, y, loss)``)."""
     import importlib
@@ -135,6 +171,8 @@ def model_and_batch(case: Case) -> tuple[Any, Any, Any, Any]:
 
     from hybrid.models.transformer import TiedHead
 
+    if FLAGS.model in REFERENCE_MODELS:
+        return reference_model(FLAGS.model)
     if FLAGS.model in common.ZOO_MODELS:
         model, x, y = common.zoo_model(FLAGS.model, FLAGS.batch, FLAGS.image_size, FLAGS.seq_len)
         logits = common.zoo_logits(FLAGS.model)
