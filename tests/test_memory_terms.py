@@ -160,6 +160,7 @@ _KEPT = textwrap.dedent(
     print(json.dumps({
         "layers": [m.timings[0].stored_bytes for m in measured.layers],
         "whole": whole.stored, "whole_output_kept": whole.keeps[0],
+        "gradients": layer_programs._dense_gradient_bytes(stage),
     }))
     """
 )
@@ -184,6 +185,11 @@ def test_what_a_layer_keeps_adds_up_to_what_a_stage_of_them_keeps():
     # the four as one stage: the same, its output (the hidden Dense's) not kept inside it
     assert found["whole_output_kept"] is False
     assert found["whole"] + activation == pytest.approx(dense + norm + relu + hidden, rel=0.02)
+    # a working set leaves out the dense weight gradients (counted as the running sums the
+    # engine adds them to): the trainable weights' bytes, BatchNormalization's moving
+    # statistics (not trainable) aside
+    weights = (32 * 64 + 64) + 2 * 64 + (64 * 64 + 64)
+    assert found["gradients"] == 4 * weights
 
 
 if __name__ == "__main__":

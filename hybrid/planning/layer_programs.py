@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from hybrid.engine.model.layer_costs import block
@@ -163,8 +164,9 @@ class Memory(NamedTuple):
       stored: what its kept forward holds for the backward beyond its outputs (the
         residuals its program returns, its statistics); where the forward keeps a tape
         (a stage not cut into programs), the allocator's bytes, outputs included.
-      working: the allocator's peak above what was held before, while the fused
-        forward+backward runs once.
+      working: the allocator's peak above what was held before while the fused
+        forward+backward runs, the least of :data:`HISTORIES` runs, less its dense
+        weight gradients (counted as the running sums they are added to).
       keeps: per output of the forward, whether the backward reads it (it is one of the
         residuals); None where ``stored`` counts the outputs already.
       reads: per stage input, whether the backward reads it (None: not known).
@@ -215,7 +217,19 @@ def measure_memory(device: str, programs: StagePrograms, args: ProgramArgs) -> M
         block(programs.fused_once(xs, dys, labels))
         peaks.append(tf.config.experimental.get_memory_info(where)["peak"] - before)
     del held
-    return Memory(max(0, stored), max(0, min(peaks)), keeps, reads)
+    working = min(peaks) - _dense_gradient_bytes(programs.stage)
+    return Memory(max(0, stored), max(0, working), keeps, reads)
+
+
+def _dense_gradient_bytes(stage: StageReplica) -> int:
+    """The bytes of the stage's dense weight gradients: the fused program returns them, the
+    engine's programs add them to the running sums in place (the memory model's
+    "gradients" term), so a working set does not count them."""
+    return sum(
+        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+        for v, sparse in zip(stage.trainable_variables, stage.sparse, strict=True)
+        if not sparse
+    )
 
 
 # The working peak is the smallest of this many runs, each after another allocation history.

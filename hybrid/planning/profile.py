@@ -60,10 +60,12 @@ class LayerTiming:
       input_backward: the B of a split backward from stored activations (its input
         gradient only; W is ``backward - input_backward``); 0 when the input has no
         gradient.
-      stored_bytes: bytes a forward keeps until its backward (output and intermediates,
-        not the input, which exists already); None without allocator statistics.
-      working_bytes: the allocator's peak above what was held before, while one fused
-        forward+backward runs; None without allocator statistics.
+      stored_bytes: bytes a forward keeps until its backward inside a stage of several
+        layers: its residuals (inner activations) and each of its outputs a backward reads
+        (not its input, which the layer before counts); None without allocator statistics.
+      working_bytes: the allocator's peak above what was held before while one fused
+        forward+backward runs (the least of a few runs); None without allocator
+        statistics.
       output_bytes: bytes of the layer output for this batch (what crosses a stage boundary).
     """
 
@@ -171,8 +173,9 @@ def measure_layers(
         B      = t(stage_l.forward(x, kept) + its backward)      - t(same on identity) - F
         B_re   = t(stage_l.forward_backward(x))                  - t(same on identity) - F
         B_dx   = t(stage_l.forward(x, split) + its B, dx only)   - t(same on identity) - F
-        stored = allocator bytes stage_l's kept forward holds
-        work   = the allocator's peak above that while forward_backward runs
+        stored = bytes of the tensors stage_l's kept forward returns for its backward,
+                 and of each output some backward reads (:func:`_kept_bytes`)
+        work   = the allocator's peak above what was held while forward_backward runs
 
     where t is the time of one of ``chain`` back-to-back repetitions inside one graph
     function, with the programs the engine runs
