@@ -78,10 +78,10 @@ def test_stage_peaks_apply_the_terms_stage_by_stage():
     assert usage.in_flight == (2, 1)
     s0, s1 = memory.stage_peaks(layers, (1, 1), usage)
     # stage 0: params 100, Adam state 200, input shard 4·2, gradients 200, activations
-    # 2·10 + 5 (its inputs are slices of the shard); update phase: 100 + 200 + 8 + 200
-    # (R = 2: the all-reduce writes the reduced gradients, the update's second copy, and
-    # the update writes in place)
-    assert s0 == max(100 + 200 + 8 + 200 + 25, 508)
+    # 2·10 + 3 + 5 (its inputs are slices of the shard; 3: the gradient of its output, which
+    # its backward reads); update phase: 100 + 200 + 8 + 200 (R = 2: the all-reduce writes
+    # the reduced gradients, the update's second copy, and the update writes in place)
+    assert s0 == max(100 + 200 + 8 + 200 + 28, 508)
     # stage 1, the last, runs each F with its B in one program (it stores nothing between
     # them): 200 + 400 + 400 + (its input 3 + that program's peak, 7: its working set)
     assert usage.fused == (False, True)
@@ -106,7 +106,12 @@ def test_a_device_holding_virtual_stages_holds_all_their_weights():
     )
     held = max(
         memory.activation_bytes(
-            stages[k], usage.in_flight[k], "never", usage.keeps_last[k], fused=usage.fused[k]
+            stages[k],
+            usage.in_flight[k],
+            "never",
+            usage.keeps_last[k],
+            fused=usage.fused[k],
+            last=k == 3,
         )
         for k in (1, 3)
     )

@@ -93,16 +93,17 @@ def test_1f1b_first_stage_holds_S_micro_batches_last_holds_one():
     p = cost_model.evaluate(profile(), RunConfig(S, 1, M, "1f1b", "never"), M)
     assert p.peak_in_flight == (4, 3, 2, 1)
     # each micro-batch (1 example): 2 layers × 10 stored, and on stages > 0 the 1 input
-    # byte (stage 0's inputs are slices of the batch input); + working 5. The last stage
+    # byte (stage 0's inputs are slices of the batch input); + the 1-byte output gradient
+    # its backward reads from the next stage; + working 5. The last stage
     # runs each F with its B in one program, storing nothing between them: its input and
     # that program's peak (the second layer's working set beside the first's 10 bytes).
     acts = [t["activations"] for t in p.memory_terms]
-    assert acts == pytest.approx([4 * 20 + 5, 3 * 21 + 5, 2 * 21 + 5, 1 + 10 + 5])
+    assert acts == pytest.approx([4 * 20 + 1 + 5, 3 * 21 + 1 + 5, 2 * 21 + 1 + 5, 1 + 10 + 5])
     # stage 0's device also holds the replica's whole input (M examples × 3 bytes)
     assert [t["batch_input"] for t in p.memory_terms] == [24.0, 0.0, 0.0, 0.0]
     # the pipeline phase: 200 weights + 400 slots + 400 gradients + activations
     resident = 200 + 400 + 400
-    peaks = (resident + 24 + 85, resident + 68, resident + 47, resident + 16)
+    peaks = (resident + 24 + 86, resident + 69, resident + 48, resident + 16)
     assert p.memory_per_device == pytest.approx(peaks)
     gpipe = cost_model.evaluate(profile(), RunConfig(S, 1, M, "gpipe", "never"), M)
     assert gpipe.peak_in_flight == (M,) * S

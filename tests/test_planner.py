@@ -293,29 +293,32 @@ def test_memory_per_device_follows_peak_in_flight():
 
     gpipe = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "never"), M)
     assert gpipe.peak_in_flight == (M, M)
-    # stage 0's inputs are slices of the batch input (counted once, as ``batch_input``)
-    assert activations(gpipe) == pytest.approx((M * 20 + 5, M * (1 + 20) + 5))
+    # stage 0's inputs are slices of the batch input (counted once, as ``batch_input``); its
+    # backward reads the output gradient stage 1 sends (1 byte); stage 1's, its loss's
+    assert activations(gpipe) == pytest.approx((M * 20 + 1 + 5, M * (1 + 20) + 5))
     one = planner.evaluate(profile, RunConfig(S, 1, M, "1f1b", "never"), M)
     assert one.peak_in_flight == (S, 1)  # stage s holds S - s
     # the last stage runs every F in one program with its B: it stores nothing between
     # them; its input and that program's peak (layer 2's working set beside layer 1's 10)
-    assert activations(one) == pytest.approx((2 * 20 + 5, 1 + 10 + 5))
+    assert activations(one) == pytest.approx((2 * 20 + 1 + 5, 1 + 10 + 5))
     # Recomputing: M inputs, and one program's peak: its second layer's working set (5)
     # beside what its first layer keeps (10).
     always = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "always"), M)
-    assert activations(always) == pytest.approx((15, M * 1 + 15))
+    assert activations(always) == pytest.approx((1 + 15, M * 1 + 15))
     # except_last also keeps micro-batch 3's activations on stage 0; stage 1 runs F3 and B3
     # as one program and keeps nothing.
     last = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "except_last"), M)
-    assert activations(last) == pytest.approx((15 + 20, M + 15))
+    assert activations(last) == pytest.approx((1 + 15 + 20, M + 15))
     # the pipeline phase: weights + 2 slots (Adam) + the running sums read and written +
     # activations; stage 0 adds the batch (M); the user's model is in the client's memory.
     # (The update holds the accumulated and reduced gradients and writes in place: less.)
     assert gpipe.memory_per_device == pytest.approx(
-        (200 * 5 + M + M * 20 + 5, 200 * 5 + M * 21 + 5)
+        (200 * 5 + M + M * 20 + 1 + 5, 200 * 5 + M * 21 + 5)
     )
     sgd = planner.evaluate(profile, RunConfig(S, 1, M, "gpipe", "never"), M, optimizer_slots=0)
-    assert sgd.memory_per_device == pytest.approx((200 * 3 + M + M * 20 + 5, 200 * 3 + M * 21 + 5))
+    assert sgd.memory_per_device == pytest.approx(
+        (200 * 3 + M + M * 20 + 1 + 5, 200 * 3 + M * 21 + 5)
+    )
     two = planner.evaluate(profile, RunConfig(S, 2, M, "gpipe", "never"), 2 * M)
     # replicas reduce the accumulated gradients into the update's second copy: nothing more
     assert two.peak_memory == pytest.approx(gpipe.peak_memory)

@@ -215,18 +215,21 @@ def activation_bytes(
     keeps_last: bool,
     first: bool = False,
     fused: bool = False,
+    last: bool = False,
 ) -> Any:
     """Peak activation bytes of one model stage holding ``in_flight`` micro-batches::
 
-    never:        in_flight · (input + stored) + the largest layer's working set
-    always:       in_flight · input + one recomputing program's peak (at layer l's
-                  backward: the stored activations of the layers before l, and l's
+    never:        in_flight · (input + stored) + output + the largest layer's working set
+    always:       in_flight · input + output + one recomputing program's peak (at layer
+                  l's backward: the stored activations of the layers before l, and l's
                   working set; ``recompute_working``)
     except_last:  as always, + stored when the last micro-batch's activations are kept
                   (``keeps_last``: its forward is not fused with its backward)
     ``fused``:    as always, in every mode: each forward runs in one program with its
                   backward (a last stage under 1F1B), so nothing is stored between them
 
+    ``output``: the gradient of the stage's output its backward reads, sent by the next
+    stage (none on the ``last``, whose backward starts from its loss).
     The ``first`` model stage's inputs are slices of the batch input (``memory_terms``'
     ``batch_input``): they count nothing here.
     """
@@ -235,6 +238,7 @@ def activation_bytes(
     inputs = in_flight * (0.0 * st.input if first else st.input)
     if fused:
         return inputs + st.recompute_working
+    inputs = inputs + (0.0 * st.output if last else st.output)
     if remat == "never":
         return inputs + in_flight * st.stored + st.working
     extra = st.stored if remat == "except_last" and keeps_last else 0.0 * st.stored
@@ -339,6 +343,7 @@ def device_terms(
                 usage.keeps_last[k],
                 first=k == 0,
                 fused=bool(usage.fused) and usage.fused[k],
+                last=k == len(usage.in_flight) - 1,
             )
             for st, whole, k in zip(stages, wholes, ks, strict=True)
         ],
