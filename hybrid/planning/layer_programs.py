@@ -9,10 +9,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from hybrid.engine.model.layer_costs import block
+from hybrid.engine.model.layer_costs import block, weight_bytes
 from hybrid.engine.step.stage import StageReplica, TensorSpec
 from hybrid.engine.traced import traced
 from hybrid.planning.model_calls import ModelCalls
@@ -202,7 +201,7 @@ def measure_memory(device: str, programs: StagePrograms, args: ProgramArgs) -> M
         outputs = set(cut.output_names)
         residual = zip(cut.residual_names, saved.kept.residuals, strict=True)
         own = [t for n, t in residual if n not in outputs]
-        stored = _bytes(own + saved.stats + saved.activity)
+        stored = int(weight_bytes(own + saved.stats + saved.activity))
         residuals = set(cut.residual_names)
         keeps = tuple(n in residuals for n in cut.output_names[: len(saved.output)])
         reads = tuple(cut.reads[: len(xs)])
@@ -225,11 +224,8 @@ def _dense_gradient_bytes(stage: StageReplica) -> int:
     """The bytes of the stage's dense weight gradients: the fused program returns them, the
     engine's programs add them to the running sums in place (the memory model's
     "gradients" term), so a working set does not count them."""
-    return sum(
-        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-        for v, sparse in zip(stage.trainable_variables, stage.sparse, strict=True)
-        if not sparse
-    )
+    pairs = zip(stage.trainable_variables, stage.sparse, strict=True)
+    return int(weight_bytes([v for v, sparse in pairs if not sparse]))
 
 
 # The working peak is the smallest of this many runs, each after another allocation history.
@@ -248,12 +244,6 @@ def _fragments(device: str, size: int) -> Tensors:
     with tf.device(device):
         series = [tf.zeros([max(1, size >> (j + 3))], tf.float32) for j in range(8)]
     return series[::2]
-
-
-def _bytes(tensors: Tensors) -> int:
-    """The bytes ``tensors`` hold (each counted once)."""
-    unique = {id(t): t for t in tensors}.values()
-    return sum(t.shape.num_elements() * t.dtype.size for t in unique)
 
 
 def signature(calls: ModelCalls, i: int, last: bool) -> str:
