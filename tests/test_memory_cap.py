@@ -12,6 +12,7 @@ as it was. The rest reads TensorFlow's three forms of the error and raises one t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ import tensorflow as tf
 
 import hybrid
 from hybrid.core import device_limits, schedule
-from hybrid.core.memory import format_bytes
+from hybrid.core.memory import format_bytes, parse_bytes
 from hybrid.engine.api import out_of_memory
 from hybrid.engine.api.out_of_memory import OutOfMemoryError, Where
 
@@ -54,6 +55,12 @@ def test_capped_devices_train_within_the_cap_and_fail_beyond_it_in_one_line(tmp_
     assert fits.returncode == 0, fits.stderr[-3000:]
     assert "2 simulated devices, one worker process each, capped at 48 MiB" in fits.stdout
     assert "done: loss" in fits.stdout
+    # each device's peak, read from its own worker's allocator: under the cap, above nothing
+    said = re.search(r"^peak memory per stage \(replica 0\): (.*)$", fits.stdout, re.M)
+    assert said, fits.stdout[-2000:]
+    peaks = re.findall(r"stage \d ([\d.]+ [KMG]iB) \(predicted", said.group(1))
+    assert len(peaks) == 2, said.group(0)
+    assert all(0 < parse_bytes(peak) <= 48 * MIB for peak in peaks), said.group(0)
     index = os.path.join(model_dir, "ckpt-2.index")
     before = open(index, "rb").read()
 

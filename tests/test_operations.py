@@ -514,6 +514,20 @@ def test_stage_peaks_are_read_only_where_each_device_has_its_own_allocator():
 
     assert stage_peaks(gpus, unsupported) is None
 
+    # CPU devices of other processes (capped local workers): read where their reader says
+    from hybrid.core import device_limits
+
+    workers = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(2)]
+    own = {workers[0]: {"current": 1, "peak": 7 * 2**20}, workers[1]: {"current": 2, "peak": 9}}
+    assert stage_peaks(workers) is None  # no reader: the simulated devices of one process
+    device_limits.add_reader(own.get)
+    try:
+        assert stage_peaks(workers) == [7 * 2**20, 9]
+        assert stage_peaks([*workers, cpus[0]]) is None  # one device no reader knows
+    finally:
+        device_limits.remove_reader(own.get)
+    assert device_limits.memory_info(workers[0]) is None
+
 
 def test_stage_peaks_go_to_the_log_and_tensorboard(monkeypatch, tmp_path):
     from types import SimpleNamespace

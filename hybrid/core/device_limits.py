@@ -13,18 +13,37 @@ A device whose process dies of an allocation it could not serve (TensorFlow's CP
 can crash instead of raising) leaves the client only a lost connection; whoever can read
 the dead process's own report (its log) adds a reporter, and the error is said as the
 out-of-memory error it was.
+
+A device whose allocator lives in another process (a capped local worker) cannot be asked
+with ``tf.config.experimental.get_memory_info`` from the client; whoever can ask that process
+adds a reader, and :func:`memory_info` answers for the device (the launcher's peak memory per
+stage: measured beside predicted).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["add_reporter", "clear", "declare", "limit_of", "lost_to_memory", "remove_reporter"]
+__all__ = [
+    "add_reader",
+    "add_reporter",
+    "clear",
+    "covers",
+    "declare",
+    "limit_of",
+    "lost_to_memory",
+    "memory_info",
+    "remove_reader",
+    "remove_reporter",
+]
 
 Reporter = Callable[[], dict[str, str]]  # -> {device: the allocator's out-of-memory line}
+# device -> its allocator's {"current": bytes, "peak": bytes}; None: not a device it knows
+Reader = Callable[[str], dict[str, int] | None]
 
 _LIMITS: dict[str, float] = {}
 _REPORTERS: list[Reporter] = []
+_READERS: list[Reader] = []
 
 
 def declare(device: str, nbytes: float) -> None:
@@ -41,14 +60,15 @@ def declare(device: str, nbytes: float) -> None:
 
 def limit_of(device: str) -> float | None:
     """The limit declared for ``device`` by its longest declared prefix; None if none is."""
-    matches = [name for name in _LIMITS if _covers(name, device)]
+    matches = [name for name in _LIMITS if covers(name, device)]
     return _LIMITS[max(matches, key=len)] if matches else None
 
 
 def clear() -> None:
-    """Forgets every declared limit and reporter."""
+    """Forgets every declared limit, reporter and reader."""
     _LIMITS.clear()
     _REPORTERS.clear()
+    _READERS.clear()
 
 
 def add_reporter(reporter: Reporter) -> None:
@@ -71,6 +91,27 @@ def lost_to_memory() -> dict[str, str]:
     return found
 
 
-def _covers(prefix: str, device: str) -> bool:
+def add_reader(reader: Reader) -> None:
+    """``reader(device)`` reads the allocator statistics of the devices it knows."""
+    _READERS.append(reader)
+
+
+def remove_reader(reader: Reader) -> None:
+    """Stops asking ``reader``."""
+    if reader in _READERS:
+        _READERS.remove(reader)
+
+
+def memory_info(device: str) -> dict[str, int] | None:
+    """``device``'s allocator statistics (``current`` and ``peak`` bytes in use) from the
+    first reader that knows it; None if none does."""
+    for reader in _READERS:
+        info = reader(device)
+        if info is not None:
+            return info
+    return None
+
+
+def covers(prefix: str, device: str) -> bool:
     """Whether ``prefix`` names ``device`` or a part of the name above it."""
     return device == prefix or device.startswith(prefix.rstrip("/") + "/") or not prefix

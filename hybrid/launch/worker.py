@@ -106,7 +106,8 @@ def define_flags() -> None:
         "until_stdin_closes",
         False,
         "Also stop when standard input closes (a parent that starts its workers on a pipe: "
-        "they end with it).",
+        "they end with it); meanwhile answer each 'memory' line read there with "
+        '\'memory {"current": bytes, "peak": bytes}\' (this task\'s CPU allocator) on stdout.',
     )
     flags.DEFINE_float(
         "lifetime_s", 0.0, "Exit after this many seconds (0: serve until signalled).", lower_bound=0
@@ -225,15 +226,31 @@ def _stop_on_signals() -> tuple[threading.Event, list[str]]:
     return stop, received
 
 
+def _memory_info() -> dict[str, int]:
+    """This task's CPU allocator's bytes in use now and at most so far (``{}`` where the
+    allocator keeps no statistics: TensorFlow's default CPU allocator; its BFC one does)."""
+    import tensorflow as tf
+
+    try:
+        info = tf.config.experimental.get_memory_info("CPU:0")
+    except (ValueError, RuntimeError):
+        return {}
+    return {"current": int(info["current"]), "peak": int(info["peak"])}
+
+
 def _serve(server: Any, task: str, stop: threading.Event, received: list[str]) -> int:
     """Keeps ``server`` (a ``tf.distribute.Server``, which serves while referenced) until
     ``stop`` is set (a signal: returns 0) or until ``--lifetime_s`` has passed (returns 3)."""
     if FLAGS.until_stdin_closes:
 
         def until_closed() -> None:
-            """Reads standard input to its end, then ends the wait."""
-            for _ in sys.stdin:
-                pass
+            """Reads standard input to its end, answering each ``memory`` line, then ends
+            the wait."""
+            from hybrid.platforms.local_workers import MEMORY_ASK, MEMORY_REPLY
+
+            for line in sys.stdin:
+                if line.strip() == MEMORY_ASK:
+                    print(f"{MEMORY_REPLY}{json.dumps(_memory_info())}", flush=True)
             received.append("standard input closed")
             stop.set()
 

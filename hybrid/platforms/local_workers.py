@@ -18,10 +18,12 @@ client (this process) drives the mesh over TensorFlow's distributed runtime:
 
 Each worker serves until its standard input closes (``hybrid-worker --until_stdin_closes``),
 so the workers end with this process however it ends; :meth:`LocalWorkers.close` ends them
-sooner. Their output goes to ``worker-<i>.log`` in ``log_dir`` (TensorFlow's allocator dump
-after an out-of-memory error is long); a worker that cannot start is reported with its log's
-last lines. A process connects to one cluster in its life (``cluster.connect``): start the
-workers once per process.
+sooner. Meanwhile a worker answers a ``memory`` line on its standard input with its
+allocator's statistics (:meth:`LocalWorkers.memory_info`, which ``hybrid.core.device_limits``
+asks for the launcher's measured peak per stage). Their output goes to ``worker-<i>.log`` in
+``log_dir`` (TensorFlow's allocator dump after an out-of-memory error is long); a worker that
+cannot start is reported with its log's last lines. A process connects to one cluster in its
+life (``cluster.connect``): start the workers once per process.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ __all__ = ["MIB", "LocalWorkers", "cap_mib", "free_ports", "start"]
 MIB = 1 << 20
 _WORKER = ("-m", "hybrid.launch.worker")
 _READY = "serving at"  # the worker's line once its server has started
+MEMORY_ASK = "memory"  # a line to a worker's stdin: it answers on its stdout ...
+MEMORY_REPLY = "memory "  # ... with this and '{"current": bytes, "peak": bytes}'
+_REPLY_S = 30.0  # how long a worker may take to answer (it answers between its RPCs)
 _ATTEMPTS = 3  # a port picked free can be taken before the worker binds it: pick again
 _OUT_OF_MEMORY = re.compile(r"ran out of memory trying to allocate [^(\n]*")
 
@@ -82,13 +87,13 @@ class LocalWorkers:
     log_dir: str
     _processes: list[subprocess.Popen[str]]
     _own_log_dir: bool = False
+    _replies: list[queue.Queue[str]] = dataclasses.field(default_factory=list)
+    _asking: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def devices(self) -> tuple[str, ...]:
         """The devices, in task order."""
-        return tuple(
-            f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(len(self._processes))
-        )
+        return tuple(f"{_task(i)}/device:CPU:0" for i in range(len(self._processes)))
 
     def log_tail(self, task: int, lines: int = 5) -> str:
         """The last ``lines`` lines of task ``task``'s log."""
@@ -108,6 +113,29 @@ class LocalWorkers:
                 lost[device] = said[-1].strip()
         return lost
 
+    def memory_info(self, device: str) -> dict[str, int] | None:
+        """``device``'s allocator statistics, asked of its worker: ``current`` and ``peak``
+        bytes in use (the peak since the worker started: its server's own bytes too); None
+        for a device not served here, a worker that has ended or does not answer in time,
+        or one whose allocator keeps no statistics (uncapped: TensorFlow's default CPU
+        allocator)."""
+        tasks = range(len(self._processes))
+        task = next((t for t in tasks if device_limits.covers(_task(t), device)), None)
+        if task is None or not self._replies:
+            return None
+        process = self._processes[task]
+        with self._asking:
+            if process.poll() is not None or process.stdin is None:
+                return None
+            try:
+                process.stdin.write(MEMORY_ASK + "\n")
+                process.stdin.flush()
+                reply = self._replies[task].get(timeout=_REPLY_S)
+            except (OSError, queue.Empty):
+                return None
+        info = json.loads(reply[len(MEMORY_REPLY) :])
+        return info if info else None
+
     def _ended(self, task: int, wait_s: float = 5.0) -> bool:
         """Whether task ``task``'s worker has ended (waiting up to ``wait_s`` for one that
         is ending: the client can hear of a death before the process is gone)."""
@@ -121,6 +149,7 @@ class LocalWorkers:
         """Ends every worker (SIGTERM, then SIGKILL after ``grace_s``), forgets their limits'
         reporter, and removes the log folder if this object made it."""
         device_limits.remove_reporter(self.lost_to_memory)
+        device_limits.remove_reader(self.memory_info)
         for process in self._processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -179,12 +208,14 @@ def start(
         workers = LocalWorkers({"worker": addresses}, mib * MIB if mib else None, log_dir, [], own)
         for task in range(devices):
             workers._processes.append(_launch(workers, task, mib, xla_cache_dir))
+            workers._replies.append(queue.Queue())
         failed = _wait_ready(workers, timeout_s)
         if failed is None:
             if workers.memory_per_device is not None:
                 for device in workers.devices:
                     device_limits.declare(device, workers.memory_per_device)
             device_limits.add_reporter(workers.lost_to_memory)
+            device_limits.add_reader(workers.memory_info)
             return workers
         task, tail = failed
         workers._own_log_dir = False  # keep the logs the error points at
@@ -195,6 +226,11 @@ def start(
                 f"({workers._log_path(task)}): {tail or 'no output'}"
             )
     raise AssertionError("unreachable")
+
+
+def _task(index: int) -> str:
+    """The name of task ``index``, the prefix of its device's."""
+    return f"/job:worker/replica:0/task:{index}"
 
 
 def free_ports(count: int) -> list[int]:
@@ -249,11 +285,14 @@ def _wait_ready(workers: LocalWorkers, timeout_s: float) -> tuple[int, str] | No
 
     def read(task: int, process: subprocess.Popen[str]) -> None:
         """Copies ``process``'s stdout to its log, answering at its ready line (True) or at
-        its end without one (False)."""
+        its end without one (False); its answers to ``memory`` go to its reply queue."""
         assert process.stdout is not None
         ready = False
         with open(workers._log_path(task), "a") as log:
             for line in process.stdout:
+                if line.startswith(MEMORY_REPLY):
+                    workers._replies[task].put(line.strip())
+                    continue
                 log.write(line)
                 log.flush()
                 if not ready and _READY in line:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
+from hybrid.core import device_limits
 from hybrid.core.memory import format_bytes
 from hybrid.engine.api.pipeline import Pipeline
 from hybrid.engine.step.clocks import StepView
@@ -301,10 +302,16 @@ def stage_peaks(
     devices: list[str], read: Callable[[str], dict[str, int]] | None = None
 ) -> list[int] | None:
     """Each pipeline device's peak allocated bytes (``devices``: replica 0's, one per stage
-    row), as its own allocator reports them (``tf.config.experimental.get_memory_info``);
-    None where the devices share one allocator (the simulated CPU devices of one process:
-    each would report the whole process) or report nothing."""
-    read = read or tf.config.experimental.get_memory_info
+    row), as its own allocator reports them: a capped local worker's, asked of its process
+    (``hybrid.core.device_limits.memory_info``), else the device's
+    (``tf.config.experimental.get_memory_info``); None where the devices share one allocator
+    (the simulated CPU devices of one process: each would report the whole process) or
+    report nothing."""
+    if read is None:
+        own = [device_limits.memory_info(device) for device in devices]
+        if all(info is not None for info in own):
+            return [int(info["peak"]) for info in own if info is not None]
+        read = tf.config.experimental.get_memory_info
     if any(tf.DeviceSpec.from_string(d).device_type in (None, "CPU") for d in devices):
         return None
     try:
