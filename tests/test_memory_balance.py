@@ -18,6 +18,7 @@ from hybrid.core.config import RunConfig
 from hybrid.engine.model.optimizers import optimizer_copies, slots_per_weight
 from hybrid.planning import cost_model
 from hybrid.planning.costs import uniform_profile
+from hybrid.planning.hardware import ALLOCATOR_HEADROOM as HEADROOM
 
 import reference as ref
 import runner
@@ -219,9 +220,9 @@ def test_the_planner_cuts_by_memory_to_fit_a_budget():
         profile, RunConfig(2, 1, 2, "gpipe", "never", balance="memory"), 32
     )
     assert by_memory.peak_memory < by_time.peak_memory
-    budget = (by_memory.peak_memory + by_time.peak_memory) / 2
+    budget = (by_memory.peak_memory + by_time.peak_memory) / 2  # usable: less the headroom
     plan = hybrid.plan(
-        profile, devices=2, global_batch=32, memory_per_device=budget, stages=[2],
+        profile, devices=2, global_batch=32, memory_per_device=budget / (1 - HEADROOM), stages=[2],
         schedules=["gpipe"], remats=["never"], micro_batches=[2], deferrals=[False], verbose=0,
     )  # fmt: skip
     assert plan.best.config.balance == by_memory.config.balance
@@ -246,7 +247,7 @@ def test_the_planner_shards_optimizer_states_to_fit_a_budget():
     assert plain.peak_memory - sharded.peak_memory == pytest.approx(2 * 4000 / 2)
     budget = (plain.peak_memory + sharded.peak_memory) / 2
     plan = hybrid.plan(
-        profile, devices=2, global_batch=8, memory_per_device=budget, stages=[1],
+        profile, devices=2, global_batch=8, memory_per_device=budget / (1 - HEADROOM), stages=[1],
         schedules=["gpipe"], remats=["never"], micro_batches=[1], verbose=0,
     )  # fmt: skip
     assert plan.best.config.shard_optimizer_states

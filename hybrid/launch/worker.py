@@ -175,6 +175,8 @@ def main(argv: list[str]) -> int:
     except (ValueError, cluster.ClusterError) as err:
         print(f"worker: {flag_terms(str(err))}", file=sys.stderr, flush=True)
         return 2
+    if cap:
+        _reserve(cap)
     devices = FLAGS.simulated_devices or "all local"
     capped = f", its allocator capped at {cap} MiB" if cap else ""
     stop, received = _stop_on_signals()  # before the line that tells a supervisor to signal
@@ -208,6 +210,26 @@ def _cap_memory() -> int | None:
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(mib)
     return mib
+
+
+def _reserve(mib: int) -> None:
+    """Makes the capped allocator's pool one region of what the cap leaves, as a GPU's
+    allocator holds its memory by default (TensorFlow's BFC allocator on a CPU grows its
+    pool in regions that double, so a large tensor would need a free region of its own):
+    the largest allocation that fits (never written: no page of it is touched), freed; then
+    the statistics start from zero."""
+    import tensorflow as tf
+
+    for spare in range(2, mib):  # the server's start holds a first region of 2 MiB
+        try:
+            with tf.device("CPU:0"):
+                whole = tf.raw_ops.Empty(shape=[mib - spare, 1 << 20], dtype=tf.uint8)
+        except tf.errors.ResourceExhaustedError:
+            continue
+        del whole
+        print(f"reserved {mib - spare} MiB", flush=True)
+        break
+    tf.config.experimental.reset_memory_stats("CPU:0")
 
 
 def _stop_on_signals() -> tuple[threading.Event, list[str]]:

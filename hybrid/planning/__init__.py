@@ -21,7 +21,7 @@ model instead of trying every configuration::
 
 This module is the facade; each job lives in its own module:
 
-    hardware.py     Link, Hardware, all_reduce_time
+    hardware.py     Link, Hardware (and ALLOCATOR_HEADROOM), all_reduce_time
     costs.py        LayerCost, CostProfile, uniform_profile, profile_model
     stage_costs.py  a model stage's costs, every action's seconds, activation bytes
     cost_model.py   Prediction, evaluate (one configuration)
@@ -40,7 +40,7 @@ Conventions: times in seconds, sizes in bytes, bandwidths in bytes per second.
 from hybrid.core.config import REMAT_MODES, ConfigError, RunConfig
 from hybrid.planning.cost_model import Prediction, evaluate
 from hybrid.planning.costs import CostProfile, LayerCost, profile_model, uniform_profile
-from hybrid.planning.hardware import Hardware, Link, all_reduce_time
+from hybrid.planning.hardware import ALLOCATOR_HEADROOM, Hardware, Link, all_reduce_time
 from hybrid.planning.report import Plan, Rejection
 from hybrid.planning.search import candidates, choose_mesh, plan
 
@@ -48,6 +48,7 @@ Config = RunConfig
 """The planner's name for a run configuration: :class:`hybrid.core.config.RunConfig`."""
 
 __all__ = [
+    "ALLOCATOR_HEADROOM",
     "REMAT_MODES",
     "Config",
     "ConfigError",

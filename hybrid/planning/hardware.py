@@ -10,7 +10,16 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Hardware", "Link", "all_gather_time", "all_reduce_time"]
+__all__ = ["ALLOCATOR_HEADROOM", "Hardware", "Link", "all_gather_time", "all_reduce_time"]
+
+# The share of a device's memory its allocator needs beyond what the tensors request at
+# their peak (what the profile predicts), under TensorFlow's BFC allocator with its pool held
+# as one region (a GPU's default; the capped simulated devices reserve theirs so,
+# ``hybrid.launch.worker``): it serves a request with a free chunk of less than twice its
+# size unsplit, and a large tensor needs contiguous free bytes. Measured
+# (``benchmarks/memory_wall.py``, docs/limits.md): a layout whose tensors request 14.3 MiB at
+# their peak (predicted 14.0) trained under a 15 MiB cap and not under 14 MiB.
+ALLOCATOR_HEADROOM = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,9 @@ class Hardware:
 
     Attributes:
       memory_per_device: bytes one device can hold; None: no limit.
+      allocator_headroom: the share of ``memory_per_device`` a plan leaves to the
+        allocator (:data:`ALLOCATOR_HEADROOM`): a layout fits when its predicted peak (the
+        bytes its tensors request) is at most ``usable_memory``.
       pipeline: the links between consecutive stages (activations and their gradients).
       replica: the links inside a replica group (the gradient all-reduce).
       action_overhead: seconds every scheduled action costs beyond its compute (launching a
@@ -89,6 +101,7 @@ class Hardware:
     """
 
     memory_per_device: float | None = None
+    allocator_headroom: float = ALLOCATOR_HEADROOM
     pipeline: Link = Link()
     replica: Link = Link()
     action_overhead: float = 0.0
@@ -101,6 +114,11 @@ class Hardware:
     def __post_init__(self) -> None:
         if self.memory_per_device is not None and not self.memory_per_device > 0:
             raise ValueError(f"memory_per_device must be positive, got {self.memory_per_device}")
+        if not 0 <= self.allocator_headroom < 1:
+            raise ValueError(
+                f"allocator_headroom is a share of memory_per_device in [0, 1), got "
+                f"{self.allocator_headroom}"
+            )
         if self.host_cores is not None and not self.host_cores > 0:
             raise ValueError(f"host_cores must be positive or None, got {self.host_cores}")
         overheads = (
@@ -116,6 +134,14 @@ class Hardware:
                 f"step_overhead={self.step_overhead}, dispatch_overhead="
                 f"{self.dispatch_overhead}, compute_scale={self.compute_scale}"
             )
+
+    @property
+    def usable_memory(self) -> float | None:
+        """The bytes a layout's predicted peak may reach on one device: ``memory_per_device``
+        less the allocator's headroom; None: no limit."""
+        if self.memory_per_device is None:
+            return None
+        return self.memory_per_device * (1.0 - self.allocator_headroom)
 
 
 def all_reduce_time(nbytes: float, replicas: int, link: Link) -> float:

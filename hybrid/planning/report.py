@@ -83,16 +83,18 @@ class Plan:
     def _smallest_miss(self) -> str:
         """By how much the candidate needing the least memory misses the budget ("" when no
         candidate was out of memory)."""
-        limit = self.hardware.memory_per_device
+        limit = self.hardware.usable_memory
         short = [r.prediction for r in self.rejected if r.prediction is not None]
         if limit is None or not short:
             return ""
         smallest = min(short, key=lambda p: p.peak_memory)
         needs, miss = smallest.peak_memory, smallest.peak_memory - limit
+        headroom = self.hardware.allocator_headroom
+        kept = f" after the {headroom:.0%} left to the allocator" if headroom else ""
         return (
             f"; the smallest candidate, {smallest.config.label()}, needs "
             f"{format_bytes(needs)} per device: {format_bytes(miss)} "
-            f"({miss / limit:.0%}) more than the {format_bytes(limit)} each device has"
+            f"({miss / limit:.0%}) more than the {format_bytes(limit)} each device has{kept}"
         )
 
     def reasons(self) -> list[str]:
@@ -114,6 +116,11 @@ class Plan:
         head = (
             f"plan for {self.devices} devices, global batch {self.global_batch}"
             + (f", {format_bytes(memory)} per device" if memory else "")
+            + (
+                f" ({self.hardware.allocator_headroom:.0%} left to the allocator)"
+                if memory and self.hardware.allocator_headroom
+                else ""
+            )
             + f": {len(self.ranked)} feasible, {len(self.rejected)} rejected"
             + (
                 f", {self.merged} left out as equal to a row but for the schedule (1-stage meshes)"

@@ -314,12 +314,20 @@ def _judge(
     unsharded = _too_few_to_shard(profile, prediction.config)
     if unsharded:
         return Rejection(prediction.config, "too few variables to shard", unsharded)
-    limit = hardware.memory_per_device
+    limit = hardware.usable_memory
     if limit is not None and prediction.peak_memory > limit:
         needs, has = format_bytes(prediction.peak_memory), format_bytes(limit)
-        reason = f"out of memory: needs {needs} per device, has {has}"
+        reason = f"out of memory: needs {needs} per device, has {has}{_kept(hardware)}"
         return Rejection(prediction.config, "out of memory", reason, prediction)
     return prediction
+
+
+def _kept(hardware: Hardware) -> str:
+    """What the usable bytes leave out of each device's, as a clause ("" for none)."""
+    if not hardware.allocator_headroom or hardware.memory_per_device is None:
+        return ""
+    whole = format_bytes(hardware.memory_per_device)
+    return f" (of {whole}, {hardware.allocator_headroom:.0%} left to the allocator)"
 
 
 def _too_few_to_shard(profile: CostProfile, config: RunConfig) -> str:
