@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +42,9 @@ from typing import Any
 from absl import app, flags
 
 import common
+from hybrid.core.memory import parse_bytes
+
+MIB = 1 << 20
 
 flags.DEFINE_list("families", ["transformer", "resnet"], "Model families: transformer, resnet.")
 flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Capped device counts.")
@@ -121,6 +125,9 @@ def run(family: str, mode: str, devices: int, depth: int) -> dict[str, Any]:
         code, out, err = None, "", f"did not finish in {FLAGS.timeout_s} s"
     layout = [line for line in out.splitlines() if line.startswith("mesh ")]
     errors = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    planned = re.search(r"^planned: .*, ([\d.]+ [KMG]?i?B)/device\)$", out, re.M)
+    peaks = re.search(r"^peak memory per stage \(replica 0\): (.*)$", out, re.M)
+    measured = re.findall(r"stage \d+ ([\d.]+ [KMG]?i?B)", peaks.group(1)) if peaks else []
     row = {
         "family": family,
         "mode": mode,
@@ -133,8 +140,19 @@ def run(family: str, mode: str, devices: int, depth: int) -> dict[str, Any]:
         "layout": layout[-1] if layout else "",
         "error": errors[-1] if errors else (err.strip().splitlines() or [""])[-1][:400],
         "seconds": time.monotonic() - start,
+        # the planner's predicted peak per device (its fullest), and each stage's allocator
+        # peak on replica 0 (chunks in use: a request served by a free chunk under twice its
+        # size holds all of it, so near the cap this reads up to the cap)
+        "planned_peak": parse_bytes(planned.group(1)) if planned else None,
+        "measured_peaks": [parse_bytes(peak) for peak in measured],
     }
     outcome = "trained" if row["trained"] else f"failed: {row['error'][:160]}"
+    if row["planned_peak"] and row["measured_peaks"]:
+        most = max(row["measured_peaks"])
+        outcome += (
+            f" (planner {row['planned_peak'] / MIB:.1f} MiB/device, allocator peak "
+            f"{most / MIB:.1f} MiB: {row['planned_peak'] / most - 1:+.0%})"
+        )
     print(
         f"  {family:11s} {mode:8s} N={devices} depth {depth:4d} "
         f"({row['parameters'] / 1e6:7.2f} M params): {outcome} [{row['seconds']:.0f} s]",
@@ -210,6 +228,8 @@ def point(rows: list[dict[str, Any]], key: tuple[str, str, int], good: int, bad:
         "next_depth": bad,
         "next_error": ran[bad]["error"] if bad in ran else "",
         "layout": ran[good]["layout"] if good in ran else "",
+        "planned_peak": ran[good].get("planned_peak") if good in ran else None,
+        "measured_peaks": ran[good].get("measured_peaks", []) if good in ran else [],
     }
 
 
