@@ -41,8 +41,9 @@ from typing import Any
 
 from absl import app, flags
 
-import common
 from hybrid.core.memory import parse_bytes
+
+import common
 
 MIB = 1 << 20
 
