@@ -173,30 +173,34 @@ def memory_terms(
     batch_input: Any = 0.0,
     deferred: bool = False,
     sharded: bool = False,
+    accumulates: bool = True,
 ) -> dict[str, Any]:
     """One pipeline device's peak bytes, by term::
 
         state       = optimizer_slots · params   (÷ replicas when ``sharded``: ZeRO-1)
         resident    = params + state
         pipeline    = resident + batch_input + gradients + activations
-        update      = resident + batch_input + 2 · params (accumulated, reduced)
+        update      = resident + batch_input + params (accumulated)
+                                                + params (reduced, when replicas > 1)
         total       = max(pipeline, update)
 
     ``gradients`` is the running sum a backward reads and the new one it writes
-    (2 · params); with deferred weight gradients none: the one W's weight gradients are
-    its output, inside its working set (``deferred_bytes``). The user's Keras model is on
-    no device (the engine builds it in the client's host memory); ``batch_input`` is the
-    replica's whole input shard, which stage 0 receives and slices into its micro-batches
-    (slices of it: no bytes of their own). The update reads the reduced gradients beside
-    the accumulated ones and writes the variables and optimizer slots in place (an XLA
-    update aliases them): nothing beyond. All measured by ``benchmarks/memory.py``, as the
-    bytes requested from each device's allocator.
+    (2 · params); one micro-batch (not ``accumulates``) has no running sum: its backward
+    writes the gradients (params); with deferred weight gradients none: the one W's weight
+    gradients are its output, inside its working set (``deferred_bytes``). The user's Keras
+    model is on no device (the engine builds it in the client's host memory);
+    ``batch_input`` is the replica's whole input shard, which stage 0 receives and slices
+    into its micro-batches (slices of it: no bytes of their own). The update reads the
+    reduced gradients beside the accumulated ones (one replica reduces nothing) and writes
+    the variables and optimizer slots in place (an XLA update aliases them): nothing beyond.
+    All measured by ``benchmarks/memory.py``, as the bytes requested from each device's
+    allocator.
     """
     state = optimizer_slots * params / (replicas if sharded else 1)
     resident = params + state
-    gradients = 0.0 * params if deferred else 2 * params
+    gradients = 0.0 * params if deferred else (2 if accumulates else 1) * params
     pipeline = resident + batch_input + gradients + activations
-    update = resident + batch_input + 2 * params
+    update = resident + batch_input + (2 if replicas > 1 else 1) * params
     total = np.maximum(pipeline, update)
     return {
         "params": params,
@@ -357,6 +361,7 @@ def device_terms(
         batch_input=first[0].input * M if first else 0.0,
         deferred=deferred,
         sharded=usage.sharded,
+        accumulates=M > 1,
     )
 
 
