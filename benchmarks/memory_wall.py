@@ -201,7 +201,8 @@ def chart(points: list[dict[str, Any]]) -> str:
             line = [p for p in points if p["family"] == family and p["mode"] == mode]
             if line and all(p["ratio"] for p in line):
                 devices = [p["devices"] for p in line]
-                ax.plot(devices, [p["ratio"] for p in line], style, label=f"{family}, {mode}")
+                label = f"{family} (width {line[0]['width']}), {mode}"
+                ax.plot(devices, [p["ratio"] for p in line], style, label=label)
     for name, (one, eight) in PAPERS.items():
         ax.plot([1, 8], [1, eight / one], ":", label=f"{name}: {eight / one:.0f}x")
     ax.plot([1, 8], [1, 8], color="grey", lw=0.8, label="linear")
@@ -209,7 +210,8 @@ def chart(points: list[dict[str, Any]]) -> str:
     ax.set_yscale("log", base=2)
     ax.set_xlabel("capped devices")
     ax.set_ylabel("largest model / pipelining's on 1 device (parameters)")
-    ax.set_title(f"The memory wall under {FLAGS.cap} per device")
+    caps = sorted({p["cap"] for p in points})
+    ax.set_title(f"The memory wall under {' / '.join(caps)} per device")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return common.save_figure(fig, FLAGS.output)
@@ -229,6 +231,8 @@ def point(rows: list[dict[str, Any]], key: tuple[str, str, int], good: int, bad:
         "next_depth": bad,
         "next_error": ran[bad]["error"] if bad in ran else "",
         "layout": ran[good]["layout"] if good in ran else "",
+        "cap": FLAGS.cap,
+        "width": FLAGS.width,
         "planned_peak": ran[good].get("planned_peak") if good in ran else None,
         "measured_peaks": ran[good].get("measured_peaks", []) if good in ran else [],
     }
@@ -248,8 +252,11 @@ def with_ratios(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return points
 
 
-def report(points: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict) -> None:
-    """Prints the table and writes the JSON and the chart."""
+def report(
+    points: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict, merged: Any = None
+) -> None:
+    """Prints the table and writes the JSON and the chart (``merged``: the merged runs'
+    configurations, in place of this one's)."""
     print("\nlargest model that trains, per device count:")
     for p in points:
         ratio = f"{p['ratio']:.2f}x" if p["ratio"] else "-"
@@ -258,7 +265,7 @@ def report(points: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict) 
             f"{p['parameters'] / 1e6:8.2f} M params ({ratio} of pipelining on 1 device); "
             f"depth {p['next_depth']}: {p['next_error'][:120]}"
         )
-    config = common.flag_values(
+    config = merged or common.flag_values(
         "families", "devices", "modes", "cap", "width", "seq_len", "batch", "train_steps"
     )
     payload = {"env": env, "config": config, "points": points, "runs": rows, "papers": PAPERS}
@@ -272,7 +279,12 @@ def main(argv: list[str]) -> None:
     if FLAGS.merge:  # earlier runs' files, shown together
         files = [json.load(open(path)) for path in FLAGS.merge]
         rows = [r for f in files for r in f["runs"]]
-        report(with_ratios([p for f in files for p in f["points"]]), rows, env)
+        points = [
+            {"cap": f["config"]["cap"], "width": f["config"]["width"], **p}
+            for f in files
+            for p in f["points"]
+        ]
+        report(with_ratios(points), rows, env, merged=[f["config"] for f in files])
         return
     rows: list[dict[str, Any]] = []
     points: list[dict[str, Any]] = []
