@@ -227,7 +227,7 @@ def _reserve(mib: int) -> None:
         except tf.errors.ResourceExhaustedError:
             continue
         del whole
-        print(f"reserved {mib - spare} MiB", flush=True)
+        print(f"reserved {mib - spare} MiB of the {mib} MiB cap as one region", flush=True)
         break
     tf.config.experimental.reset_memory_stats("CPU:0")
 

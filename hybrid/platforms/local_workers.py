@@ -115,7 +115,7 @@ class LocalWorkers:
 
     def memory_info(self, device: str) -> dict[str, int] | None:
         """``device``'s allocator statistics, asked of its worker: ``current`` and ``peak``
-        bytes in use (the peak since the worker started: its server's own bytes too); None
+        bytes in use (the peak since the worker reserved its pool and began serving); None
         for a device not served here, a worker that has ended or does not answer in time,
         or one whose allocator keeps no statistics (uncapped: TensorFlow's default CPU
         allocator)."""
