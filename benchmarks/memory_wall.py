@@ -15,7 +15,11 @@ code 0 (a finite loss), in two modes:
 The depth doubles from the largest that trained on N/2 devices until a run fails, then
 bisects (``--bisections``); the next depth up is shown to fail, with the run's one-line
 error (``out of memory on pipeline device ...`` for a run that did not fit, or the planner's
-"no configuration ... fits"). Parameters are counted on the model built here. ``ratio`` is
+"no configuration ... fits"). Where the planner refused it, that depth also runs under the
+layout the planner chose one size down (its cut redone by ``--balance=memory``: mode
+``planner-layout``), so the cap, not only the prediction, is seen to stop it. Each run
+records the planner's predicted peak per device and each stage's allocator peak on its
+capped device (the launcher's ``peak memory per stage`` line). Parameters are counted on the model built here. ``ratio`` is
 a point's parameters over pipelining's on one device (remat never: GPipe's "naive-1"),
 beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8 accelerators: 22x) and torchgpipe's
 (81.5 M -> 1.84 B).
@@ -90,14 +94,19 @@ def parameters(family: str, depth: int) -> int:
     return int(model.count_params())
 
 
-def command(family: str, mode: str, devices: int, depth: int) -> list[str]:
-    """The ``hybrid-train`` run of one point."""
+def command(
+    family: str, mode: str, devices: int, depth: int, layout: list[str] | None = None
+) -> list[str]:
+    """The ``hybrid-train`` run of one point (``layout``: these layout flags instead of the
+    mode's)."""
     model = [f"--model={family}", f"--width={FLAGS.width}", f"--depth={depth}"]
     if family == "transformer":
         model += [f"--seq_len={FLAGS.seq_len}", "--num_heads=4"]
     else:
         model += ["--data=synthetic"]
-    if mode == "planner":
+    if layout is not None:
+        pass
+    elif mode == "planner":
         layout = ["--mesh=auto", f"--simulated_devices={devices}"]
     else:
         layout = [f"--mesh=stage:{devices},replica:1", "--remat=never", "--balance=params"]
@@ -109,12 +118,14 @@ def command(family: str, mode: str, devices: int, depth: int) -> list[str]:
     ]  # fmt: skip
 
 
-def run(family: str, mode: str, devices: int, depth: int) -> dict[str, Any]:
+def run(
+    family: str, mode: str, devices: int, depth: int, layout: list[str] | None = None
+) -> dict[str, Any]:
     """One point, run for real: whether it trained, and what it printed."""
     start = time.monotonic()
     try:
         done = subprocess.run(
-            command(family, mode, devices, depth),
+            command(family, mode, devices, depth, layout),
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -126,7 +137,7 @@ def run(family: str, mode: str, devices: int, depth: int) -> dict[str, Any]:
         code, out, err = None, "", f"did not finish in {FLAGS.timeout_s} s"
     layout = [line for line in out.splitlines() if line.startswith("mesh ")]
     errors = [line for line in err.strip().splitlines() if line.startswith("error:")]
-    planned = re.search(r"^planned: .*, ([\d.]+ [KMG]?i?B)/device\)$", out, re.M)
+    planned = re.search(r"^planned: (.*) \(predicted .*, ([\d.]+ [KMG]?i?B)/device\)$", out, re.M)
     peaks = re.search(r"^peak memory per stage \(replica 0\): (.*)$", out, re.M)
     measured = re.findall(r"stage \d+ ([\d.]+ [KMG]?i?B)", peaks.group(1)) if peaks else []
     row = {
@@ -144,7 +155,8 @@ def run(family: str, mode: str, devices: int, depth: int) -> dict[str, Any]:
         # the planner's predicted peak per device (its fullest), and each stage's allocator
         # peak on replica 0 (chunks in use: a request served by a free chunk under twice its
         # size holds all of it, so near the cap this reads up to the cap)
-        "planned_peak": parse_bytes(planned.group(1)) if planned else None,
+        "planned_peak": parse_bytes(planned.group(2)) if planned else None,
+        "planned_flags": planned.group(1).split() if planned else [],
         "measured_peaks": [parse_bytes(peak) for peak in measured],
     }
     outcome = "trained" if row["trained"] else f"failed: {row['error'][:160]}"
@@ -186,6 +198,27 @@ def largest(family: str, mode: str, devices: int, start: int, rows: list) -> tup
         rows.append(row)
         good, bad = (middle, bad) if row["trained"] else (good, middle)
     return good, bad
+
+
+def _ran(rows: list[dict[str, Any]], key: tuple[str, str, int, int]) -> list[dict[str, Any]]:
+    """The runs of (family, mode, devices, depth) ``key``, in order."""
+    return [r for r in rows if (r["family"], r["mode"], r["devices"], r["depth"]) == key]
+
+
+def under_planned_layout(
+    family: str, devices: int, good: int, bad: int, rows: list
+) -> dict[str, Any] | None:
+    """The layout the planner chose for depth ``good`` run at depth ``bad``, which it
+    refused (its cut redone by memory): whether the cap, not only the planner's prediction,
+    stops the next size up. None without a planned layout to run."""
+    planned = _ran(rows, (family, "planner", devices, good))
+    if not planned or not planned[-1].get("planned_flags"):
+        return None
+    flags = planned[-1]["planned_flags"]
+    layout = ["--balance=memory" if f.startswith("--balance=") else f for f in flags]
+    row = run(family, "planner-layout", devices, bad, layout + [f"--simulated_devices={devices}"])
+    rows.append(row)
+    return row
 
 
 def chart(points: list[dict[str, Any]]) -> str:
@@ -265,6 +298,11 @@ def report(
             f"{p['parameters'] / 1e6:8.2f} M params ({ratio} of pipelining on 1 device); "
             f"depth {p['next_depth']}: {p['next_error'][:120]}"
         )
+        if p.get("next_under_planned_layout"):
+            print(
+                f"    depth {p['next_depth']} under depth {p['depth']}'s planned layout: "
+                f"{p['next_under_planned_layout'][:160]}"
+            )
     config = merged or common.flag_values(
         "families", "devices", "modes", "cap", "width", "seq_len", "batch", "train_steps"
     )
@@ -295,6 +333,12 @@ def main(argv: list[str]) -> None:
                 good, bad = largest(family, mode, devices, start, rows)
                 start = max(good, 1)
                 points.append(point(rows, (family, mode, devices), good, bad))
+                refused = _ran(rows, (family, mode, devices, bad))
+                if mode == "planner" and refused and not refused[-1]["out_of_memory"]:
+                    tried = under_planned_layout(family, devices, good, bad, rows)
+                    points[-1]["next_under_planned_layout"] = tried and (
+                        "trained" if tried["trained"] else tried["error"]
+                    )
     report(with_ratios(points), rows, env)
 
 
