@@ -19,8 +19,9 @@ error (``out of memory on pipeline device ...`` for a run that did not fit, or t
 layout the planner chose one size down (its cut redone by ``--balance=memory``: mode
 ``planner-layout``), so the cap, not only the prediction, is seen to stop it. Each run
 records the planner's predicted peak per device and each stage's allocator peak on its
-capped device (the launcher's ``peak memory per stage`` line). Parameters are counted on the model built here. ``ratio`` is
-a point's parameters over pipelining's on one device (remat never: GPipe's "naive-1"),
+capped device (the launcher's ``peak memory per stage`` line). Parameters are counted on
+the model built here. ``ratio`` is a point's parameters over pipelining's on one device
+(remat never: GPipe's "naive-1"),
 beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8 accelerators: 22x) and torchgpipe's
 (81.5 M -> 1.84 B).
 
