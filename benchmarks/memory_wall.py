@@ -21,9 +21,8 @@ layout the planner chose one size down (its cut redone by ``--balance=memory``: 
 records the planner's predicted peak per device and each stage's allocator peak on its
 capped device (the launcher's ``peak memory per stage`` line). Parameters are counted on
 the model built here. ``ratio`` is a point's parameters over pipelining's on one device
-(remat never: GPipe's "naive-1"),
-beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8 accelerators: 22x) and torchgpipe's
-(81.5 M -> 1.84 B).
+(remat never: GPipe's "naive-1"), beside GPipe's (AmoebaNet-D, 82 M -> 1.8 B on 8
+accelerators: 22x) and torchgpipe's (81.5 M -> 1.84 B).
 
     python benchmarks/memory_wall.py                                  # ~30 min on 2 cores
     python benchmarks/memory_wall.py --families=transformer --devices=1,2 --cap=96MiB
