@@ -331,27 +331,19 @@ def device_terms(
     """:func:`memory_terms` of one pipeline device holding model stages ``ks`` (a
     :class:`StageBytes`, or the planner's ``StageCost``, for each; ``wholes``: each at all
     micro-batches' rows, for deferred weight gradients): the weights, gradients and state
-    of them all, and the activations of its fullest stage (one runs at a time); the
-    input shard when it holds model stage 0."""
+    of them all, and the activations of its fullest stage (one runs at a time), or
+    deferring weight gradients, what every one of its stages keeps for its W beside the
+    largest W's working set (each keeps all M micro-batches' until its W, at the step's
+    end); the input shard when it holds model stage 0."""
     M = usage.micro_batches
     deferred = usage.deferred and M > 1
-    held = functools.reduce(
-        np.maximum,
-        [
-            deferred_bytes(st, whole, M)
-            if deferred
-            else activation_bytes(
-                st,
-                usage.in_flight[k],
-                usage.remat,
-                usage.keeps_last[k],
-                first=k == 0,
-                fused=bool(usage.fused) and usage.fused[k],
-                last=k == len(usage.in_flight) - 1,
-            )
-            for st, whole, k in zip(stages, wholes, ks, strict=True)
-        ],
-    )
+    if deferred:
+        pairs = list(zip(stages, wholes, strict=True))
+        kept = [deferred_bytes(st, whole, M) - whole.working for st, whole in pairs]
+        working = [whole.working for _, whole in pairs]
+        held = functools.reduce(operator.add, kept) + functools.reduce(np.maximum, working)
+    else:
+        held = _fullest(stages, ks, usage)
     first = [st for st, k in zip(stages, ks, strict=True) if k == 0]
     return memory_terms(
         params=functools.reduce(operator.add, [st.params for st in stages]),
@@ -362,6 +354,26 @@ def device_terms(
         deferred=deferred,
         sharded=usage.sharded,
         accumulates=M > 1,
+    )
+
+
+def _fullest(stages: Sequence[Any], ks: Sequence[int], usage: Usage) -> Any:
+    """The activations of the fullest of one device's model stages ``ks`` (one runs at a
+    time; its micro-batches in flight are the device's)."""
+    return functools.reduce(
+        np.maximum,
+        [
+            activation_bytes(
+                st,
+                usage.in_flight[k],
+                usage.remat,
+                usage.keeps_last[k],
+                first=k == 0,
+                fused=bool(usage.fused) and usage.fused[k],
+                last=k == len(usage.in_flight) - 1,
+            )
+            for st, k in zip(stages, ks, strict=True)
+        ],
     )
 
 
