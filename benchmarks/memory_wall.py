@@ -64,6 +64,12 @@ flags.DEFINE_integer("bisections", 2, "Bisection steps between the last fit and 
 flags.DEFINE_integer("timeout_s", 900, "Seconds a run may take.")
 flags.DEFINE_string("output", "memory_wall", "Result files' name under results/.")
 flags.DEFINE_list("merge", [], "Result JSON files of earlier runs: shown and charted together.")
+flags.DEFINE_string(
+    "layout_checks",
+    None,
+    "A result JSON file of an earlier run: run its planner points' layout checks (the next "
+    "depth under the planned layout) and write it under --output.",
+)
 FLAGS = flags.FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +154,8 @@ def run(
         "parameters": parameters(family, depth),
         "trained": code == 0,
         "exit_code": code,
-        "out_of_memory": any("out of memory" in line for line in errors),
+        # a device out of memory (the planner's refusal says "out of memory" of predictions)
+        "out_of_memory": any(line.startswith("error: out of memory") for line in errors),
         "layout": layout[-1] if layout else "",
         "error": errors[-1] if errors else (err.strip().splitlines() or [""])[-1][:400],
         "seconds": time.monotonic() - start,
@@ -219,6 +226,18 @@ def under_planned_layout(
     row = run(family, "planner-layout", devices, bad, layout + [f"--simulated_devices={devices}"])
     rows.append(row)
     return row
+
+
+def check_layout(p: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Where the planner refused point ``p``'s next depth, runs it under the layout planned
+    for ``p`` (:func:`under_planned_layout`) and records the outcome in ``p``."""
+    family, devices, good, bad = p["family"], p["devices"], p["depth"], p["next_depth"]
+    refused = _ran(rows, (family, "planner", devices, bad))
+    if refused and not refused[-1]["out_of_memory"] and not refused[-1]["trained"]:
+        tried = under_planned_layout(family, devices, good, bad, rows)
+        p["next_under_planned_layout"] = tried and (
+            "trained" if tried["trained"] else tried["error"]
+        )
 
 
 def chart(points: list[dict[str, Any]]) -> str:
@@ -324,8 +343,20 @@ def main(argv: list[str]) -> None:
         ]
         report(with_ratios(points), rows, env, merged=[f["config"] for f in files])
         return
-    rows: list[dict[str, Any]] = []
-    points: list[dict[str, Any]] = []
+    if FLAGS.layout_checks:  # an earlier run's planner points, checked under their layouts
+        earlier = json.load(open(FLAGS.layout_checks))
+        for name in ("cap", "width", "seq_len", "batch", "train_steps"):  # run as it ran
+            FLAGS[name].value = earlier["config"][name]
+        rows, points = earlier["runs"], earlier["points"]
+        for p in points:
+            p.setdefault("cap", FLAGS.cap)
+            p.setdefault("width", FLAGS.width)
+            if p["mode"] == "planner" and "next_under_planned_layout" not in p:
+                check_layout(p, rows)
+        report(with_ratios(points), rows, env, merged=[earlier["config"]])
+        return
+    rows = []
+    points = []
     for family in FLAGS.families:
         for mode in FLAGS.modes:
             start = FLAGS.start_depth
@@ -333,12 +364,8 @@ def main(argv: list[str]) -> None:
                 good, bad = largest(family, mode, devices, start, rows)
                 start = max(good, 1)
                 points.append(point(rows, (family, mode, devices), good, bad))
-                refused = _ran(rows, (family, mode, devices, bad))
-                if mode == "planner" and refused and not refused[-1]["out_of_memory"]:
-                    tried = under_planned_layout(family, devices, good, bad, rows)
-                    points[-1]["next_under_planned_layout"] = tried and (
-                        "trained" if tried["trained"] else tried["error"]
-                    )
+                if mode == "planner":
+                    check_layout(points[-1], rows)
     report(with_ratios(points), rows, env)
 
 
