@@ -233,7 +233,7 @@ def check_layout(p: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     for ``p`` (:func:`under_planned_layout`) and records the outcome in ``p``."""
     family, devices, good, bad = p["family"], p["devices"], p["depth"], p["next_depth"]
     refused = _ran(rows, (family, "planner", devices, bad))
-    if refused and not refused[-1]["out_of_memory"] and not refused[-1]["trained"]:
+    if refused and refused[-1]["error"].startswith("error: no configuration"):
         tried = under_planned_layout(family, devices, good, bad, rows)
         p["next_under_planned_layout"] = tried and (
             "trained" if tried["trained"] else tried["error"]
