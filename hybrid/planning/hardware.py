@@ -16,9 +16,10 @@ __all__ = ["ALLOCATOR_HEADROOM", "Hardware", "Link", "all_gather_time", "all_red
 # their peak (what the profile predicts), under TensorFlow's BFC allocator with its pool held
 # as one region (a GPU's default; the capped simulated devices reserve theirs so,
 # ``hybrid.launch.worker``): it serves a request with a free chunk of less than twice its
-# size unsplit, and a large tensor needs contiguous free bytes. Measured
-# (``benchmarks/memory_wall.py``, docs/limits.md): a layout whose tensors request 14.3 MiB at
-# their peak (predicted 14.0) trained under a 15 MiB cap and not under 14 MiB.
+# size unsplit, and a large tensor needs contiguous free bytes. Measured with ``hybrid-train
+# --memory_per_device`` on capped devices (docs/guide/meshes.md): a layout whose tensors
+# request 14.3 MiB at their peak (predicted 14.0) trained under a 15 MiB cap and not under
+# 14 MiB; every layout the planner chose in ``benchmarks/memory_wall.py`` trained under it.
 ALLOCATOR_HEADROOM = 0.1
 
 
