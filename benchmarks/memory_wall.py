@@ -110,11 +110,9 @@ def command(
         model += [f"--seq_len={FLAGS.seq_len}", "--num_heads=4"]
     else:
         model += ["--data=synthetic"]
-    if layout is not None:
-        pass
-    elif mode == "planner":
+    if layout is None and mode == "planner":
         layout = ["--mesh=auto", f"--simulated_devices={devices}"]
-    else:
+    elif layout is None:
         layout = [f"--mesh=stage:{devices},replica:1", "--remat=never", "--balance=params"]
         layout += [f"--micro_batches={min(devices, FLAGS.batch)}"]
     return [

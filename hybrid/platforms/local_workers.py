@@ -121,7 +121,7 @@ class LocalWorkers:
         allocator)."""
         tasks = range(len(self._processes))
         task = next((t for t in tasks if device_limits.covers(_task(t), device)), None)
-        if task is None or not self._replies:
+        if task is None:
             return None
         process = self._processes[task]
         with self._asking:
