@@ -1,5 +1,6 @@
 """The launcher as a user runs it: a real process, real flags, clear errors."""
 
+import json
 import os
 import subprocess
 import sys
@@ -216,6 +217,15 @@ def test_dry_run_of_a_planned_mesh_shows_the_plans_prediction_only():
     assert abs(shown - ms) <= 0.05 + 0.005 * ms, (planned, predicted)  # the same number
     assert lines[-1] == "dry run: nothing trained (drop --dry_run to train)"
     assert not any(line.startswith("step ") for line in lines)
+    # planned on this host's measured overheads, as hybrid.plan plans: the step costs at
+    # least the calibrated fixed cost (this tiny model's compute alone is far below it)
+    from hybrid.core.mesh import local_devices
+    from hybrid.planning import host_calibration
+
+    key = host_calibration._key(local_devices()[:2], jit_compile=True)
+    with open(os.path.join(os.environ["HYBRID_CACHE_DIR"], "host_calibration.json")) as f:
+        fixed = json.load(f)[key]["fixed"]
+    assert ms >= 1e3 * fixed > 0.1, (predicted, fixed)
 
 
 def write_records(directory, files=2, per_file=96):

@@ -784,7 +784,9 @@ def test_a_profile_on_a_shared_host_times_two_devices_at_once(monkeypatch, tmp_p
     assert costs._beside("/device:GPU:0", ["/device:GPU:0", "/device:GPU:1"]) is None
     seen = []
 
-    def timed(probe, twin, repeats):
+    def timed(probe, twin, repeats, repetitions):
+        # each run repeats the program as often as a run of about RUN_SECONDS needs
+        assert 1 <= repetitions <= 8
         seen.append((probe.programs.stage.device, twin.programs.stage.device, twin.batch))
         return 1.25
 
@@ -804,6 +806,43 @@ def test_a_profile_on_a_shared_host_times_two_devices_at_once(monkeypatch, tmp_p
     monkeypatch.setattr(profile_lib, "MIN_CONCURRENCY_SECONDS", 0.0)
     assert profile().concurrency == 1.25
     assert seen == [(cpus[0], cpus[1], 8)]
+
+
+def test_timing_rounds_repeat_a_long_program_once_and_record_seconds_per_repetition():
+    """The first round runs every program the profile's chain of times; later rounds a
+    program that took RUN_SECONDS or more per repetition once, a short one the whole chain;
+    each time is seconds per repetition net of the identity twin run as often."""
+    import time
+    import types
+
+    import tensorflow as tf
+
+    from hybrid.planning import profile as profile_lib
+
+    calls = []
+
+    def program(seconds_per_repetition):
+        def run(xs, dys, labels, repeats):
+            calls.append((seconds_per_repetition, int(repeats)))
+            time.sleep(seconds_per_repetition * int(repeats))
+            return [tf.constant(0)]
+
+        return run
+
+    long, short = program(profile_lib.RUN_SECONDS), program(0.0)
+    programs = types.SimpleNamespace(forward=long, stored=short, fused=long, input_only=short)
+    probe = types.SimpleNamespace(
+        names=("forward", "stored"), programs=programs, args=([], [], [], tf.constant(4)),
+        times={"forward": [], "stored": []},
+    )  # fmt: skip
+    identity = types.SimpleNamespace(forward=program(0.0), stored=program(0.0))
+    base_args = ([], [], [], tf.constant(4))
+    launch = profile_lib._time_rounds([[probe]], identity, base_args, repeats=3)
+    # per round: forward (long) and its twin, stored (short) and its twin
+    runs = [(ran[1], twin[1]) for ran, twin in zip(calls[0::2], calls[1::2], strict=True)]
+    assert runs == [(4, 4), (4, 4), (1, 1), (4, 4), (1, 1), (4, 4)]
+    assert all(t >= profile_lib.RUN_SECONDS for t in probe.times["forward"])  # per repetition
+    assert all(t < profile_lib.RUN_SECONDS for t in probe.times["stored"]) and launch >= 0
 
 
 def test_two_devices_at_once_are_timed_against_one_alone():

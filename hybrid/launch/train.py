@@ -175,10 +175,7 @@ def _planned(config: Any, devices: int) -> tuple[Any, Any]:
         x=profiled.x,
         loss=profiled.loss,
         optimizer=lambda: optimizer_for(config),  # its update timed, its state counted
-        hardware=planner.Hardware(host_cores=os.cpu_count() or 1)
-        if config.platform == "cpu"
-        else None,
-    )
+    )  # on this host's measured overheads (planner.host_hardware), as hybrid.plan's
     run = choice.config
     assert isinstance(run.balance, tuple)  # the plan's layer counts per stage
     print(

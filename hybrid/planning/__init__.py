@@ -25,7 +25,7 @@ This module is the facade; each job lives in its own module:
     costs.py        LayerCost, CostProfile, uniform_profile, profile_model
     stage_costs.py  a model stage's costs, every action's seconds, activation bytes
     cost_model.py   Prediction, evaluate (one configuration)
-    search.py       candidates, plan, choose_mesh
+    search.py       candidates, plan, choose_mesh, host_hardware
     report.py       Rejection, Plan and its table
 
 A configuration is a :class:`hybrid.core.config.RunConfig` (``Config`` here is the same
@@ -42,7 +42,7 @@ from hybrid.planning.cost_model import Prediction, evaluate
 from hybrid.planning.costs import CostProfile, LayerCost, profile_model, uniform_profile
 from hybrid.planning.hardware import ALLOCATOR_HEADROOM, Hardware, Link, all_reduce_time
 from hybrid.planning.report import Plan, Rejection
-from hybrid.planning.search import candidates, choose_mesh, plan
+from hybrid.planning.search import candidates, choose_mesh, host_hardware, plan
 
 Config = RunConfig
 """The planner's name for a run configuration: :class:`hybrid.core.config.RunConfig`."""
@@ -64,6 +64,7 @@ __all__ = [
     "candidates",
     "choose_mesh",
     "evaluate",
+    "host_hardware",
     "plan",
     "profile_model",
     "uniform_profile",

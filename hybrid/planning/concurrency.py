@@ -10,26 +10,32 @@ import statistics
 
 from hybrid.engine.model.layer_costs import block
 from hybrid.engine.traced import traced
-from hybrid.planning.layer_programs import Probe
+from hybrid.planning.layer_programs import Probe, with_repeats
 from hybrid.planning.stopwatch import run_seconds
 
 __all__ = ["measure_concurrency"]
 
 
-def measure_concurrency(probe: Probe, twin: Probe, repeats: int) -> float:
+def measure_concurrency(
+    probe: Probe, twin: Probe, repeats: int, repetitions: int | None = None
+) -> float:
     """Seconds of ``probe``'s fused forward+backward while ``twin`` (the same program on
     another device of the host) runs it at the same time, over its seconds alone: the
-    medians of ``repeats`` runs of each, timed in turns, the ratio at least 1.
+    medians of ``repeats`` runs of each, timed in turns, the ratio at least 1. Each run
+    repeats the program ``repetitions`` times (None: as the probe's arguments say).
 
     Both run as one graph function's two calls on their two devices, as a training step
     launches the actions of different devices."""
-    block(twin.programs.fused(*twin.args))  # compiled before anything is timed
+    args, twin_args = probe.args, twin.args
+    if repetitions is not None:
+        args, twin_args = with_repeats(args, repetitions), with_repeats(twin_args, repetitions)
+    block(twin.programs.fused(*twin_args))  # compiled before anything is timed
 
     def alone() -> list[object]:
-        return probe.programs.fused(*probe.args)
+        return probe.programs.fused(*args)
 
     def together() -> list[object]:
-        return [*probe.programs.fused(*probe.args), *twin.programs.fused(*twin.args)]
+        return [*probe.programs.fused(*args), *twin.programs.fused(*twin_args)]
 
     one, both = traced(alone), traced(together)
     block(one())

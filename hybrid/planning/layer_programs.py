@@ -25,6 +25,7 @@ __all__ = [
     "identity_programs",
     "measure_memory",
     "signature",
+    "with_repeats",
 ]
 
 # The programs of :class:`StagePrograms` the profiler times, by attribute name.
@@ -138,6 +139,13 @@ def _labels_record(labels: Tensors) -> Any:
     """The labels as a last stage's forward takes them (labels, sample weights, class
     weights); None for a stage that is not last (no labels)."""
     return (labels, None, None) if labels else None
+
+
+def with_repeats(args: ProgramArgs, repeats: int) -> ProgramArgs:
+    """``args`` with ``repeats`` repetitions per call (the count on the same device)."""
+    xs, dys, labels, count = args
+    with tf.device(count.device):
+        return xs, dys, labels, tf.constant(repeats)
 
 
 def _present(grads: list[tf.Tensor | None] | None) -> list[tf.Tensor]:

@@ -6,6 +6,7 @@ here)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,7 @@ from hybrid.planning.layer_programs import (
     identity_programs,
     measure_memory,
     signature,
+    with_repeats,
 )
 from hybrid.planning.link_timing import measure_all_reduce, measure_transfer
 from hybrid.planning.model_calls import ModelCalls
@@ -177,8 +179,9 @@ def measure_layers(
                  and of each output some backward reads (:func:`_kept_bytes`)
         work   = the allocator's peak above what was held while forward_backward runs
 
-    where t is the time of one of ``chain`` back-to-back repetitions inside one graph
-    function, with the programs the engine runs
+    where t is the time of one of up to ``chain`` back-to-back repetitions inside one
+    graph function (as many as make a run of :data:`RUN_SECONDS`), with the programs the
+    engine runs
     (:class:`hybrid.engine.step.stage.StageReplica`), and
     "identity" is a one-weight layer whose programs do next to no work: the difference is
     compute only. Every program is compiled first; then ``repeats`` rounds time every
@@ -199,7 +202,7 @@ def measure_layers(
         i.e. sparse class ids) and ``target_dtype``.
       optimizer: a zero-argument factory; when given, each layer's update is timed too.
       repeats: timing rounds.
-      chain: back-to-back repetitions per timed run.
+      chain: back-to-back repetitions per timed run (in the first round; later, at most).
       verbose: 1 shows a ``keras.utils.Progbar`` over the work: one unit per call and
         batch size compiled, one per timing round; 0 is silent.
       max_runs: a model of more calls is measured in this many runs of calls, each one
@@ -230,9 +233,9 @@ def measure_layers(
     runs = calls.groups(max_runs)
     keys, distinct = _probe_calls(calls, runs, sizes, setup, bar)
     groups = [probes for _, probes in distinct.values()]
-    base = _time_rounds(groups, identity, base_args, repeats, bar)
+    launch = max(0.0, _time_rounds(groups, identity, base_args, repeats, bar))
     measured = {
-        key: _measurement(stage, probes, base, setup) for key, (stage, probes) in distinct.items()
+        key: _measurement(stage, probes, setup) for key, (stage, probes) in distinct.items()
     }
     call = _update_call(calls, [measured[key].update for key in keys], setup)
     measured = {
@@ -249,7 +252,6 @@ def measure_layers(
     rows = tuple(
         dataclasses.replace(m, name=name) for m, name in zip(per_call, calls.names, strict=True)
     )
-    launch = max(0.0, base["forward"] / chain)
     together = 1.0 if beside is None else _concurrency(calls, runs, keys, distinct, setup, beside)
     return ModelMeasurement(rows, int(calls.input_bytes), launch, device, call, together)
 
@@ -266,8 +268,7 @@ def _concurrency(
     device and on ``beside`` at once over alone (:func:`measure_concurrency`), when it takes
     :data:`MIN_CONCURRENCY_SECONDS` or more; else 1."""
     seconds = {
-        k: statistics.median(probes[-1].times["fused"]) / setup.chain
-        for k, (_, probes) in distinct.items()
+        k: statistics.median(probes[-1].times["fused"]) for k, (_, probes) in distinct.items()
     }
     heaviest = max(seconds, key=seconds.__getitem__)
     if seconds[heaviest] < MIN_CONCURRENCY_SECONDS:
@@ -275,8 +276,9 @@ def _concurrency(
     start, stop = dict(zip(keys, runs, strict=True))[heaviest]
     twin = StagePrograms(_stage(calls, start, stop, setup, beside))
     probe = distinct[heaviest][1][-1]
+    count = min(setup.chain, max(1, math.ceil(RUN_SECONDS / seconds[heaviest])))
     return measure_concurrency(
-        probe, _probe(calls, start, stop, setup, twin, probe.batch), setup.repeats
+        probe, _probe(calls, start, stop, setup, twin, probe.batch), setup.repeats, count
     )
 
 
@@ -452,28 +454,51 @@ def _time_rounds(
     base_args: ProgramArgs,
     repeats: int,
     bar: keras.utils.Progbar | None = None,
-) -> dict[str, float]:
-    """Runs ``repeats`` rounds that time every program of every probe once (into its
-    ``times``), each beside its identity twin; returns the identity programs' medians
-    (``bar`` advanced by one per round)."""
-    baseline: dict[str, list[float]] = {name: [] for name in PROGRAMS}
-    for _ in range(repeats):
+) -> float:
+    """Runs ``repeats`` rounds that time every program of every probe once, each followed
+    by its identity twin with as many repetitions, and appends to the probe's ``times`` the
+    seconds per repetition net of the twin's; returns the identity forward's median seconds
+    per repetition at the full chain (``bar`` advanced by one per round).
+
+    The first round repeats every program as often as ``base_args`` says (the profile's
+    chain); later rounds repeat a program just often enough for a run of about
+    :data:`RUN_SECONDS` (once at least, the chain at most): a long program rises above
+    the clock's noise and the launch cost without repetitions, and a round then costs
+    little more than its short programs."""
+    chain = int(base_args[3])
+    launches: list[float] = []
+    counts: dict[tuple[int, str], int] = {}
+    with_count = {chain: base_args}
+    for round_ in range(repeats):
         for group in groups:
             for probe in group:
                 for name in probe.names:
-                    probe.times[name].append(run_seconds(getattr(probe.programs, name), probe.args))
-                    baseline[name].append(run_seconds(getattr(identity, name), base_args))
+                    n = counts.get((id(probe), name), chain)
+                    if n not in with_count:
+                        with_count[n] = with_repeats(base_args, n)
+                    took = run_seconds(getattr(probe.programs, name), with_repeats(probe.args, n))
+                    base = run_seconds(getattr(identity, name), with_count[n])
+                    probe.times[name].append((took - base) / n)
+                    if n == chain and name == "forward":
+                        launches.append(base / chain)
+                    if round_ == 0:  # repetitions for a run of about RUN_SECONDS
+                        enough = math.ceil(RUN_SECONDS * n / took)
+                        counts[id(probe), name] = min(chain, max(1, enough))
         if bar is not None:
             bar.add(1)
-    return {name: statistics.median(v) for name, v in baseline.items()}
+    return statistics.median(launches)
 
 
-def _layer_timing(probe: Probe, base: dict[str, float], chain: int) -> LayerTiming:
-    """One probe's figures: each program's median per repetition net of its identity twin,
-    the forward subtracted from the programs that contain it."""
+# A timed run repeats a program about this long at least (after the first round).
+RUN_SECONDS = 0.02
+
+
+def _layer_timing(probe: Probe) -> LayerTiming:
+    """One probe's figures: each program's median seconds per repetition net of its
+    identity twin, the forward subtracted from the programs that contain it."""
 
     def net(name: str) -> float:
-        return (statistics.median(probe.times[name]) - base[name]) / chain
+        return statistics.median(probe.times[name])
 
     f = max(0.0, net("forward"))
     return LayerTiming(
@@ -488,12 +513,10 @@ def _layer_timing(probe: Probe, base: dict[str, float], chain: int) -> LayerTimi
     )
 
 
-def _measurement(
-    stage: StageReplica, probes: Sequence[Probe], base: dict[str, float], setup: _Setup
-) -> LayerMeasurement:
+def _measurement(stage: StageReplica, probes: Sequence[Probe], setup: _Setup) -> LayerMeasurement:
     """One distinct run's measurement (unnamed): its timings per batch size, weight bytes
     and arrays, and its optimizer update when there is an optimizer."""
-    timings = tuple(_layer_timing(probe, base, setup.chain) for probe in probes)
+    timings = tuple(_layer_timing(probe) for probe in probes)
     update = 0.0
     if setup.optimizer is not None and stage.trainable_variables:
         update = _update_seconds(stage, setup.device, setup.repeats)

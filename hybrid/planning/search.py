@@ -27,7 +27,14 @@ from hybrid.planning.costs import CostProfile, profile_model
 from hybrid.planning.hardware import Hardware
 from hybrid.planning.report import Plan, Rejection, format_bytes
 
-__all__ = ["BATCH_NORM_MIN_EXAMPLES", "candidates", "choose_mesh", "plan", "slots_of"]
+__all__ = [
+    "BATCH_NORM_MIN_EXAMPLES",
+    "candidates",
+    "choose_mesh",
+    "host_hardware",
+    "plan",
+    "slots_of",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -181,7 +188,7 @@ def plan(
             calls, None, input_dtype, sizes, loss=loss, target_shape=target_shape,
             optimizer=optimizer, device=device, verbose=verbose,
         )  # fmt: skip
-        hardware = hardware or _host_hardware(devices, verbose)
+        hardware = hardware or host_hardware(devices, verbose)
     if memory_per_device is not None:
         hardware = dataclasses.replace(hardware, memory_per_device=memory_per_device)
     configs = list(
@@ -421,10 +428,13 @@ def _thinned(sizes: list[int], keep: int) -> list[int]:
     return sorted(chosen)
 
 
-def _host_hardware(devices: int, verbose: int) -> Hardware:
-    """Free links, no memory limit, this host's measured cost per step and per action
+def host_hardware(devices: int, verbose: int = 0) -> Hardware:
+    """The hardware a plan of a model profiled here assumes: this host's measured cost per
+    step and per action and its replicas' all-reduce
     (:func:`hybrid.planning.host_calibration.calibrated` on up to ``devices`` of its
-    devices; cached per host), and for simulated CPU devices the cores they share."""
+    devices; cached per host), for simulated CPU devices the cores they share, no memory
+    limit. What :func:`plan`, ``hybrid-train --mesh=auto`` and ``--dry_run`` predict
+    with, so the three say the same."""
     from hybrid.core.mesh import local_devices
     from hybrid.planning import host_calibration
 

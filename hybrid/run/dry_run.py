@@ -14,7 +14,6 @@ and the line says why.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 from hybrid import planning as planner
@@ -61,8 +60,7 @@ def dry_run(
         log(f"predicted step time and memory: not for this model: {err}")
         return None
     run = dataclasses.replace(pipe.config, balance=tuple(pipe.balance))
-    cpu = config.platform == "cpu"
-    hardware = planner.Hardware(host_cores=os.cpu_count() or 1) if cpu else None
+    hardware = planner.host_hardware(pipe.mesh.size, verbose=1)  # as hybrid.plan's
     slots = planner.search.slots_of(lambda: optimizer_for(config))
     prediction = planner.evaluate(profile, run, config.data.global_batch_size, hardware, slots)
     log(f"predicted (profiled at {rows} rows per micro-batch): {_predicted(prediction)}")
