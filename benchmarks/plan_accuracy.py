@@ -116,14 +116,14 @@ def measure(name: str) -> list[dict[str, Any]]:
     import keras
 
     import hybrid
-    from hybrid.planning import search
+    from hybrid.planning import host_hardware
 
     profile, profiled_s = _profile(name)
     rows = []
     for S, R in _meshes():
         plan = hybrid.plan(
             profile, devices=S * R, global_batch=FLAGS.batch, stages=[S],
-            hardware=search._host_hardware(S * R, 0), optimizer_slots=0, verbose=0,
+            hardware=host_hardware(S * R), optimizer_slots=0, verbose=0,
         )  # fmt: skip
         steps = {}
         for rank, candidate in enumerate(plan.ranked[: FLAGS.top]):
