@@ -236,7 +236,10 @@ def test_devices_that_compute_beside_each_other_run_as_much_slower_as_measured()
     four = planner.evaluate(
         profile, RunConfig(2, 2, 1, "gpipe", "never"), 2, Hardware(host_cores=2.0)
     )
-    assert four.pipeline_time == pytest.approx(2 * (F + B) * 2 * 1.5)  # shared cores, then beside
+    # M = 1: one device of each replica computes at a time, two on two cores, each beside
+    # the other (a core each: not slowed by sharing them)
+    assert four.pipeline_time == pytest.approx(2 * (F + B) * 1.5)
+    assert four.step_time == pytest.approx(2 * (F + B) * 1.5)
     assert CostProfile.from_dict(profile.to_dict()) == profile
 
 
@@ -262,13 +265,18 @@ def test_host_cores_bound_replicas_sharing_a_host():
     shared = planner.evaluate(profile, config, 2, Hardware(host_cores=1.0)).step_time
     assert shared == pytest.approx(2 * alone)  # both replicas' work on one core
     assert planner.evaluate(profile, config, 2, Hardware(host_cores=2.0)).step_time == alone
-    # two busy cores worth 1.6 alone: every device of a 2-device mesh computes 2/1.6 slower,
-    # a pipeline's too (with its bubble, where only one device computes, counted as busy)
+    # two busy cores worth 1.6 alone: two replicas computing at once take 2/1.6 longer
     slow = Hardware(host_cores=1.6)
     assert planner.evaluate(profile, config, 2, slow).step_time == pytest.approx(alone * 1.25)
+    # a pipeline's bubble leaves a core to the device that computes: its two devices' work,
+    # 4 (F + B), over 1.6 cores is 2.5 (F + B), within its makespan of 3 (F + B)
     pipe = RunConfig(2, 1, 2, "gpipe", "never")
     pipelined = planner.evaluate(profile, pipe, 2).step_time
-    assert planner.evaluate(profile, pipe, 2, slow).step_time == pytest.approx(pipelined * 1.25)
+    assert pipelined == pytest.approx(3 * (F + B))
+    assert planner.evaluate(profile, pipe, 2, slow).step_time == pytest.approx(pipelined)
+    # on one core the same work takes 4 (F + B)
+    one_core = planner.evaluate(profile, pipe, 2, Hardware(host_cores=1.0)).step_time
+    assert one_core == pytest.approx(4 * (F + B))
     one = RunConfig(1, 1, 1, "gpipe", "never")  # one device: a core to itself
     assert (
         planner.evaluate(profile, one, 2, slow).step_time
