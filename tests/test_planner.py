@@ -237,9 +237,14 @@ def test_devices_that_compute_beside_each_other_run_as_much_slower_as_measured()
         profile, RunConfig(2, 2, 1, "gpipe", "never"), 2, Hardware(host_cores=2.0)
     )
     # M = 1: one device of each replica computes at a time, two on two cores, each beside
-    # the other (a core each: not slowed by sharing them)
+    # the other (a core each: not slowed by sharing them; at M = 2, four on two cores)
     assert four.pipeline_time == pytest.approx(2 * (F + B) * 1.5)
     assert four.step_time == pytest.approx(2 * (F + B) * 1.5)
+    four_m2 = planner.evaluate(
+        dataclasses.replace(uniform(2), concurrency=1.5),
+        RunConfig(2, 2, 2, "gpipe", "never"), 4, Hardware(host_cores=2.0),
+    )  # fmt: skip
+    assert four_m2.pipeline_time == pytest.approx(3 * (F + B) * 2 * 1.5)
     assert CostProfile.from_dict(profile.to_dict()) == profile
 
 
@@ -268,15 +273,16 @@ def test_host_cores_bound_replicas_sharing_a_host():
     # two busy cores worth 1.6 alone: two replicas computing at once take 2/1.6 longer
     slow = Hardware(host_cores=1.6)
     assert planner.evaluate(profile, config, 2, slow).step_time == pytest.approx(alone * 1.25)
-    # a pipeline's bubble leaves a core to the device that computes: its two devices' work,
-    # 4 (F + B), over 1.6 cores is 2.5 (F + B), within its makespan of 3 (F + B)
+    # a pipeline of two micro-batches keeps both its devices busy at once: 2/1.6 slower too
+    # (with its bubble, where only one computes, counted as busy)
     pipe = RunConfig(2, 1, 2, "gpipe", "never")
     pipelined = planner.evaluate(profile, pipe, 2).step_time
     assert pipelined == pytest.approx(3 * (F + B))
-    assert planner.evaluate(profile, pipe, 2, slow).step_time == pytest.approx(pipelined)
-    # on one core the same work takes 4 (F + B)
-    one_core = planner.evaluate(profile, pipe, 2, Hardware(host_cores=1.0)).step_time
-    assert one_core == pytest.approx(4 * (F + B))
+    assert planner.evaluate(profile, pipe, 2, slow).step_time == pytest.approx(pipelined * 1.25)
+    # one micro-batch: one device computes at a time, a core to itself
+    single = RunConfig(2, 1, 1, "gpipe", "never")
+    alone_pipe = planner.evaluate(profile, single, 2).step_time
+    assert planner.evaluate(profile, single, 2, slow).step_time == pytest.approx(alone_pipe)
     one = RunConfig(1, 1, 1, "gpipe", "never")  # one device: a core to itself
     assert (
         planner.evaluate(profile, one, 2, slow).step_time

@@ -113,9 +113,10 @@ def evaluate(
         end_d = when device d's last action ends in run
         step = max(max_d (end_d + all_reduce(param bytes on d, R) + update_d),
                    R · |schedule actions| · dispatch overhead) + step overhead
-        (with host_cores: every compute cost × the profile's concurrency when S·R ≥ 2;
-         the step at least R · Σ_d (busy_d + all_reduce_d + update_d) / host_cores, the
-         devices sharing the host's cores, and R · M · Σ_k arrays_k · tensor_overhead)
+        (with host_cores: every compute cost × max(1, R · min(S, M) / host_cores), the
+         devices that compute at once sharing the host's cores, × the profile's
+         concurrency when S·R ≥ 2; the step at least R · Σ_d (busy_d at full speed +
+         all_reduce_d + update_d) / host_cores and R · M · Σ_k arrays_k · tensor_overhead)
         memory_d = memory_terms(param bytes on d, optimizer_slots, R,
                                 the activations peak_in_flight[d] micro-batches hold
                                 (its largest stage), ...)["total"]
@@ -149,7 +150,7 @@ def evaluate(
     sched = _schedule(config.schedule, S, M, config.virtual_stages)
     batch = global_batch / (R * M)
     balance = _balance(profile, config, batch, sched, optimizer_slots)
-    scale = hardware.compute_scale * _beside(config, hardware, profile)
+    scale = hardware.compute_scale * _sharing(config, hardware) * _beside(config, hardware, profile)
     stages = _stage_costs(profile, balance, batch, scale)
     defer = config.defer_weight_gradients and M > 1
     whole = _stage_costs(profile, balance, batch * M, scale) if defer else None
@@ -316,17 +317,28 @@ def _device_cost(
         finish=end + reduce + update,
         reduce=reduce,
         update=update,
-        work=R * (float(run.busy[d]) + reduce + update),
+        work=R * (float(run.busy[d]) / _sharing(config, hardware) + reduce + update),
         memory=terms["total"],
         terms=terms,
     )
 
 
+def _sharing(config: RunConfig, hardware: Hardware) -> float:
+    """How much slower each device computes with ``host_cores`` cores shared by the devices
+    that compute at once, R · min(S, M): a replica's pipeline keeps at most M of its S
+    devices busy (one micro-batch: one device at a time, a core to itself). 1 without a
+    shared host. On a real host two busy cores already run slower than one (shared caches,
+    memory bandwidth, clocks), which a fitted host_cores below the core count expresses."""
+    if hardware.host_cores is None:
+        return 1.0
+    at_once = config.replicas * min(config.stages, config.micro_batches)
+    return max(1.0, at_once / hardware.host_cores)
+
+
 def _beside(config: RunConfig, hardware: Hardware, profile: CostProfile) -> float:
-    """How much slower each device computes while others of the host compute beside it
-    (beyond sharing the cores, which bounds the step: :func:`_step_time`): the profile's
-    ``concurrency``, measured on the model, on a shared host with two devices or more;
-    else 1."""
+    """How much slower each device computes while others of the host compute beside it,
+    beyond sharing the cores (:func:`_sharing`): the profile's ``concurrency``, measured
+    on the model, on a shared host with two devices or more; else 1."""
     if hardware.host_cores is None or config.stages * config.replicas < 2:
         return 1.0
     return profile.concurrency

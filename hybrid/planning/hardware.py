@@ -94,9 +94,9 @@ class Hardware:
         the one profiled, or a calibration).
       host_cores: for simulated devices that share one host: the cores they share (fitted,
         it may be below the core count: two busy cores of one host each run slower than
-        one alone). A step then takes at least (all devices' work) / host_cores (a
-        device computes at full speed while its work and the others' fit the cores: a
-        pipeline's bubble leaves a core to the devices that compute), and the sum
+        one alone). The devices that compute at once, R · min(S, M) of an S × R mesh
+        with M micro-batches, then each compute max(1, R · min(S, M) / host_cores)
+        times slower; a step takes at least (all devices' work) / host_cores, and the sum
         of every device's gradient accumulations (``tensor_overhead``: framework ops outside
         the device programs, which run one at a time on the host). None: every device is
         its own hardware (GPUs, TPU cores).
