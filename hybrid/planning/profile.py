@@ -268,7 +268,8 @@ def _concurrency(
     device and on ``beside`` at once over alone (:func:`measure_concurrency`), when it takes
     :data:`MIN_CONCURRENCY_SECONDS` or more; else 1."""
     seconds = {
-        k: statistics.median(probes[-1].times["fused"]) for k, (_, probes) in distinct.items()
+        k: max(0.0, statistics.median(probes[-1].times["fused"]))  # net: noise can be < 0
+        for k, (_, probes) in distinct.items()
     }
     heaviest = max(seconds, key=seconds.__getitem__)
     if seconds[heaviest] < MIN_CONCURRENCY_SECONDS:
@@ -276,7 +277,7 @@ def _concurrency(
     start, stop = dict(zip(keys, runs, strict=True))[heaviest]
     twin = StagePrograms(_stage(calls, start, stop, setup, beside))
     probe = distinct[heaviest][1][-1]
-    count = min(setup.chain, max(1, math.ceil(RUN_SECONDS / seconds[heaviest])))
+    count = min(setup.chain, max(1, math.ceil(RUN_SECONDS / max(seconds[heaviest], 1e-9))))
     return measure_concurrency(
         probe, _probe(calls, start, stop, setup, twin, probe.batch), setup.repeats, count
     )
