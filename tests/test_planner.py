@@ -233,6 +233,11 @@ def test_devices_that_compute_beside_each_other_run_as_much_slower_as_measured()
     shared = planner.evaluate(profile, two, 2, Hardware(host_cores=2.0))
     assert shared.step_time == pytest.approx(2 * (F + B) * 1.5)
     assert planner.evaluate(profile, two, 2).step_time == pytest.approx(2 * (F + B))  # own cores
+    # two stages, one micro-batch: one device computes at a time, nothing beside it
+    chain = planner.evaluate(
+        profile, RunConfig(2, 1, 1, "gpipe", "never"), 1, Hardware(host_cores=2.0)
+    )
+    assert chain.pipeline_time == pytest.approx(2 * (F + B))
     four = planner.evaluate(
         profile, RunConfig(2, 2, 1, "gpipe", "never"), 2, Hardware(host_cores=2.0)
     )

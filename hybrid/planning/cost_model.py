@@ -115,7 +115,7 @@ def evaluate(
                    R · |schedule actions| · dispatch overhead) + step overhead
         (with host_cores: every compute cost × max(1, R · min(S, M) / host_cores), the
          devices that compute at once sharing the host's cores, × the profile's
-         concurrency when S·R ≥ 2; the step at least R · Σ_d (busy_d at full speed +
+         concurrency when R · min(S, M) ≥ 2; the step at least R · Σ_d (busy_d at full speed +
          all_reduce_d + update_d) / host_cores and R · M · Σ_k arrays_k · tensor_overhead)
         memory_d = memory_terms(param bytes on d, optimizer_slots, R,
                                 the activations peak_in_flight[d] micro-batches hold
@@ -331,15 +331,20 @@ def _sharing(config: RunConfig, hardware: Hardware) -> float:
     memory bandwidth, clocks), which a fitted host_cores below the core count expresses."""
     if hardware.host_cores is None:
         return 1.0
-    at_once = config.replicas * min(config.stages, config.micro_batches)
-    return max(1.0, at_once / hardware.host_cores)
+    return max(1.0, _at_once(config) / hardware.host_cores)
+
+
+def _at_once(config: RunConfig) -> int:
+    """The devices that can compute at the same time: R · min(S, M)."""
+    return config.replicas * min(config.stages, config.micro_batches)
 
 
 def _beside(config: RunConfig, hardware: Hardware, profile: CostProfile) -> float:
     """How much slower each device computes while others of the host compute beside it,
     beyond sharing the cores (:func:`_sharing`): the profile's ``concurrency``, measured
-    on the model, on a shared host with two devices or more; else 1."""
-    if hardware.host_cores is None or config.stages * config.replicas < 2:
+    on the model, on a shared host where two devices or more compute at once; else 1 (a
+    pipeline of one micro-batch computes on one device at a time)."""
+    if hardware.host_cores is None or _at_once(config) < 2:
         return 1.0
     return profile.concurrency
 
