@@ -827,11 +827,13 @@ def test_a_profile_on_a_shared_host_times_two_devices_at_once(monkeypatch, tmp_p
     assert seen == [(cpus[0], cpus[1], 8)]
 
 
-def test_timing_rounds_repeat_a_long_program_once_and_record_seconds_per_repetition():
+def test_timing_rounds_repeat_a_long_program_once_and_record_seconds_per_repetition(
+    monkeypatch,
+):
     """The first round runs every program the profile's chain of times; later rounds a
     program that took RUN_SECONDS or more per repetition once, a short one the whole chain;
-    each time is seconds per repetition net of the identity twin run as often."""
-    import time
+    each time is seconds per repetition net of the identity twin run as often. (A clock
+    of the programs' own: seconds = launch + repetitions × per repetition.)"""
     import types
 
     import tensorflow as tf
@@ -840,28 +842,28 @@ def test_timing_rounds_repeat_a_long_program_once_and_record_seconds_per_repetit
 
     calls = []
 
-    def program(seconds_per_repetition):
-        def run(xs, dys, labels, repeats):
-            calls.append((seconds_per_repetition, int(repeats)))
-            time.sleep(seconds_per_repetition * int(repeats))
-            return [tf.constant(0)]
+    def program(per_repetition):
+        def seconds(repeats):
+            calls.append((per_repetition, repeats))
+            return 1e-3 + per_repetition * repeats
 
-        return run
+        return types.SimpleNamespace(seconds=seconds)
 
-    long, short = program(profile_lib.RUN_SECONDS), program(0.0)
-    programs = types.SimpleNamespace(forward=long, stored=short, fused=long, input_only=short)
+    monkeypatch.setattr(profile_lib, "run_seconds", lambda p, args: p.seconds(int(args[3])))
+    long, short = program(0.03), program(1e-4)
+    programs = types.SimpleNamespace(forward=long, stored=short)
     probe = types.SimpleNamespace(
         names=("forward", "stored"), programs=programs, args=([], [], [], tf.constant(4)),
         times={"forward": [], "stored": []},
     )  # fmt: skip
-    identity = types.SimpleNamespace(forward=program(0.0), stored=program(0.0))
-    base_args = ([], [], [], tf.constant(4))
-    launch = profile_lib._time_rounds([[probe]], identity, base_args, repeats=3)
+    identity = types.SimpleNamespace(forward=program(1e-5), stored=program(1e-5))
+    launch = profile_lib._time_rounds([[probe]], identity, ([], [], [], tf.constant(4)), 3)
     # per round: forward (long) and its twin, stored (short) and its twin
     runs = [(ran[1], twin[1]) for ran, twin in zip(calls[0::2], calls[1::2], strict=True)]
     assert runs == [(4, 4), (4, 4), (1, 1), (4, 4), (1, 1), (4, 4)]
-    assert all(t >= profile_lib.RUN_SECONDS for t in probe.times["forward"])  # per repetition
-    assert all(t < profile_lib.RUN_SECONDS for t in probe.times["stored"]) and launch >= 0
+    assert probe.times["forward"] == pytest.approx([0.03 - 1e-5] * 3)  # per repetition, net
+    assert probe.times["stored"] == pytest.approx([1e-4 - 1e-5] * 3)
+    assert launch == pytest.approx((1e-3 + 4e-5) / 4)  # the twin's forward, at the chain
 
 
 def test_two_devices_at_once_are_timed_against_one_alone():
