@@ -277,7 +277,7 @@ def _concurrency(
     start, stop = dict(zip(keys, runs, strict=True))[heaviest]
     twin = StagePrograms(_stage(calls, start, stop, setup, beside))
     probe = distinct[heaviest][1][-1]
-    count = min(setup.chain, max(1, math.ceil(RUN_SECONDS / max(seconds[heaviest], 1e-9))))
+    count = _repetitions(seconds[heaviest], setup.chain)
     return measure_concurrency(
         probe, _probe(calls, start, stop, setup, twin, probe.batch), setup.repeats, count
     )
@@ -482,9 +482,8 @@ def _time_rounds(
                     probe.times[name].append((took - base) / n)
                     if n == chain and name == "forward":
                         launches.append(base / chain)
-                    if round_ == 0:  # repetitions for a run of about RUN_SECONDS
-                        enough = math.ceil(RUN_SECONDS * n / took)
-                        counts[id(probe), name] = min(chain, max(1, enough))
+                    if round_ == 0:
+                        counts[id(probe), name] = _repetitions(took / n, chain)
         if bar is not None:
             bar.add(1)
     return statistics.median(launches)
@@ -492,6 +491,12 @@ def _time_rounds(
 
 # A timed run repeats a program about this long at least (after the first round).
 RUN_SECONDS = 0.02
+
+
+def _repetitions(per_repetition: float, chain: int) -> int:
+    """Repetitions of a program of ``per_repetition`` seconds for a timed run of about
+    :data:`RUN_SECONDS`: once at least, ``chain`` at most."""
+    return min(chain, max(1, math.ceil(RUN_SECONDS / max(per_repetition, 1e-9))))
 
 
 def _layer_timing(probe: Probe) -> LayerTiming:
