@@ -291,12 +291,19 @@ def test_steps_per_epoch_on_an_infinite_dataset_with_prefetch():
     ref.assert_weights_close(pipe.get_weights(), keras_model.get_weights())
 
 
-def test_prefetched_shards_are_on_their_replicas_devices():
+def test_prefetched_shards_are_on_their_replicas_devices(monkeypatch):
     """Inputs go to each replica's first-stage device, labels, sample weights and valid flags
-    to its last-stage device (2×2 mesh: replica r's stages are on devices (0, r), (1, r))."""
+    to its last-stage device (2×2 mesh: replica r's stages are on devices (0, r), (1, r)),
+    where a device does not share the host's memory (here: as if none did)."""
     _, pipe = pair(2, 2, 2)
     x, y = data(30)  # padded to 32
-    parts = feed.on_devices(pipe._batch(x, y, np.ones(30)), *pipe._shard_devices())
+    prepared = pipe._batch(x, y, np.ones(30))
+    kept = feed.on_devices(prepared, *pipe._shard_devices())  # simulated: no copies
+    assert all(
+        a is b for k, p in zip(kept, prepared, strict=True) for a, b in zip(k, p, strict=True)
+    )
+    monkeypatch.setattr(feed, "shares_host_memory", lambda device: False)
+    parts = feed.on_devices(prepared, *pipe._shard_devices())
     for r, part in enumerate(parts):
         first, last = pipe.stages[0][r].device, pipe.stages[-1][r].device
         assert first != last
@@ -304,6 +311,44 @@ def test_prefetched_shards_are_on_their_replicas_devices():
         assert [t.device.endswith(last) for t in part.ys + part.ws + [part.valid]] == [True] * 3
         assert part.xs[0].shape[0] == 16
     np.testing.assert_array_equal(parts[1].valid.numpy(), [1.0] * 14 + [0.0] * 2)
+
+
+@pytest.mark.parametrize("executions", [1, 2])
+def test_batch_logs_are_kerass_and_come_back_with_the_steps(executions):
+    """Every batch end's logs (loss, accuracy; validation's too) equal Keras's, read from what
+    the traced step returned: the metrics' own read function is never called."""
+    keras_model, pipe = pair(1, 1, 1)
+    keras_model.compile(**compiled(keras.optimizers.SGD(0.1)), steps_per_execution=executions)
+    pipe.compile(jit_compile=False, **compiled(keras.optimizers.SGD(0.1)))
+    pipe.steps_per_execution = executions
+    reads = []
+    read = pipe._metrics._results
+    pipe._metrics._results = lambda *a: reads.append(a) or read(*a)
+    x, y = data(48)
+    logs = {"keras": [], "pipe": []}
+    for who, m in (("keras", keras_model), ("pipe", pipe)):
+        seen = logs[who]
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda b, logs, seen=seen: seen.append(
+                {k: float(v) for k, v in logs.items()}
+            ),
+            on_test_batch_end=lambda b, logs, seen=seen: seen.append(
+                {k: float(v) for k, v in logs.items()}
+            ),
+        )
+        m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              validation_data=(x[:16], y[:16]), callbacks=[record])  # fmt: skip
+    assert len(logs["pipe"]) == len(logs["keras"]) > 4
+    for got, want in zip(logs["pipe"], logs["keras"], strict=True):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
+    assert reads == []
+
+
+def test_which_devices_share_the_hosts_memory():
+    shared = ["/job:localhost/replica:0/task:0/device:CPU:3", "/device:CPU:0", "CPU:1"]
+    apart = ["/job:worker/replica:0/task:1/device:CPU:0", "/device:GPU:0", "/device:TPU:2"]
+    assert [feed.shares_host_memory(d) for d in shared + apart] == [True] * 3 + [False] * 3
 
 
 def test_prefetch_must_be_a_count():

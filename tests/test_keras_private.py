@@ -253,3 +253,36 @@ def test_the_epoch_iterator_counts_the_epochs_whose_data_ran_out():
 
 if __name__ == "__main__":
     sys.exit(runner.main(__file__))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: (x, x[:, :1]),
+        lambda x: ({"b": x, "a": (x[:, :2], (x[:, :1],))}, x[:, 3]),
+        lambda x: x,
+    ],
+    ids=["tuple", "dicts-in-order-and-nested", "one-tensor"],
+)
+def test_dataset_elements_are_the_iterators_read_by_its_op(make):
+    """The same elements, in the same structure (a dict in its own key order, its values
+    from tf.nest's sorted order), ending where the data ends: a partial last batch too."""
+    x = np.arange(7 * 4, dtype="float32").reshape(7, 4)
+    dataset = tf.data.Dataset.from_tensor_slices(make(x)).batch(3)
+    got, want = list(keras_private.dataset_elements(dataset)), list(dataset)
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want, strict=True):
+        assert tf.nest.map_structure(lambda t: t.shape, a) == (
+            tf.nest.map_structure(lambda t: t.shape, b)
+        )
+        if isinstance(a, dict):
+            assert list(a) == list(b) == ["b", "a"]
+        for u, v in zip(tf.nest.flatten(a), tf.nest.flatten(b), strict=True):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
+
+
+def test_dataset_elements_of_ragged_tensors_come_from_the_iterator():
+    ragged = tf.ragged.constant([[1, 2], [3], [4, 5, 6]])
+    dataset = tf.data.Dataset.from_tensor_slices(ragged).batch(2)
+    got = list(keras_private.dataset_elements(dataset))
+    assert [t.to_list() for t in got] == [[[1, 2], [3]], [[4, 5, 6]]]

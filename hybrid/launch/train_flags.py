@@ -104,8 +104,9 @@ def _define_run_flags() -> None:
     flags.DEFINE_integer(
         "prefetch",
         2,
-        "Batches prepared (padded, split per replica) and copied onto the mesh's devices "
-        "ahead of the step by a feeding thread; 0: each batch at its step.",
+        "Executions (--steps_per_execution batches each) prepared (padded, split per "
+        "replica) and copied onto the mesh's devices ahead of the step by a feeding "
+        "thread; 0: each batch at its step.",
         lower_bound=0,
     )
     flags.DEFINE_integer("log_every", 10, "Log and write summaries every N steps.", lower_bound=1)

@@ -8,7 +8,10 @@ the devices that read it::
     shard r's inputs                          -> replica r's first-stage device
     shard r's labels, sample weights, valid   -> replica r's last-stage device
 
-up to d batches ahead of the step. The step then starts on data already in place: the
+up to d batches ahead of the step (``fit`` asks for d executions: d × ``steps_per_execution``
+batches, which the loop takes at once). A device that shares the host's memory (a CPU of this
+process) gets no copy: TensorFlow hands a host tensor to it as it is, and the copy would cost
+an op per tensor on the feeding thread. The step then starts on data already in place: the
 transfers (host to accelerator, or to another host's devices) overlap the previous step
 instead of leading this one, and the host's work on the batch (the input pipeline's own,
 padding, splitting) is off the step's critical path. One thread produces and the loop
@@ -30,7 +33,7 @@ import tensorflow as tf
 
 from hybrid.engine.api.batches import Shard
 
-__all__ = ["Feed", "Prefetcher", "check_depth", "on_devices"]
+__all__ = ["Feed", "Prefetcher", "check_depth", "on_devices", "shares_host_memory"]
 
 T = TypeVar("T")
 
@@ -51,13 +54,21 @@ def check_depth(depth: Any) -> int:
     return depth
 
 
+def shares_host_memory(device: str) -> bool:
+    """Whether ``device`` is a CPU of this process (a simulated device): a tensor made on
+    the host is already where it reads it (TensorFlow hands it over without a copy)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.device_type == "CPU" and spec.job in (None, "localhost")
+
+
 def on_devices(parts: Sequence[Shard], firsts: Sequence[str], lasts: Sequence[str]) -> list[Shard]:
     """Each replica's shard copied onto its devices: inputs onto ``firsts[r]``, labels,
-    sample weights and valid flags onto ``lasts[r]``."""
+    sample weights and valid flags onto ``lasts[r]`` (left where they are for a device that
+    shares the host's memory: :func:`shares_host_memory`)."""
 
     def to(device: str, tensors: list[tf.Tensor] | None) -> list[tf.Tensor] | None:
-        if tensors is None:
-            return None
+        if tensors is None or shares_host_memory(device):
+            return tensors
         with tf.device(device):
             return [tf.identity(t) for t in tensors]
 

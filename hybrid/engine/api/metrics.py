@@ -66,6 +66,7 @@ class StepMetrics:
         )
         self._names = dict_names
         self._results = Traced(self._tensors)  # one trace before compiled is built, one after
+        self._returned: dict[str, tf.Tensor] | None = None  # the latest step's logs
 
     @property
     def needs_predictions(self) -> bool:
@@ -114,12 +115,26 @@ class StepMetrics:
         weights = real(sample_weight) if sample_weight is not None else None
         self.compiled.update_state(real(y_true), real(y_pred), weights)
 
+    def tensors(self) -> dict[str, tf.Tensor]:
+        """The logs as tensors, for a traced step to return after its updates (as Keras's
+        train function returns its metrics' results): reading them then takes no call of
+        its own (:meth:`returned`)."""
+        return self._tensors(self.compiled is not None and self.compiled.built)
+
+    def returned(self, logs: dict[str, tf.Tensor]) -> None:
+        """Keeps the logs a step returned (:meth:`tensors`): :meth:`result` reads them until
+        the next step or :meth:`reset`."""
+        self._returned = logs
+
     def result(self) -> dict[str, float]:
-        """The logs ``fit`` reports: ``loss`` first, then each compiled metric by name (read
-        by one traced function: Keras's eager ``result()`` of each metric costs as much as a
-        small step)."""
-        built = self.compiled is not None and self.compiled.built
-        return {name: float(value) for name, value in self._results(built).items()}
+        """The logs ``fit`` reports: ``loss`` first, then each compiled metric by name: the
+        ones the latest step returned, else read by one traced function (Keras's eager
+        ``result()`` of each metric costs as much as a small step)."""
+        logs = self._returned
+        if logs is None:
+            built = self.compiled is not None and self.compiled.built
+            logs = self._results(built)
+        return {name: float(value) for name, value in logs.items()}
 
     def _tensors(self, built: bool) -> dict[str, tf.Tensor]:
         """The logs as tensors; ``built``: whether the compiled metrics have state yet."""
@@ -130,5 +145,6 @@ class StepMetrics:
         return logs
 
     def reset(self) -> None:
+        self._returned = None
         for metric in self.metrics:
             metric.reset_state()

@@ -117,8 +117,8 @@ class Pipeline(Workflow):
       shard_optimizer_states: each of a stage's R replicas holds the optimizer state of,
         and updates, its share of the stage's variables and sends them to the others
         (ZeRO-1, ``sharding.py``; exact; optimizer state ÷ R per device).
-      prefetch: batches ``fit``, ``evaluate`` and ``predict`` prepare and copy onto the
-        replicas' devices ahead of the step (``feed.py``); 0 prepares each at its step.
+      prefetch: executions (``steps_per_execution`` batches each) prepared on the replicas'
+        devices ahead of the step (``feed.py``); 0 prepares each batch at its step.
       boundary_dtype: "bfloat16" or "int8" compresses the activations and gradients that
         cross stage boundaries in training (``compression.py``: inexact, for slow links);
         None or "float32" sends them as they are.
@@ -437,9 +437,8 @@ class Pipeline(Workflow):
         return self.placement.read(self._executor.replica_weights(self._stages, replica))
 
     def traced_train_step(self, x: Any, y: Any, sample_weight: Any = None) -> tf.Graph:
-        """The graph of the training step on this batch, traced and never run
-        (``get_concrete_function``): under an offline ``TPUStrategy``
-        (``hybrid.platforms.tpu_offline``) the TPU program a slice would compile."""
+        """The training step's graph on this batch, traced, never run: under an offline
+        ``TPUStrategy`` (``platforms.tpu_offline``) the TPU program a slice would compile."""
         self._require_compiled("traced_train_step")
         return self._steps.train.get_concrete_function(self._batch(x, y, sample_weight)).graph
 
@@ -476,7 +475,7 @@ class Pipeline(Workflow):
             self._timed_step(parts)
         else:
             traces = self._training_traces()
-            self._run_first("train", parts)
+            self._metrics.returned(self._run_first("train", parts)[1])
             self.execution_traced = self._training_traces() > traces
 
     def _train_many(self, many: list[Shards]) -> None:
@@ -508,7 +507,7 @@ class Pipeline(Workflow):
             for parts in group:
                 batches.warn_padding(parts, [row[0] for row in self._stages], training)
             with out_of_memory.said(self):
-                getattr(self._steps, f"{kind}_many")(group)
+                self._metrics.returned(getattr(self._steps, f"{kind}_many")(group))
 
     def _run_first(self, kind: str, parts: Shards) -> Any:
         """The traced ``kind`` step on ``parts``, its first call in turn where it should."""
@@ -523,7 +522,7 @@ class Pipeline(Workflow):
 
     def _test_batch(self, parts: Shards) -> None:
         batches.warn_padding(parts, [row[0] for row in self._stages], training=False)
-        self._run_first("evaluate", parts)
+        self._metrics.returned(self._run_first("evaluate", parts))
 
     def _predict_batch(self, parts: Shards) -> Flat:
         return self._run_first("predict", parts)
@@ -531,7 +530,8 @@ class Pipeline(Workflow):
     def _timed_step(self, parts: Shards) -> timing.StepView:
         """The training step on ``parts``, timed: its view is kept in ``last_timeline``."""
         with out_of_memory.said(self):
-            stamps = self._steps.timed(parts)
+            stamps, logs = self._steps.timed(parts)
+        self._metrics.returned(logs)
         events = timing.timeline(self._event_keys, stamps, self.mesh.num_stages)
         self.last_timeline = timing.StepView.of(events)
         return self.last_timeline

@@ -38,8 +38,8 @@ __all__ = [
 
 
 def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
-    """One training step on ``parts``; the timestamp pairs of its actions (kept in
-    ``pipe._event_keys`` when ``record``)."""
+    """One training step on ``parts``: the timestamp pairs of its actions (kept in
+    ``pipe._event_keys`` when ``record``) and the logs after it (``StepMetrics.tensors``)."""
     updates = functools.partial(apply, pipe)
     step = pipe._executor.train(mesh_step(pipe), parts, record, updates, ordered)
     y, w = batches.whole_labels(parts)
@@ -47,12 +47,14 @@ def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False)
     pipe._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
     if record:  # (device, action) of each timestamp pair: the same in every trace
         pipe._event_keys = [(device, action) for device, action, _, _ in step.events]
-    return [[start, end] for _, _, start, end in step.events]
+    return [[start, end] for _, _, start, end in step.events], pipe._metrics.tensors()
 
 
-def train_many(pipe: Any, many: list[Shards]) -> None:
-    """:func:`train` on each of ``many`` batches in turn (``executions.run_steps``)."""
+def train_many(pipe: Any, many: list[Shards]) -> Any:
+    """:func:`train` on each of ``many`` batches in turn (``executions.run_steps``); the
+    logs after the last."""
     executions.run_steps(functools.partial(train, pipe), many)
+    return pipe._metrics.tensors()
 
 
 def apply(pipe: Any, grads: list[list[list[Any]]], stats: list[Any], ordered: bool) -> None:
@@ -97,8 +99,9 @@ def mesh_step(pipe: Any) -> MeshStep:
     )
 
 
-def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> None:
-    """The forwards on ``parts`` and the metrics of their loss as Keras reduces it."""
+def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> Any:
+    """The forwards on ``parts`` and the metrics of their loss as Keras reduces it; the
+    logs after them."""
     outs, activity = pipe._executor.forward(mesh_step(pipe), parts, ordered)
     loss, _, output_losses = reduction.global_loss(pipe._loss, [o[0] for o in outs], None)
     penalties = [p[0] for p in (row[0].weight_penalty() for row in pipe._stages) if p]
@@ -106,11 +109,14 @@ def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> None:
     predictions = batches.joined([out[1:] for out in outs])
     y, w = batches.whole_labels(parts)
     pipe._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
+    return pipe._metrics.tensors()
 
 
-def evaluate_many(pipe: Any, many: list[Shards]) -> None:
-    """:func:`evaluate` on each of ``many`` batches in turn (``executions.run_steps``)."""
+def evaluate_many(pipe: Any, many: list[Shards]) -> Any:
+    """:func:`evaluate` on each of ``many`` batches in turn (``executions.run_steps``); the
+    logs after the last."""
     executions.run_steps(functools.partial(evaluate, pipe), many)
+    return pipe._metrics.tensors()
 
 
 def predict(pipe: Any, parts: Shards, ordered: bool = False) -> Flat:

@@ -412,7 +412,7 @@ class Workflow(abc.ABC):
                 break
         iterator.reset()
         padding = _Padding(self.config)
-        depth = feed.check_depth(self.prefetch)
+        depth = feed.check_depth(self.prefetch) * self.steps_per_execution  # executions
 
         def place(parts: Any) -> Any:
             return feed.on_devices(parts, *self._shard_devices()) if depth else parts
