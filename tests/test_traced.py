@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from hybrid.engine.traced import RETRACING_WINDOW, Traced
+from hybrid.engine.traced import RETRACING_WINDOW, Keyed, Traced, signature
 
 import runner
 
@@ -38,6 +38,22 @@ def test_calls_give_the_functions_values_eagerly_and_inside_a_trace():
     program(([tf.constant([[5.0, 5.0], [1.0, 1.0]])] * 2, (w, b)))
     assert program.experimental_get_tracing_count() == 3
     assert len(program.concrete_functions()) == 3
+
+
+def test_a_keyed_list_is_called_as_the_plain_list_without_walking_it_again():
+    """A :class:`Keyed` list (what the feeding thread makes of a batch) has the plain list's
+    signature, calls the same trace with the same tensors, and is read from its key."""
+    program = Traced(lambda parts: [x @ w for x, w in parts])
+    w = tf.constant([[1.0], [2.0]])
+    items = [(tf.constant([[1.0, 1.0]]), w), (tf.constant([[0.0, 3.0]]), w)]
+    keyed = Keyed(items)
+    assert signature(keyed) == signature(items) and type(keyed) is Keyed
+    want = program(items)
+    got = program(keyed)
+    assert program.experimental_get_tracing_count() == 1
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))  # [[3], [6]]
+    keyed.key = signature([items[0]])  # what it says it is counts, not what it holds
+    assert signature(keyed) == signature([items[0]])
 
 
 def test_other_arguments_go_to_the_tf_function():

@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["RETRACING_WINDOW", "Traced", "signature", "traced"]
+__all__ = ["RETRACING_WINDOW", "Keyed", "Traced", "signature", "traced"]
 
 RETRACING_WINDOW = 10  # a Traced warns when half of its last this many calls traced it
 
@@ -32,6 +32,9 @@ def _signature(value: Any, tensors: list[tf.Tensor]) -> Any:
     anything else."""
     if value is None:
         return ()
+    if type(value) is Keyed:
+        tensors.extend(value.tensors)
+        return value.key
     if type(value) in (bool, int, float, str):
         return type(value), value
     if isinstance(value, tf.Tensor):
@@ -47,6 +50,18 @@ def signature(value: Any) -> Any:
     """What a trace of ``value`` depends on (:func:`_signature`: structure, each tensor's
     shape and dtype, each Python constant), hashable; None for a value it cannot read."""
     return _signature(value, [])
+
+
+class Keyed(list):  # type: ignore[type-arg]
+    """A list (a batch's shards) whose signature and tensors (:func:`_signature`) are read
+    once, where it is made: on the feeding thread, so that the loop's thread, which calls
+    the step, does not walk every batch twice (to group an execution's batches, then to
+    call its trace). Not to be changed once made."""
+
+    def __init__(self, items: Any) -> None:
+        super().__init__(items)
+        self.tensors: list[tf.Tensor] = []
+        self.key = _signature(list(self), self.tensors)
 
 
 class Traced:

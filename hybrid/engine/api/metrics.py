@@ -66,6 +66,7 @@ class StepMetrics:
         )
         self._names = dict_names
         self._results = Traced(self._tensors)  # one trace before compiled is built, one after
+        self._reset = Traced(self._reset_all)  # likewise
         self._returned: dict[str, tf.Tensor] | None = None  # the latest step's logs
 
     @property
@@ -145,6 +146,12 @@ class StepMetrics:
         return logs
 
     def reset(self) -> None:
+        """Every metric's ``reset_state``, in one traced call (eagerly, each variable's
+        assignment is an op of its own: as much as a small step)."""
         self._returned = None
+        self._reset(self.compiled is not None and self.compiled.built)
+
+    def _reset_all(self, built: bool) -> None:
+        del built  # the compiled metrics' variables, once built, are in the trace
         for metric in self.metrics:
             metric.reset_state()

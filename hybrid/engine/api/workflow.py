@@ -41,6 +41,7 @@ from hybrid.engine.model.optimizers import OptimizerCopies
 from hybrid.engine.model.variables import Placement
 from hybrid.engine.step import mirrors, optimizer_state, sharding
 from hybrid.engine.step.stage import StageReplica
+from hybrid.engine.traced import Keyed
 
 __all__ = ["Workflow"]
 
@@ -415,7 +416,7 @@ class Workflow(abc.ABC):
         depth = feed.check_depth(self.prefetch) * self.steps_per_execution  # executions
 
         def place(parts: Any) -> Any:
-            return feed.on_devices(parts, *self._shard_devices()) if depth else parts
+            return Keyed(feed.on_devices(parts, *self._shard_devices()) if depth else parts)
 
         if per_host is not None:
             per_host.check(self.config.micro_batches, self._specs)
