@@ -94,8 +94,10 @@ def cache_path() -> str:
 # What a calibration measures, numbered as the profiler's ``profile_cache.PROFILER``: one
 # filed by another number is measured again (2: the replicas' all-reduce, the ``replica``
 # link; 3: the engine's own step got cheaper on the host — logs returned by the step, the
-# metrics reset in one call — so what 2 measured is stale).
-CALIBRATION = 3
+# metrics reset in one call — so what 2 measured is stale; 4: the meshes timed in
+# alternating rounds: three calibrations on 2 devices fitted 19.8, 20.5, 20.7 µs per action,
+# where one mesh after the other gave 20.1, 20.9, 33.8).
+CALIBRATION = 4
 
 
 def _key(devices: Sequence[str], jit_compile: bool) -> str:
@@ -141,11 +143,13 @@ def _read(path: str) -> dict[str, Any]:
 
 
 def measure_host(
-    devices: Sequence[str], jit_compile: bool = True, steps: int = 15
+    devices: Sequence[str], jit_compile: bool = True, steps: int = 15, rounds: int = 5
 ) -> HostOverheads:
     """Times training steps of a tiny model on the meshes of :data:`MESHES` that
-    ``devices`` allow (median of ``steps`` after two warm-up steps each) and fits
-    ``fixed + per_action × actions``."""
+    ``devices`` allow and fits ``fixed + per_action × actions``: each mesh's pipeline built
+    and warmed up (two steps), then ``rounds`` rounds in which every mesh takes its share
+    of ``steps`` in turn (a busy moment of a shared machine falls on every mesh alike, not
+    on one mesh's whole measurement), each mesh's median step kept."""
     import keras
     import numpy as np
 
@@ -153,7 +157,7 @@ def measure_host(
     from hybrid.core.schedule import get
     from hybrid.engine.api.pipeline import Pipeline
 
-    rows = []
+    timed: list[tuple[tuple[int, int, int, int], Any, Any, Any, list[float]]] = []
     rng = np.random.default_rng(0)
     for stages, replicas, micro in MESHES:
         if stages * replicas > len(devices):
@@ -171,13 +175,15 @@ def measure_host(
         )
         for _ in range(2):
             pipe.train_step(x, y)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            pipe.train_step(x, y)
-            times.append(time.perf_counter() - start)
         actions = replicas * get(pipe.config.schedule, stages, micro).num_actions
-        rows.append((stages, replicas, micro, actions, float(np.median(times))))
+        timed.append(((stages, replicas, micro, actions), pipe, x, y, []))
+    for _ in range(rounds):
+        for _, pipe, x, y, times in timed:
+            for _ in range(-(-steps // rounds)):
+                start = time.perf_counter()
+                pipe.train_step(x, y)
+                times.append(time.perf_counter() - start)
+    rows = [(*mesh, float(np.median(times))) for mesh, _, _, _, times in timed]
     fixed, per_action = _fit([r[3] for r in rows], [r[4] for r in rows])
     return HostOverheads(fixed, per_action, tuple(rows), _replica_link(devices))
 
