@@ -40,6 +40,11 @@ __all__ = [
 def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
     """One training step on ``parts``: the timestamp pairs of its actions (kept in
     ``pipe._event_keys`` when ``record``) and the logs after it (``StepMetrics.tensors``)."""
+    return _train(pipe, parts, record, ordered), pipe._metrics.tensors()
+
+
+def _train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False) -> Any:
+    """:func:`train` without reading the logs: the timestamp pairs of its actions."""
     updates = functools.partial(apply, pipe)
     step = pipe._executor.train(mesh_step(pipe), parts, record, updates, ordered)
     y, w = batches.whole_labels(parts)
@@ -47,13 +52,13 @@ def train(pipe: Any, parts: Shards, record: bool = False, ordered: bool = False)
     pipe._metrics.update(examples, step.loss, step.output_losses, y, step.predictions, w)
     if record:  # (device, action) of each timestamp pair: the same in every trace
         pipe._event_keys = [(device, action) for device, action, _, _ in step.events]
-    return [[start, end] for _, _, start, end in step.events], pipe._metrics.tensors()
+    return [[start, end] for _, _, start, end in step.events]
 
 
 def train_many(pipe: Any, many: list[Shards]) -> Any:
     """:func:`train` on each of ``many`` batches in turn (``executions.run_steps``); the
-    logs after the last."""
-    executions.run_steps(functools.partial(train, pipe), many)
+    logs after the last (read once, not after every step)."""
+    executions.run_steps(functools.partial(_train, pipe), many)
     return pipe._metrics.tensors()
 
 
@@ -102,6 +107,12 @@ def mesh_step(pipe: Any) -> MeshStep:
 def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> Any:
     """The forwards on ``parts`` and the metrics of their loss as Keras reduces it; the
     logs after them."""
+    _evaluate(pipe, parts, ordered)
+    return pipe._metrics.tensors()
+
+
+def _evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> None:
+    """:func:`evaluate` without reading the logs."""
     outs, activity = pipe._executor.forward(mesh_step(pipe), parts, ordered)
     loss, _, output_losses = reduction.global_loss(pipe._loss, [o[0] for o in outs], None)
     penalties = [p[0] for p in (row[0].weight_penalty() for row in pipe._stages) if p]
@@ -109,13 +120,12 @@ def evaluate(pipe: Any, parts: Shards, ordered: bool = False) -> Any:
     predictions = batches.joined([out[1:] for out in outs])
     y, w = batches.whole_labels(parts)
     pipe._metrics.update(batches.examples(parts), loss, output_losses, y, predictions, w)
-    return pipe._metrics.tensors()
 
 
 def evaluate_many(pipe: Any, many: list[Shards]) -> Any:
     """:func:`evaluate` on each of ``many`` batches in turn (``executions.run_steps``); the
-    logs after the last."""
-    executions.run_steps(functools.partial(evaluate, pipe), many)
+    logs after the last (read once, not after every step)."""
+    executions.run_steps(functools.partial(_evaluate, pipe), many)
     return pipe._metrics.tensors()
 
 
