@@ -116,11 +116,17 @@ class StepMetrics:
         weights = real(sample_weight) if sample_weight is not None else None
         self.compiled.update_state(real(y_true), real(y_pred), weights)
 
+    @property
+    def _built(self) -> bool:
+        """Whether the compiled metrics have state yet (a trace of the logs or of the reset
+        is made for each answer)."""
+        return self.compiled is not None and self.compiled.built
+
     def tensors(self) -> dict[str, tf.Tensor]:
         """The logs as tensors, for a traced step to return after its updates (as Keras's
         train function returns its metrics' results): reading them then takes no call of
         its own (:meth:`returned`)."""
-        return self._tensors(self.compiled is not None and self.compiled.built)
+        return self._tensors(self._built)
 
     def returned(self, logs: dict[str, tf.Tensor]) -> None:
         """Keeps the logs a step returned (:meth:`tensors`): :meth:`result` reads them until
@@ -133,8 +139,7 @@ class StepMetrics:
         ``result()`` of each metric costs as much as a small step)."""
         logs = self._returned
         if logs is None:
-            built = self.compiled is not None and self.compiled.built
-            logs = self._results(built)
+            logs = self._results(self._built)
         return {name: float(value) for name, value in logs.items()}
 
     def _tensors(self, built: bool) -> dict[str, tf.Tensor]:
@@ -149,7 +154,7 @@ class StepMetrics:
         """Every metric's ``reset_state``, in one traced call (eagerly, each variable's
         assignment is an op of its own: as much as a small step)."""
         self._returned = None
-        self._reset(self.compiled is not None and self.compiled.built)
+        self._reset(self._built)
 
     def _reset_all(self, built: bool) -> None:
         del built  # the compiled metrics' variables, once built, are in the trace
