@@ -50,7 +50,11 @@ gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Bazel test sharding: keep every TEST_TOTAL_SHARDS-th test, starting at this shard."""
+    """Tests marked ``long`` (tens of seconds of processes and waits) run first: pytest-xdist
+    hands each worker a contiguous share of the collection and balances by stealing from
+    the ends of the queues, so a long test reached last would run alone at the end. Then
+    Bazel test sharding: keep every TEST_TOTAL_SHARDS-th test, starting at this shard."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     total = int(os.environ.get("TEST_TOTAL_SHARDS", "1"))
     if total <= 1:
         return

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import pause
@@ -82,6 +83,7 @@ def state(path):
     return {k: reader.get_tensor(k) for k in keys if k.split("/")[0] in ("model", "optimizer")}
 
 
+@pytest.mark.long
 def test_sigkill_then_same_command_ends_with_identical_weights(tmp_path):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
     run_to_end(whole)

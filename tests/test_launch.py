@@ -43,6 +43,7 @@ SMALL_TRANSFORMER = (
 )
 
 
+@pytest.mark.long
 def test_trains_the_transformer_on_text_and_loss_falls(tmp_path):
     run = launch(
         *SMALL_TRANSFORMER,

@@ -49,6 +49,7 @@ def launch(model_dir: str, cap: str, steps: int) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.long
 def test_capped_devices_train_within_the_cap_and_fail_beyond_it_in_one_line(tmp_path):
     model_dir = str(tmp_path / "run")
     fits = launch(model_dir, "48MiB", 2)

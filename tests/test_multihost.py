@@ -158,6 +158,7 @@ def local_run(init: str) -> tuple[list[float], list[np.ndarray], list[float], li
     return pipe_losses, pipe.get_weights(), ref_losses, reference.model.get_weights()
 
 
+@pytest.mark.long
 def test_two_tasks_train_like_one_process(job, tmp_path):
     init = initial_weights(str(tmp_path))
     checkpoints = str(tmp_path / "ckpt")
@@ -237,6 +238,7 @@ def wait_for_line(log, text: str, process: subprocess.Popen, after: int = 0) -> 
         time.sleep(0.05)
 
 
+@pytest.mark.long
 def test_launcher_job_restarts_itself_after_a_killed_and_a_frozen_worker(tmp_path):
     """One host → 2 tasks under ``--max_restarts`` → a worker SIGKILLed (the client exits 3,
     the supervisor starts a new client, which waits for the restarted workers) → a worker

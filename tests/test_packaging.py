@@ -124,6 +124,7 @@ run()
 
 
 @pytest.mark.network
+@pytest.mark.long
 def test_pip_install_brings_what_training_imports(installed, tmp_path):
     """``pip install hybrid-*.whl`` resolves (pip's own resolver, as a user's install does,
     without unpacking TensorFlow again) to distributions that train: two steps run from the

@@ -110,9 +110,12 @@ print("all blocks ran")
 """
 
 RUNNABLE = [n for n in markdown_files() if any(m is None for _, _, m in python_blocks(n))]
+LONG = {"docs/guide/keras.md", "README.md"}  # tens of seconds: run first (conftest.py)
 
 
-@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.long] if n in LONG else []) for n in RUNNABLE]
+)
 def test_every_runnable_block_of_a_page_runs_in_order(name, tmp_path):
     runnable = [(f"{name}:{line}", code) for line, code, m in python_blocks(name) if m is None]
     result = subprocess.run(
