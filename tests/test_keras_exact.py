@@ -36,6 +36,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid
+from hybrid.engine.model import losses
 from hybrid.engine.programs import row_sums
 from hybrid.engine.step import reduction
 
@@ -455,6 +456,44 @@ def test_the_copies_of_a_stage_trace_one_optimizer_update(recipe, monkeypatch):
     one = counts(1)
     assert min(one) > 0, one
     assert counts(2) == one
+
+
+def test_an_unweighted_loss_is_divided_by_a_constant_of_the_trace():
+    """Without sample weights a loss's divisor follows from the labels' shape alone: the step
+    counts it while tracing (``losses.value_count``) and has no op computing it from zero
+    predictions (``Empty``, what it makes them of); with sample weights it computes it every
+    step. Both train as Keras does (test_recipe_matches_keras, with and without weights)."""
+
+    def zeros_made(weighted):
+        pipe = hybrid.Pipeline(model(1), mesh=hybrid.DeviceMesh.create(2, 1), micro_batches=1)
+        pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_for(None), jit_compile=False)
+        x, y = ref.batch(BATCH, seed=1)
+        pipe.train_step(x, y, sample_weight=sample_weights(0) if weighted else None)
+        steps = [pipe._steps.train, pipe._steps.first_train]
+        graphs = [f.graph for step in steps if step is not None for f in step.concrete_functions()]
+        assert graphs
+        return sum(op.type == "Empty" for g in graphs for op in g.get_operations())
+
+    assert zeros_made(weighted=False) == 0
+    assert zeros_made(weighted=True) > 0
+
+
+class _EagerOnly(keras.losses.Loss):
+    """A loss that reads a value in Python: it runs in a step, not in a graph of its own."""
+
+    def call(self, y_true, y_pred):
+        return y_pred[:, 0] * float(keras.ops.sum(y_true).numpy())
+
+
+def test_the_value_count_is_the_number_of_loss_values():
+    spec = tf.TensorSpec
+    sparse = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    assert losses.value_count(sparse, spec([8], tf.int32), spec([8, 10])) == 8
+    assert losses.value_count(sparse, spec([8, 5], tf.int32), spec([8, 5, 10])) == 40
+    mse = keras.losses.MeanSquaredError(reduction=None)
+    assert losses.value_count(mse, spec([8, 3]), spec([8, 3])) == 8
+    assert losses.value_count(sparse, spec([None], tf.int32), spec([None, 10])) is None
+    assert losses.value_count(_EagerOnly(), spec([8]), spec([8, 2])) is None
 
 
 def test_the_comparison_can_fail():

@@ -26,7 +26,15 @@ import tensorflow as tf
 
 from hybrid.engine import keras_private
 
-__all__ = ["REDUCTIONS", "LossLike", "as_keras_loss", "divisor", "loss_terms", "per_element"]
+__all__ = [
+    "REDUCTIONS",
+    "LossLike",
+    "as_keras_loss",
+    "divisor",
+    "loss_terms",
+    "per_element",
+    "value_count",
+]
 
 LossLike: TypeAlias = keras.losses.Loss | str | Callable[[Any, Any], Any]
 # Reductions whose value is a sum divided by a count that adds up over micro-batches, and
@@ -95,9 +103,7 @@ def loss_terms(
     sums: the terms are those of the real examples alone.
     """
     mask = keras_private.output_mask(y_pred)
-    y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
-    y_true = keras.ops.convert_to_tensor(y_true, dtype=loss.dtype)
-    values = keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
+    values = _values(loss, y_true, y_pred)
     weights = None if mask is None else tf.cast(mask, values.dtype)
     weighted = mask is not None or sample_weight is not None
     if sample_weight is not None:
@@ -120,6 +126,31 @@ def loss_terms(
     else:
         denominator = _count(values, tf.ones_like(values), valid)
     return tf.cast(numerator, tf.float32), tf.cast(denominator, tf.float32)
+
+
+def _values(loss: keras.losses.Loss, y_true: Any, y_pred: Any) -> tf.Tensor:
+    """The loss's per-element values (``loss.call``) in its dtype."""
+    y_pred = keras.ops.convert_to_tensor(y_pred, dtype=loss.dtype)
+    y_true = keras.ops.convert_to_tensor(y_true, dtype=loss.dtype)
+    return keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
+
+
+def value_count(
+    loss: keras.losses.Loss, y_true: tf.TensorSpec, y_pred: tf.TensorSpec
+) -> int | None:
+    """The denominator :func:`loss_terms` computes for a batch of these shapes when nothing
+    weighs its values (no sample weight, no mask on ``y_pred``, no padding flags): the number
+    of values ``loss.call`` returns, which their shapes alone decide. Found by calling the
+    loss in a graph of its own, so a step that knows it adds no op for it; None when the
+    shapes are not all known (or the loss cannot be called apart from a step)."""
+    if not (y_true.shape.is_fully_defined() and y_pred.shape.is_fully_defined()):
+        return None
+    with tf.Graph().as_default():
+        try:
+            values = _values(loss, tf.zeros(y_true.shape, y_true.dtype), tf.zeros(y_pred.shape))
+        except Exception:  # noqa: BLE001 - the user's loss: counted by the step's ops instead
+            return None
+    return values.shape.num_elements()
 
 
 def _count(values: tf.Tensor, counted: tf.Tensor, valid: Any) -> tf.Tensor:

@@ -27,7 +27,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hybrid.engine.model.losses import as_keras_loss, divisor, loss_terms, per_element
+from hybrid.engine.model.losses import (
+    as_keras_loss,
+    divisor,
+    loss_terms,
+    per_element,
+    value_count,
+)
 from hybrid.engine.model.zeros import fresh_zeros
 
 __all__ = ["Objective"]
@@ -114,7 +120,20 @@ class Objective:
 
     def denominators(self, y_true: Sequence[Any], weights: Any, valid: Any = None) -> tf.Tensor:
         """Each output's denominator on a batch (a micro-batch, or a replica's joined), from its
-        labels and weights alone."""
+        labels and weights alone: a constant when no sample weights or padding flags weigh
+        the values and the shapes are known (:func:`losses.value_count`), else computed by
+        the loss on zero predictions."""
+        if weights is None and valid is None:
+            counts = [
+                value_count(
+                    loss,
+                    tf.TensorSpec(t.shape, t.dtype),
+                    tf.TensorSpec([t.shape[0], *[d or 1 for d in shape]], tf.float32),
+                )
+                for loss, t, shape in zip(self.losses, y_true, self.shapes, strict=True)
+            ]
+            if None not in counts:
+                return tf.constant(counts, tf.float32)
         preds = [
             fresh_zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
             for t, shape in zip(y_true, self.shapes, strict=True)
