@@ -123,20 +123,21 @@ class Objective:
         labels and weights alone: a constant when no sample weights or padding flags weigh
         the values and the shapes are known (:func:`losses.value_count`), else computed by
         the loss on zero predictions."""
+        dims = [[d or 1 for d in shape] for shape in self.shapes]  # of a prediction, no batch
         if weights is None and valid is None:
             counts = [
                 value_count(
                     loss,
                     tf.TensorSpec(t.shape, t.dtype),
-                    tf.TensorSpec([t.shape[0], *[d or 1 for d in shape]], tf.float32),
+                    tf.TensorSpec([t.shape[0], *d], tf.float32),
                 )
-                for loss, t, shape in zip(self.losses, y_true, self.shapes, strict=True)
+                for loss, t, d in zip(self.losses, y_true, dims, strict=True)
             ]
             if None not in counts:
                 return tf.constant(counts, tf.float32)
         preds = [
-            fresh_zeros(tf.concat([tf.shape(t)[:1], [d or 1 for d in shape]], 0))
-            for t, shape in zip(y_true, self.shapes, strict=True)
+            fresh_zeros(tf.concat([tf.shape(t)[:1], d], 0))
+            for t, d in zip(y_true, dims, strict=True)
         ]
         return self.terms(y_true, preds, weights, valid)[:, 1]
 
